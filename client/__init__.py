@@ -1,0 +1,1 @@
+"""omnidraft.client (see README)."""

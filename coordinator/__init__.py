@@ -1,0 +1,1 @@
+"""omnidraft.coordinator (see README)."""

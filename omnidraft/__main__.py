@@ -1,0 +1,3 @@
+from omnidraft.cli import main
+
+raise SystemExit(main())

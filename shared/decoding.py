@@ -1,0 +1,214 @@
+"""Decoders: the target alone (``ar``) and cross-vocabulary speculative decoding (``omnidraft``).
+
+One round of ``CrossVocabDecoder``:
+  1. the drafter proposes up to ``k_max`` of its own tokens (its argmax, with KV cache),
+     stopping early when its confidence falls under ``config.confidence``;
+  2. the drafted block is translated into target tokens (``omnidraft.shared.translation``:
+     the target tokenizer on the drafted text, or the paper's n-gram-cache merge with the
+     direct map); the cache is frozen during the round;
+  3. one target forward scores the pending token plus the proposal;
+  4. verification commits the accepted prefix plus one correction/bonus token (greedy:
+     argmax matching; sampling: the point-mass rule of ``omnidraft.shared.sampling``, exact
+     for any proposal), so the output is the target's own;
+  5. the committed text is re-tokenized for the drafter (``DraftContext``), the drafter KV
+     cache is cropped to the longest common prefix, and committed target tokens whose drafter
+     tokenization spans >= 2 whole drafter tokens become n-gram cache entries.
+"""
+
+from __future__ import annotations
+
+import time
+import torch
+
+from omnidraft.shared.draft_context import DraftContext, common_prefix_len, text_encoder
+from omnidraft.shared.generation import (
+    GenerationConfig, GenerationResult, GenerationStats, StopChecker,
+)
+from omnidraft.shared.model_runner import ModelRunner
+from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.sampling import sample, verify_sampled, warp
+from omnidraft.shared.translation import TRANSLATORS, NgramTranslator, TextTranslator
+from omnidraft.shared.vocab_bridge import VocabBridge
+
+
+def _decode_bytes(token_bytes, ids: list[int]) -> str:
+    return b"".join(token_bytes[i] or b"" for i in ids).decode("utf-8", errors="replace")
+
+
+class _TargetSide:
+    """Target runner plus the masking and token selection both decoders share."""
+
+    def __init__(self, model: torch.nn.Module, bridge: VocabBridge) -> None:
+        self.runner = ModelRunner(model)
+        self.invalid = bridge.target_invalid_mask
+        self.token_bytes = bridge.target_bytes
+        self.stop_ids = bridge.target_stop_ids
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        logits = self.runner.forward(ids)
+        return logits.masked_fill_(self.invalid[: logits.shape[-1]], float("-inf"))
+
+    def start(self, prompt_ids: list[int], config: GenerationConfig):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        config.validate()
+        self.runner.reset()
+        self.runner.forward(prompt_ids[:-1]) if len(prompt_ids) > 1 else None
+        generator = torch.Generator()
+        generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+        return StopChecker(config, self.stop_ids, self.token_bytes), generator
+
+    def finish(self, stop: StopChecker, stats: GenerationStats, t0: float) -> GenerationResult:
+        stats.new_tokens = len(stop.generated)
+        stats.wall_s = time.perf_counter() - t0
+        text = _decode_bytes(self.token_bytes, stop.generated)
+        return GenerationResult(text, list(stop.generated), stop.finish_reason or "length", stats)
+
+
+class TargetOnlyDecoder:
+    """Plain autoregressive decoding with the target: one forward pass per token."""
+
+    def __init__(self, target: torch.nn.Module, bridge: VocabBridge) -> None:
+        self.side = _TargetSide(target, bridge)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
+        t0 = time.perf_counter()
+        stop, generator = self.side.start(prompt_ids, config)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        pending = prompt_ids[-1]
+        while not stop.done:
+            logits = self.side.logits([pending])
+            stats.target_calls += 1
+            if config.greedy:
+                pending = int(logits[-1].argmax())
+            else:
+                pending = sample(warp(logits[-1:], config.temperature, config.top_p)[0], generator)
+            stop.extend([pending])
+        return self.side.finish(stop, stats, t0)
+
+
+class CrossVocabDecoder:
+    """Cross-vocabulary speculative decoding of a target with a drafter of another vocabulary."""
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        draft_tokenizer,
+        target: torch.nn.Module,
+        bridge: VocabBridge,
+        cache: NgramCache,
+        *,
+        expand_map: dict[int, tuple[int, ...]] | None = None,
+        translate: str = "text",
+        target_tokenizer=None,
+    ) -> None:
+        self.drafter = ModelRunner(drafter)
+        self.side = _TargetSide(target, bridge)
+        self.bridge = bridge
+        self.cache = cache
+        self.draft_tokenizer = draft_tokenizer
+        self._encode = text_encoder(draft_tokenizer)
+        if translate == "ngram":
+            self.translate = NgramTranslator(bridge, cache, expand_map or {})
+        elif translate == "text":
+            if target_tokenizer is None:
+                raise ValueError("the text translator needs the target tokenizer")
+            self.translate = TextTranslator(bridge, text_encoder(target_tokenizer))
+        else:
+            raise ValueError(f"unknown translator {translate!r}: choose one of {', '.join(TRANSLATORS)}")
+
+    # -- drafting --------------------------------------------------------------------------
+    def _draft(self, context_ids: list[int], fed: list[int], config: GenerationConfig,
+               stats: GenerationStats) -> tuple[list[int], list[int]]:
+        """Propose up to ``k_max`` drafter tokens after ``context_ids``.
+
+        ``fed`` lists the ids whose keys/values sit in the drafter KV cache. Returns the
+        drafted ids and the new ``fed`` list.
+        """
+        keep = min(common_prefix_len(fed, context_ids), len(context_ids) - 1)
+        self.drafter.crop(keep)
+        fed = context_ids[:]
+        logits = self.drafter.forward(context_ids[keep:], last_only=True)[-1]
+        drafts: list[int] = []
+        while True:
+            stats.drafter_steps += 1
+            probs = torch.softmax(logits, dim=-1)
+            conf, tok = probs.max(dim=-1)
+            drafts.append(int(tok))
+            if len(drafts) >= config.k_max or float(conf) < config.confidence:
+                return drafts, fed
+            logits = self.drafter.forward([drafts[-1]], last_only=True)[-1]
+            fed.append(drafts[-1])
+
+    # -- the loop --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt_text: str, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
+        """Generate a continuation of ``prompt_text`` (tokenized for the target as ``prompt_ids``)."""
+        t0 = time.perf_counter()
+        stop, generator = self.side.start(prompt_ids, config)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        context = DraftContext(self._encode, self.bridge.draft_bytes, prompt_text)
+        if not context.ids:
+            raise ValueError("the prompt has no complete drafter token")
+        self.drafter.reset()
+        fed: list[int] = []
+        pending = prompt_ids[-1]
+        target_bytes = self.bridge.target_bytes
+        while not stop.done:
+            drafts, fed = self._draft(context.ids, fed, config, stats)
+            units = self.translate(drafts)
+            budget = config.max_new_tokens - len(stop.generated)
+            units = units[: max(0, budget - 1)]
+            proposal = [u.target_id for u in units]
+            base = self.side.runner.length
+            logits = self.side.logits([pending] + proposal)
+            stats.target_calls += 1
+            if config.greedy:
+                best = logits.argmax(dim=-1).tolist()
+                accepted = 0
+                while accepted < len(proposal) and proposal[accepted] == best[accepted]:
+                    accepted += 1
+                nxt = best[accepted]
+            else:
+                accepted, nxt = verify_sampled(
+                    warp(logits, config.temperature, config.top_p), proposal, generator)
+            stats.proposed_tokens += len(proposal)
+            stats.accepted_tokens += accepted
+            for unit in units[:accepted]:
+                if unit.ngram:
+                    stats.ngram_hits += 1
+                    self.cache.record_hit(drafts[unit.draft_start: unit.draft_start + unit.draft_len])
+            committed = stop.extend(proposal[:accepted] + [nxt])
+            # the target cache keeps the pending token and the accepted proposal; the last
+            # committed token becomes the new pending one
+            self.side.runner.crop(base + 1 + accepted)
+            pending = committed[-1]
+            if stop.done:
+                break
+            for index, draft_span in context.commit([target_bytes[t] or b"" for t in committed]):
+                self.cache.add(draft_span, committed[index])
+        return self.side.finish(stop, stats, t0)
+
+
+def build_expand_map(bridge: VocabBridge, target_tokenizer) -> dict[int, tuple[int, ...]]:
+    """One-to-many translations: drafter tokens with no identical target token, mapped to the
+    target's tokenization of their text (e.g. SmolLM2's newline+indent tokens, which Qwen
+    writes as a newline token followed by a whitespace token).
+    """
+    draft_ids, texts = [], []
+    for d, tid in enumerate(bridge.d2t[: bridge.draft_vocab_size]):
+        raw = bridge.draft_bytes[d]
+        if tid >= 0 or not raw or d in bridge.special_draft_to_target:
+            continue
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+        draft_ids.append(d)
+    out: dict[int, tuple[int, ...]] = {}
+    encoded = target_tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    for d, raw, ids in zip(draft_ids, texts, encoded):
+        if ids and _decode_bytes(bridge.target_bytes, ids) == raw:
+            out[d] = tuple(ids)
+    return out

@@ -1,0 +1,79 @@
+"""Assemble a drafter/target pair into ready-to-use decoders.
+
+``Engine.load("smollm2-135m", "qwen2.5-coder-1.5b", dtype)`` loads both models (catalog names
+or local HF directories), builds the vocabulary bridge, the one-to-many expansion map and an
+n-gram cache, and hands out the ``ar`` and ``omnidraft`` decoders over the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnidraft.shared import model_runner
+from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.generation import GenerationConfig, GenerationResult
+from omnidraft.shared.model_runner import LoadedModel
+from omnidraft.shared.ngram_cache import NgramCache, seed_from_tokenizers
+from omnidraft.shared.vocab_bridge import VocabBridge
+
+
+@dataclass
+class Engine:
+    """A loaded drafter/target pair and the state cross-vocabulary decoding keeps between calls."""
+
+    drafter: LoadedModel
+    target: LoadedModel
+    bridge: VocabBridge
+    cache: NgramCache
+    expand_map: dict[int, tuple[int, ...]]
+
+    @classmethod
+    def load(cls, drafter: str, target: str, dtype: torch.dtype = torch.float32, *,
+             cache: NgramCache | None = None, seed_cache: bool = False, progress: bool = True) -> "Engine":
+        model_runner.set_threads()
+        d = model_runner.load(drafter, dtype, progress=progress)
+        t = model_runner.load(target, dtype, progress=progress)
+        bridge = VocabBridge.from_tokenizers(d.tokenizer, t.tokenizer, d.logit_rows, t.logit_rows)
+        engine = cls(d, t, bridge, cache if cache is not None else NgramCache(),
+                     build_expand_map(bridge, t.tokenizer))
+        if seed_cache:
+            engine.seed_cache()
+        return engine
+
+    def seed_cache(self) -> int:
+        """Warm-start the n-gram cache from the two tokenizers alone; returns entries added."""
+        tok = self.drafter.tokenizer
+        return seed_from_tokenizers(
+            self.cache, self.bridge.target_bytes[: self.bridge.target_vocab_size],
+            lambda text: tok.encode(text, add_special_tokens=False),
+            frozenset(t for t in self.bridge.d2t if t >= 0),
+            encode_draft_batch=lambda texts: tok(texts, add_special_tokens=False)["input_ids"],
+        )
+
+    def prompt_ids(self, prompt: str, chat: bool = False) -> tuple[str, list[int]]:
+        """The prompt as text and as target ids; ``chat`` applies the target's chat template."""
+        tok = self.target.tokenizer
+        if chat:
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            return prompt, tok.encode(prompt, add_special_tokens=False)
+        return prompt, tok.encode(prompt)
+
+    def ar(self) -> TargetOnlyDecoder:
+        return TargetOnlyDecoder(self.target.model, self.bridge)
+
+    def omnidraft(self, translate: str = "text") -> CrossVocabDecoder:
+        return CrossVocabDecoder(self.drafter.model, self.drafter.tokenizer, self.target.model,
+                                 self.bridge, self.cache, expand_map=self.expand_map,
+                                 translate=translate, target_tokenizer=self.target.tokenizer)
+
+    def generate(self, prompt: str, config: GenerationConfig, method: str = "omnidraft",
+                 chat: bool = False, translate: str = "text") -> GenerationResult:
+        text, ids = self.prompt_ids(prompt, chat)
+        if method == "ar":
+            return self.ar().generate(ids, config)
+        if method == "omnidraft":
+            return self.omnidraft(translate).generate(text, ids, config)
+        raise ValueError(f"unknown method {method!r}: choose omnidraft or ar")

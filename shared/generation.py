@@ -1,0 +1,136 @@
+"""What a generation request asks for, what it returns, and when it stops.
+
+Shared by the target-only (``ar``) decoder and the cross-vocabulary speculative decoder so
+both honour EOS, stop strings and ``max_new_tokens`` in exactly the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationConfig:
+    """Decoding parameters.
+
+    ``temperature`` 0 means greedy. ``k_max`` bounds drafter tokens per round; drafting stops
+    early when the drafter's probability of its own token falls below ``confidence``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    k_max: int = 8
+    confidence: float = 0.3
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line message for out-of-range parameters."""
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.k_max < 1:
+            raise ValueError("k_max must be >= 1")
+        if not 0 <= self.confidence <= 1:
+            raise ValueError("confidence must be in [0, 1]")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationStats:
+    """Per-call counters. Token counts are target tokens unless named ``drafter``."""
+
+    target_calls: int = 0
+    drafter_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    ngram_hits: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
+
+    @property
+    def tokens_per_target_call(self) -> float | None:
+        return self.new_tokens / self.target_calls if self.target_calls else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate,
+                   tokens_per_target_call=self.tokens_per_target_call,
+                   tokens_per_s=self.tokens_per_s)
+        return out
+
+
+@dataclass
+class GenerationResult:
+    """Generated text, the target's generated token ids, why it stopped, and stats."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "length" | "eos" | "stop_string"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+
+
+class StopChecker:
+    """Decides how many of the newly committed tokens to keep, and whether to stop.
+
+    Semantics (the same as transformers' ``generate``): an EOS token is kept and ends the
+    output; a stop string ends the output after the token that completes it; the output
+    never exceeds ``max_new_tokens``.
+    """
+
+    def __init__(self, config: GenerationConfig, stop_ids: frozenset[int], token_bytes) -> None:
+        self.max_new_tokens = config.max_new_tokens
+        self.stop_ids = stop_ids
+        self.stop_bytes = [s.encode() for s in config.stop_strings]
+        self.longest_stop = max((len(s) for s in self.stop_bytes), default=0)
+        self.token_bytes = token_bytes  # id -> bytes | None
+        self.generated: list[int] = []
+        self.text = bytearray()
+        self.finish_reason: str | None = None
+
+    def extend(self, new_ids: list[int]) -> list[int]:
+        """Add committed ids; return the ones kept. Sets ``finish_reason`` when done."""
+        kept: list[int] = []
+        for tid in new_ids:
+            kept.append(tid)
+            self.generated.append(tid)
+            if tid in self.stop_ids:
+                self.finish_reason = "eos"
+                break
+            if self.stop_bytes:
+                start = max(0, len(self.text) - self.longest_stop + 1)
+                self.text += self.token_bytes[tid] or b""
+                window = bytes(self.text[start:])
+                if any(s in window for s in self.stop_bytes):
+                    self.finish_reason = "stop_string"
+                    break
+            if len(self.generated) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        return kept
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None

