@@ -43,9 +43,12 @@ def _build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--drafter", required=True, help="catalog name or local HF directory")
         sp.add_argument("--target", required=True, help="catalog name or local HF directory")
         sp.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+        sp.add_argument("--drafter-weights", default="int8", choices=["int8", "bf16", "fp32", "hf"],
+                        help="drafter kernels (never changes the output): fast runner in int8/bf16/fp32, "
+                             "or the plain transformers forward (hf)")
         sp.add_argument("--max-new-tokens", type=int, default=128)
-        sp.add_argument("--k-max", type=int, default=8, help="most drafter tokens per round")
-        sp.add_argument("--confidence", type=float, default=0.3,
+        sp.add_argument("--k-max", type=int, default=10, help="most drafter tokens per round")
+        sp.add_argument("--confidence", type=float, default=0.4,
                         help="stop drafting when the drafter's top probability falls below this")
         sp.add_argument("--translate", default="text", choices=["text", "ngram"],
                         help="drafted block -> target tokens: the target tokenizer on the drafted "
@@ -70,7 +73,40 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None)
     bench.add_argument("--methods", default="ar,uag,pld,omnidraft")
     bench.add_argument("--out", default=None, help="write the JSON report here")
+    prof = sub.add_parser("profile", help="measure target and drafter forward costs on this machine")
+    prof.add_argument("--drafter", required=True)
+    prof.add_argument("--target", required=True)
+    prof.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+    prof.add_argument("--drafter-weights", default="int8", choices=["int8", "bf16", "fp32", "hf"])
+    prof.add_argument("--blocks", default="1,2,4,8,16", help="target block sizes in tokens")
+    prof.add_argument("--json", action="store_true")
     return p
+
+
+def _profile(args) -> int:
+    from omnidraft.shared import profiling
+    from omnidraft.shared.bench import cpu_name
+    from omnidraft.shared.engine import Engine
+    from omnidraft.shared.model_runner import ModelRunner, resolve_dtype
+
+    try:
+        blocks = sorted({int(b) for b in args.blocks.split(",") if b.strip()})
+    except ValueError:
+        raise UsageError("omnidraft profile: --blocks takes comma-separated integers") from None
+    if not blocks or blocks[0] < 1:
+        raise UsageError("omnidraft profile: block sizes must be >= 1")
+    dtype = resolve_dtype(args.dtype)
+    engine = Engine.load(args.drafter, args.target, dtype, drafter_weights=args.drafter_weights)
+    costs = profiling.measure_costs(ModelRunner(engine.target.model), engine.drafter_runner, blocks)
+    report = {"cpu": cpu_name(), "dtype": str(dtype).replace("torch.", ""), **costs}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"cpu: {report['cpu']}  dtype: {report['dtype']}")
+        for b, ms in costs["target_ms"].items():
+            print(f"target forward, {b:>3} new tokens: {ms:8.1f} ms")
+        print(f"drafter step (1 token):         {costs['drafter_ms_per_token']:8.1f} ms")
+    return 0
 
 
 def _models(args) -> int:
@@ -111,7 +147,8 @@ def _engine(args):
     from omnidraft.shared.engine import Engine
     from omnidraft.shared.model_runner import resolve_dtype
 
-    return Engine.load(args.drafter, args.target, resolve_dtype(args.dtype), seed_cache=args.seed_cache)
+    return Engine.load(args.drafter, args.target, resolve_dtype(args.dtype),
+                       drafter_weights=args.drafter_weights, seed_cache=args.seed_cache)
 
 
 def _generate(args) -> int:
@@ -177,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = _build_parser().parse_args(argv)
-        handler = {"models": _models, "generate": _generate, "bench": _bench}[args.command]
+        handler = {"models": _models, "generate": _generate, "bench": _bench,
+                   "profile": _profile}[args.command]
         return handler(args)
     except (UsageError, CatalogError) as exc:
         print(f"error: {exc}", file=sys.stderr)

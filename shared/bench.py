@@ -143,6 +143,7 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
         "config": {
             "drafter": str(engine.drafter.path), "target": str(engine.target.path),
             "dtype": str(next(engine.target.model.parameters()).dtype).replace("torch.", ""),
+            "drafter_backend": getattr(engine.drafter_runner, "backend", "transformers"),
             "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
             "k_max": config.k_max, "confidence": config.confidence, "translate": translate,
             "prompts": len(prompts),

@@ -93,7 +93,7 @@ class CrossVocabDecoder:
 
     def __init__(
         self,
-        drafter: torch.nn.Module,
+        drafter: torch.nn.Module | ModelRunner,
         draft_tokenizer,
         target: torch.nn.Module,
         bridge: VocabBridge,
@@ -103,7 +103,8 @@ class CrossVocabDecoder:
         translate: str = "text",
         target_tokenizer=None,
     ) -> None:
-        self.drafter = ModelRunner(drafter)
+        # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
+        self.drafter = ModelRunner(drafter) if isinstance(drafter, torch.nn.Module) else drafter
         self.side = _TargetSide(target, bridge)
         self.bridge = bridge
         self.cache = cache

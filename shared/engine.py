@@ -14,9 +14,13 @@ import torch
 from omnidraft.shared import model_runner
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.generation import GenerationConfig, GenerationResult
-from omnidraft.shared.model_runner import LoadedModel
+from omnidraft.shared.fast_drafter import FastLlamaRunner
+from omnidraft.shared.model_runner import LoadedModel, ModelRunner
 from omnidraft.shared.ngram_cache import NgramCache, seed_from_tokenizers
 from omnidraft.shared.vocab_bridge import VocabBridge
+
+
+DRAFTER_WEIGHTS = ("int8", "bf16", "fp32", "hf")
 
 
 @dataclass
@@ -28,16 +32,29 @@ class Engine:
     bridge: VocabBridge
     cache: NgramCache
     expand_map: dict[int, tuple[int, ...]]
+    drafter_runner: ModelRunner | FastLlamaRunner
 
     @classmethod
     def load(cls, drafter: str, target: str, dtype: torch.dtype = torch.float32, *,
-             cache: NgramCache | None = None, seed_cache: bool = False, progress: bool = True) -> "Engine":
+             drafter_weights: str = "int8", cache: NgramCache | None = None,
+             seed_cache: bool = False, progress: bool = True) -> "Engine":
+        """Load a pair. ``dtype`` is the target's; ``drafter_weights`` picks the drafter's
+        kernels (``int8``/``bf16``/``fp32`` through ``FastLlamaRunner`` for Llama-architecture
+        drafters, ``hf`` for the plain transformers forward in ``dtype``). The drafter's
+        precision never changes the output, only what it proposes."""
+        if drafter_weights not in DRAFTER_WEIGHTS:
+            raise ValueError(f"unknown drafter weights {drafter_weights!r}: choose one of {', '.join(DRAFTER_WEIGHTS)}")
         model_runner.set_threads()
-        d = model_runner.load(drafter, dtype, progress=progress)
+        fast = drafter_weights != "hf"
+        d = model_runner.load(drafter, torch.float32 if fast else dtype, progress=progress)
         t = model_runner.load(target, dtype, progress=progress)
         bridge = VocabBridge.from_tokenizers(d.tokenizer, t.tokenizer, d.logit_rows, t.logit_rows)
+        if fast and d.model.config.model_type == "llama":
+            runner = FastLlamaRunner(d.model, weights=drafter_weights)
+        else:
+            runner = ModelRunner(d.model)
         engine = cls(d, t, bridge, cache if cache is not None else NgramCache(),
-                     build_expand_map(bridge, t.tokenizer))
+                     build_expand_map(bridge, t.tokenizer), runner)
         if seed_cache:
             engine.seed_cache()
         return engine
@@ -65,7 +82,7 @@ class Engine:
         return TargetOnlyDecoder(self.target.model, self.bridge)
 
     def omnidraft(self, translate: str = "text") -> CrossVocabDecoder:
-        return CrossVocabDecoder(self.drafter.model, self.drafter.tokenizer, self.target.model,
+        return CrossVocabDecoder(self.drafter_runner, self.drafter.tokenizer, self.target.model,
                                  self.bridge, self.cache, expand_map=self.expand_map,
                                  translate=translate, target_tokenizer=self.target.tokenizer)
 

@@ -22,8 +22,8 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
-    k_max: int = 8
-    confidence: float = 0.3
+    k_max: int = 10
+    confidence: float = 0.4
 
     def validate(self) -> None:
         """Raise ValueError with a one-line message for out-of-range parameters."""
