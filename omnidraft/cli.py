@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 
 class UsageError(Exception):
@@ -172,6 +169,7 @@ def _generate(args) -> int:
 
 def _bench(args) -> int:
     from omnidraft.shared import bench
+    from omnidraft.shared.atomic_io import write_bytes_atomic
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in bench.METHODS]
@@ -189,24 +187,9 @@ def _bench(args) -> int:
     report = bench.run_bench(engine, prompts, methods, config, translate=args.translate)
     print(bench.format_table(report))
     if args.out:
-        write_json_atomic(Path(args.out), report)
+        write_bytes_atomic(args.out, json.dumps(report, indent=2).encode())
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temporary file and rename (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:

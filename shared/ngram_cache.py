@@ -17,7 +17,6 @@ from __future__ import annotations
 import heapq
 import operator
 import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from omnidraft.proto import ngram_cache_pb2
+from omnidraft.shared.atomic_io import write_bytes_atomic
 
 FORMAT_VERSION = 1
 POLICIES = ("lru", "lfu")
@@ -321,17 +321,7 @@ class NgramCache:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_bytes` to ``path`` atomically: temp file in its dir, fsync, rename."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.to_bytes())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_bytes_atomic(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], **capacity_kwargs: Any) -> NgramCache:
