@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         handler = {"models": _models, "generate": _generate, "bench": _bench,
                    "profile": _profile}[args.command]
         return handler(args)
-    except (UsageError, CatalogError) as exc:
+    except (UsageError, CatalogError, ValueError) as exc:
+        # ValueError: input the engine rejects (e.g. a prompt with no drafter token)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
