@@ -53,7 +53,8 @@ class _TargetSide:
             raise ValueError("the prompt is empty")
         config.validate()
         self.runner.reset()
-        self.runner.forward(prompt_ids[:-1]) if len(prompt_ids) > 1 else None
+        if len(prompt_ids) > 1:
+            self.runner.forward(prompt_ids[:-1])
         generator = torch.Generator()
         generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         return StopChecker(config, self.stop_ids, self.token_bytes), generator
@@ -108,7 +109,6 @@ class CrossVocabDecoder:
         self.side = _TargetSide(target, bridge)
         self.bridge = bridge
         self.cache = cache
-        self.draft_tokenizer = draft_tokenizer
         self._encode = text_encoder(draft_tokenizer)
         if translate == "ngram":
             self.translate = NgramTranslator(bridge, cache, expand_map or {})
