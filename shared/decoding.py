@@ -103,6 +103,9 @@ class CrossVocabDecoder:
         expand_map: dict[int, tuple[int, ...]] | None = None,
         translate: str = "text",
         target_tokenizer=None,
+        head: torch.nn.Module | None = None,
+        gamma: float = 0.5,
+        grow_cache: bool = True,
     ) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
         self.drafter = ModelRunner(drafter) if isinstance(drafter, torch.nn.Module) else drafter
@@ -118,6 +121,11 @@ class CrossVocabDecoder:
             self.translate = TextTranslator(bridge, text_encoder(target_tokenizer))
         else:
             raise ValueError(f"unknown translator {translate!r}: choose one of {', '.join(TRANSLATORS)}")
+        # learned adaptive drafting: stop once P(any rejection so far) > gamma (a trained head
+        # replaces the confidence rule)
+        self.head = head
+        self.gamma = gamma
+        self.grow_cache = grow_cache  # False: committed tokens never become cache entries
 
     # -- drafting --------------------------------------------------------------------------
     def _draft(self, context_ids: list[int], fed: list[int], config: GenerationConfig,
@@ -132,20 +140,33 @@ class CrossVocabDecoder:
         fed = context_ids[:]
         logits = self.drafter.forward(context_ids[keep:], last_only=True)[-1]
         drafts: list[int] = []
+        head = self.head if self.head is not None and getattr(self.head, "ready", True) else None
+        all_accepted = 1.0  # the head's P(every drafted token so far is accepted)
         while True:
             stats.drafter_steps += 1
-            probs = torch.softmax(logits, dim=-1)
-            conf, tok = probs.max(dim=-1)
+            if head is None:
+                probs = torch.softmax(logits, dim=-1)
+                conf, tok = probs.max(dim=-1)
+                stop = float(conf) < config.confidence
+            else:
+                tok = logits.argmax(dim=-1)
+                all_accepted *= float(torch.sigmoid(head(self.drafter.last_hidden())))
+                stop = 1.0 - all_accepted > self.gamma
             drafts.append(int(tok))
-            if len(drafts) >= config.k_max or float(conf) < config.confidence:
+            if stop or len(drafts) >= config.k_max:
                 return drafts, fed
             logits = self.drafter.forward([drafts[-1]], last_only=True)[-1]
             fed.append(drafts[-1])
 
     # -- the loop --------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompt_text: str, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
-        """Generate a continuation of ``prompt_text`` (tokenized for the target as ``prompt_ids``)."""
+    def generate(self, prompt_text: str, prompt_ids: list[int], config: GenerationConfig,
+                 recorder=None) -> GenerationResult:
+        """Generate a continuation of ``prompt_text`` (tokenized for the target as ``prompt_ids``).
+
+        With a ``recorder`` (``training_signal.SignalRecorder``) the verification rows of every
+        committed token are kept and the result carries a ``training_sample``.
+        """
         t0 = time.perf_counter()
         stop, generator = self.side.start(prompt_ids, config)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -153,6 +174,8 @@ class CrossVocabDecoder:
         if not context.ids:
             raise ValueError("the prompt has no complete drafter token")
         self.drafter.reset()
+        if self.head is not None:
+            self.drafter.track_hidden()
         fed: list[int] = []
         pending = prompt_ids[-1]
         target_bytes = self.bridge.target_bytes
@@ -181,6 +204,8 @@ class CrossVocabDecoder:
                     stats.ngram_hits += 1
                     self.cache.record_hit(drafts[unit.draft_start: unit.draft_start + unit.draft_len])
             committed = stop.extend(proposal[:accepted] + [nxt])
+            if recorder is not None:
+                recorder.record(logits, committed)
             # the target cache keeps the pending token and the accepted proposal; the last
             # committed token becomes the new pending one
             self.side.runner.crop(base + 1 + accepted)
@@ -188,8 +213,13 @@ class CrossVocabDecoder:
             if stop.done:
                 break
             for index, draft_span in context.commit([target_bytes[t] or b"" for t in committed]):
-                self.cache.add(draft_span, committed[index])
-        return self.side.finish(stop, stats, t0)
+                if self.grow_cache:
+                    self.cache.add(draft_span, committed[index])
+        result = self.side.finish(stop, stats, t0)
+        if recorder is not None:
+            context.commit([target_bytes[t] or b"" for t in committed])
+            result.training_sample = recorder.finish(context, len(prompt_text.encode("utf-8")), target_bytes)
+        return result
 
 
 def build_expand_map(bridge: VocabBridge, target_tokenizer) -> dict[int, tuple[int, ...]]:

@@ -239,24 +239,39 @@ class DraftContext:
             pos += 1
         return ends, pos
 
+    def span(self, start: int, end: int) -> tuple[int, int] | None:
+        """Drafter tokens that spell exactly the bytes ``[start, end)`` of the decoded text:
+        ``(first, last)`` indices into ``ids`` (inclusive), or None when ``start`` or ``end``
+        is not a drafter token boundary."""
+        ends = self._ends
+        first = 0
+        if start:
+            j = bisect_left(ends, start)
+            if j == len(ends) or ends[j] != start:
+                return None
+            first = j + 1
+        last = bisect_left(ends, end, first)
+        if last == len(ends) or ends[last] != end or last < first:
+            return None
+        return first, last
+
+    def text_offset(self, raw_offset: int) -> int | None:
+        """Offset in the decoded text of committed byte ``raw_offset``; None once invalid UTF-8
+        was replaced (raw and decoded offsets then differ)."""
+        return raw_offset if self._delta == 0 else None
+
     def _candidates(self, starts: list[int], new_bytes: Sequence[bytes]) -> list[tuple[int, tuple[int, ...]]]:
         """N-gram candidates for the new target tokens (see ``commit``)."""
         out = []
-        ends, limit, delta = self._ends, len(self._text), self._delta
+        limit, delta = len(self._text), self._delta
         for i, (a, b) in enumerate(zip(starts, new_bytes)):
             a += delta
             z = a + len(b)
             if len(b) < 2 or z > limit:
                 continue
-            first = 0
-            if a:
-                j = bisect_left(ends, a)
-                if j == len(ends) or ends[j] != a:
-                    continue
-                first = j + 1
-            last = bisect_left(ends, z, first)
-            if last < len(ends) and ends[last] == z and last - first >= 1:
-                ids = tuple(self.ids[first:last + 1])
+            hit = self.span(a, z)
+            if hit is not None and hit[1] > hit[0]:
+                ids = tuple(self.ids[hit[0]:hit[1] + 1])
                 if self._dropped_re is None or b"".join(self._draft_bytes[t] for t in ids) == b:
                     out.append((i, ids))
         return out

@@ -33,20 +33,25 @@ class Engine:
     cache: NgramCache
     expand_map: dict[int, tuple[int, ...]]
     drafter_runner: ModelRunner | FastLlamaRunner
+    drafter_name: str = ""
+    target_name: str = ""
+    drafter_weights: str = "int8"
 
     @classmethod
     def load(cls, drafter: str, target: str, dtype: torch.dtype = torch.float32, *,
              drafter_weights: str = "int8", cache: NgramCache | None = None,
-             seed_cache: bool = False, progress: bool = True) -> "Engine":
+             seed_cache: bool = False, progress: bool = True,
+             drafter_model: LoadedModel | None = None) -> "Engine":
         """Load a pair. ``dtype`` is the target's; ``drafter_weights`` picks the drafter's
         kernels (``int8``/``bf16``/``fp32`` through ``FastLlamaRunner`` for Llama-architecture
         drafters, ``hf`` for the plain transformers forward in ``dtype``). The drafter's
-        precision never changes the output, only what it proposes."""
+        precision never changes the output, only what it proposes. ``drafter_model`` reuses an
+        already loaded drafter (one drafter serving several targets)."""
         if drafter_weights not in DRAFTER_WEIGHTS:
             raise ValueError(f"unknown drafter weights {drafter_weights!r}: choose one of {', '.join(DRAFTER_WEIGHTS)}")
         model_runner.set_threads()
         fast = drafter_weights != "hf"
-        d = model_runner.load(drafter, torch.float32 if fast else dtype, progress=progress)
+        d = drafter_model or model_runner.load(drafter, torch.float32 if fast else dtype, progress=progress)
         t = model_runner.load(target, dtype, progress=progress)
         bridge = VocabBridge.from_tokenizers(d.tokenizer, t.tokenizer, d.logit_rows, t.logit_rows)
         if fast and d.model.config.model_type == "llama":
@@ -54,7 +59,7 @@ class Engine:
         else:
             runner = ModelRunner(d.model)
         engine = cls(d, t, bridge, cache if cache is not None else NgramCache(),
-                     build_expand_map(bridge, t.tokenizer), runner)
+                     build_expand_map(bridge, t.tokenizer), runner, drafter, target, drafter_weights)
         if seed_cache:
             engine.seed_cache()
         return engine

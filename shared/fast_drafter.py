@@ -681,6 +681,8 @@ class FastLlamaRunner:
         self.group = self.n_heads // self.n_kv
         self.intermediate = config.intermediate_size
         self.eps = float(decoder.norm.variance_epsilon)
+        self._final_norm = decoder.norm.weight.detach().float().clone()
+        self._last_residual: torch.Tensor | None = None
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {act!r}")
@@ -841,6 +843,7 @@ class FastLlamaRunner:
             logits = out[:, : self.head_rows] if self._head_pad != self.head_rows else out
         else:
             logits = self._forward_torch(kind, h, p, m, last_only)
+        self._last_residual = h[-1]  # both kernel paths leave the final residual stream in h
         if self.vocab_rows is not None:
             full = torch.full((logits.shape[0], self.vocab), float("-inf"))
             full.index_copy_(1, self.vocab_rows, logits)
@@ -848,6 +851,15 @@ class FastLlamaRunner:
         self.length = t
         self.forward_calls += 1
         return logits
+
+    def track_hidden(self) -> None:
+        """Nothing to set up: every forward keeps the final residual (``last_hidden``)."""
+
+    def last_hidden(self) -> torch.Tensor:
+        """The last forwarded position's hidden state after the final norm ``[hidden]`` (what
+        HF's ``last_hidden_state`` holds): the acceptance head's input."""
+        h = self._last_residual
+        return torch.rms_norm(h, (self.hidden,), self._final_norm, self.eps)
 
     def _forward_torch(self, kind: str, h: torch.Tensor, p: int, m: int, last_only: bool) -> torch.Tensor:
         t = p + m

@@ -58,6 +58,11 @@ class GenerationStats:
     prompt_tokens: int = 0
     wall_s: float = 0.0
 
+    def add(self, other: "GenerationStats") -> None:
+        """Accumulate ``other``'s counters and time into this one (totals over many calls)."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
@@ -86,6 +91,9 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "length" | "eos" | "stop_string"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # what the drafter can learn from this generation (``training_signal.TrainingSample``),
+    # when the decoder was asked to record it
+    training_sample: object | None = None
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids,

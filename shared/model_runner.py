@@ -83,6 +83,26 @@ class ModelRunner:
         self.cache: DynamicCache | None = None
         self.length = 0
         self.forward_calls = 0
+        self._last_hidden: torch.Tensor | None = None
+        self._hidden_hook = None
+
+    def track_hidden(self) -> None:
+        """Keep the final norm's output at the last position of every later ``forward``."""
+        if self._hidden_hook is None:
+            norm = getattr(self.model.get_decoder(), "norm", None)
+            if norm is None:
+                raise ValueError("this model has no final norm to read the hidden state from")
+            self._hidden_hook = norm.register_forward_hook(self._keep_hidden)
+
+    def _keep_hidden(self, module, inputs, output) -> None:
+        self._last_hidden = output[0, -1]
+
+    def last_hidden(self) -> torch.Tensor:
+        """Hidden state after the final norm at the last forwarded position ``[hidden]``
+        (needs ``track_hidden`` before that forward)."""
+        if self._last_hidden is None:
+            raise RuntimeError("no hidden state recorded: call track_hidden() before forward")
+        return self._last_hidden.float()
 
     def reset(self) -> None:
         cache = DynamicCache(config=self.model.config)

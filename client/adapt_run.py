@@ -1,0 +1,225 @@
+"""``omnidraft adapt``: learn online on a prompt stream, measure held-out speed before and after.
+
+The prompts are split in order: the first ``train_fraction`` is the training stream, the rest
+is held out. Held-out prompts are decoded before training (target alone = ``ar``, interleaved
+with cold ``omnidraft``), then the training stream is decoded once with online learning, then
+the held-out prompts are decoded again with the learned state (no learning, no gamma
+exploration). ``ar`` is measured once (it does not change) and both speedups divide by it.
+Greedy outputs after training are compared with ``ar``'s token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+
+from tqdm import tqdm
+
+from omnidraft.client.online_learner import OnlineConfig
+from omnidraft.client.session import DeviceSession
+from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.distill import LossConfig
+from omnidraft.shared.generation import GenerationConfig, GenerationStats
+from omnidraft.shared.ngram_cache import NgramCache
+
+
+@dataclass
+class Phase:
+    """Totals over a set of generations, and each generation's output ids."""
+
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    def add(self, result) -> None:
+        self.stats.add(result.stats)
+        self.token_ids.append(result.token_ids)
+
+    def summary(self, ar_tokens_per_s: float | None = None) -> dict:
+        st = self.stats
+        tps = st.tokens_per_s or 0.0
+        return {"acceptance_rate": st.acceptance_rate or 0.0,
+                "tokens_per_target_call": st.tokens_per_target_call or 0.0,
+                "tokens_per_s": tps,
+                "speedup_vs_ar": tps / ar_tokens_per_s if ar_tokens_per_s else None,
+                "drafter_steps_per_target_call": st.drafter_steps / st.target_calls if st.target_calls else 0.0,
+                "new_tokens": st.new_tokens, "wall_s": st.wall_s}
+
+
+def split(prompts: list[str], train_fraction: float) -> tuple[list[str], list[str]]:
+    if not 0 < train_fraction < 1:
+        raise ValueError("--train-fraction must be in (0, 1)")
+    n_train = int(round(len(prompts) * train_fraction))
+    train, test = prompts[:n_train], prompts[n_train:]
+    if not train or not test:
+        raise ValueError(f"{len(prompts)} prompts leave an empty train or held-out part at "
+                         f"--train-fraction {train_fraction}: use more prompts")
+    return train, test
+
+
+def evaluate(session: DeviceSession, prompts: list[str], config: GenerationConfig, label: str,
+             ar: Phase | None = None) -> Phase:
+    """Decode ``prompts`` with the session's current state (no learning); with ``ar`` given,
+    the target alone runs on each prompt too (interleaved) and is added to it."""
+    phase = Phase()
+    ar_decoder = session.engine.ar() if ar is not None else None
+    for prompt in tqdm(prompts, desc=label, unit="prompt", leave=False):
+        if ar_decoder is not None:
+            _, ids = session.engine.prompt_ids(prompt)
+            ar.add(ar_decoder.generate(ids, config))
+        phase.add(session.generate(prompt, config, learn=False, explore=False))
+    return phase
+
+
+def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConfig,
+              train_fraction: float = 0.8, warmup: bool = True) -> dict:
+    """The whole experiment (see the module docstring); returns the JSON report."""
+    train, test = split(prompts, train_fraction)
+    if warmup:  # first-call initialization outside every timing
+        session.generate(test[0], GenerationConfig(max_new_tokens=4), learn=False)
+        _, ids = session.engine.prompt_ids(test[0])
+        session.engine.ar().generate(ids, GenerationConfig(max_new_tokens=4))
+    ar = Phase()
+    before = evaluate(session, test, config, "held-out before", ar=ar)
+    ar_tps = ar.summary()["tokens_per_s"]
+
+    curve, updates = [], []
+    window = Phase()
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(tqdm(train, desc="online training", unit="prompt", leave=False), 1):
+        result = session.generate(prompt, config, learn=True)
+        window.add(result)
+        report = session.last_update
+        if report is not None:
+            updates.append(report.to_dict())
+            point = {"prompts": i, **{k: v for k, v in window.summary(ar_tps).items()
+                                      if k not in ("new_tokens", "wall_s")},
+                     "update_s": report.seconds, "loss": report.loss}
+            curve.append(point)
+            window = Phase()
+    train_s = time.perf_counter() - t0
+
+    after = evaluate(session, test, config, "held-out after")
+    identical = sum(a == b for a, b in zip(after.token_ids, ar.token_ids))
+    update_s = [u["seconds"] for u in updates]
+    return {
+        "before": before.summary(ar_tps), "after": after.summary(ar_tps), "ar": ar.summary(ar_tps),
+        "curve": curve, "updates": updates,
+        "train_prompts": len(train), "heldout_prompts": len(test), "train_wall_s": train_s,
+        "update_seconds_mean": sum(update_s) / len(update_s) if update_s else None,
+        "identical_to_ar_after": identical,
+        "gamma": session.tuner.best() if session.head is not None and session.head.ready else None,
+        "gamma_history": session.tuner.state(),
+        "problems": session.problems,
+    }
+
+
+def format_table(report: dict) -> str:
+    rows = [("", "acceptance", "tokens/call", "tok/s", "speedup vs ar")]
+    for name in ("ar", "before", "after"):
+        s = report[name]
+        speed = s["speedup_vs_ar"]
+        rows.append((name, f"{s['acceptance_rate']:.3f}" if name != "ar" else "-",
+                     f"{s['tokens_per_target_call']:.2f}", f"{s['tokens_per_s']:.2f}",
+                     f"{speed:.2f}x" if speed else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.append(f"held-out prompts: {report['heldout_prompts']}, trained on {report['train_prompts']}; "
+                 f"{len(report['updates'])} updates, "
+                 + (f"{report['update_seconds_mean']:.2f} s per update; " if report["update_seconds_mean"] else "")
+                 + f"greedy outputs identical to ar after training: {report['identical_to_ar_after']}/{report['heldout_prompts']}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, report: dict) -> None:
+    write_bytes_atomic(path, json.dumps(report, indent=1).encode())
+
+
+def plot_curve(report: dict, path: str) -> None:
+    """The learning curve (acceptance and speedup vs prompts seen) as a PNG."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install 'omnidraft-fleet[sim]')") from None
+    curve = report["curve"]
+    x = [p["prompts"] for p in curve]
+    panels = (("acceptance_rate", "acceptance rate"), ("tokens_per_target_call", "tokens per target call"),
+              ("speedup_vs_ar", "speedup vs ar"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(14, 3.8))
+    for ax, (key, title) in zip(axes, panels):
+        ax.plot(x, [p[key] or 0 for p in curve], marker="o", label="training stream (per update window)")
+        ax.axhline(report["before"][key] or 0, color="gray", ls="--", label="held-out before")
+        ax.axhline(report["after"][key] or 0, color="green", ls="--", label="held-out after")
+        ax.set(xlabel="prompts seen", ylabel=title, title=title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: str) -> None:
+    """Write a matplotlib figure as PNG, atomically, and close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_bytes_atomic(path, buf.getvalue())
+
+
+ABLATION_VARIANTS = {
+    # name: (learn the adapter, loss, learned adaptive drafting)
+    "cache only": (False, None, False),
+    "L_DM": (True, LossConfig(ngram=False), False),
+    "L_DM + lambda L_ngram": (True, LossConfig(), False),
+    "+ adaptive head": (True, LossConfig(), True),
+}
+
+
+def run_ablation(engine, prompts: list[str], config: GenerationConfig, train_fraction: float,
+                 online: OnlineConfig, lora: LoraSpec, translate: str) -> dict:
+    """Each part's contribution on one split: the held-out set cold (fresh cache, base drafter),
+    then per variant a fresh cache and adapter trained on the same stream and evaluated again.
+    ``ar`` runs once, interleaved with the cold pass."""
+    train, test = split(prompts, train_fraction)
+    adapters = DrafterAdapters(engine.drafter.model, lora, drafter_weights=engine.drafter_weights)
+
+    def session(name: str, learn: bool, loss: LossConfig | None, head: bool) -> DeviceSession:
+        engine.cache = NgramCache(drafter=engine.drafter_name, target=engine.target_name)
+        cfg = replace(online, loss=loss or online.loss)
+        return DeviceSession(engine, target_name=f"{engine.target_name}#{name}", adapters=adapters,
+                             online=cfg, translate=translate, learn=learn, adaptive=head)
+
+    cold = session("cold", False, None, False)
+    cold.generate(test[0], GenerationConfig(max_new_tokens=4), learn=False)
+    _, ids = engine.prompt_ids(test[0])
+    engine.ar().generate(ids, GenerationConfig(max_new_tokens=4))
+    ar = Phase()
+    rows = {"cold": evaluate(cold, test, config, "cold", ar=ar)}
+    ar_tps = ar.summary()["tokens_per_s"]
+    updates = {}
+    for name, (learn, loss, head) in ABLATION_VARIANTS.items():
+        s = session(name, learn, loss, head)
+        for prompt in tqdm(train, desc=f"train: {name}", unit="prompt", leave=False):
+            s.generate(prompt, config)
+        rows[name] = evaluate(s, test, config, f"held-out: {name}")
+        updates[name] = len(s.learner.reports)
+    return {"ar": ar.summary(ar_tps), "variants": {k: v.summary(ar_tps) for k, v in rows.items()},
+            "updates": updates, "train_prompts": len(train), "heldout_prompts": len(test),
+            "identical_to_ar": {k: sum(a == b for a, b in zip(v.token_ids, ar.token_ids)) for k, v in rows.items()}}
+
+
+def format_ablation(report: dict) -> str:
+    rows = [("variant", "acceptance", "tokens/call", "tok/s", "speedup vs ar")]
+    for name, s in report["variants"].items():
+        rows.append((name, f"{s['acceptance_rate']:.3f}", f"{s['tokens_per_target_call']:.2f}",
+                     f"{s['tokens_per_s']:.2f}", f"{s['speedup_vs_ar']:.2f}x"))
+    a = report["ar"]
+    rows.append(("ar (target alone)", "-", "1.00", f"{a['tokens_per_s']:.2f}", "1.00x"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)

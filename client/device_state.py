@@ -1,0 +1,153 @@
+"""What a device keeps per (drafter, target) pair, on disk, so learning survives restarts.
+
+One directory per pair, ``<root>/<drafter>--<target>/``:
+
+* ``adapter.safetensors``: the target's LoRA adapter (peft tensor names, adapter name removed);
+* ``head.safetensors``: the acceptance head;
+* ``ngram_cache.pb``: the n-gram cache (``omnidraft.v1.NgramCache``);
+* ``state.json``: versions, LoRA settings, counters, the gamma tuner's history, and the sha256
+  and size of each file above. It is written last, so it names a consistent set of files.
+
+Every file is written atomically (temporary file, fsync, rename). On load, a file that is
+missing from the manifest's record, fails its checksum, or does not parse is moved aside as
+``<name>.corrupt-<unix time>`` and that part starts fresh, with a warning; loading never raises
+on bad state. Bad input *paths* (a state directory that is a file) are the caller's error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors, save as save_safetensors
+
+import omnidraft
+from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
+
+FORMAT_VERSION = 1
+ADAPTER_FILE = "adapter.safetensors"
+HEAD_FILE = "head.safetensors"
+CACHE_FILE = "ngram_cache.pb"
+MANIFEST_FILE = "state.json"
+
+
+def slug(name: str) -> str:
+    """A directory-safe form of a model name or path (its last component)."""
+    base = Path(name.rstrip("/")).name or name
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in base)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class LoadedState:
+    """The parts found valid on disk (None: start that part fresh) and the manifest's counters."""
+
+    adapter: dict[str, torch.Tensor] | None = None
+    head: dict[str, torch.Tensor] | None = None
+    cache: NgramCache | None = None
+    meta: dict = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+class DeviceState:
+    """The state directory of one (drafter, target) pair under ``root``."""
+
+    def __init__(self, root: str | Path, drafter: str, target: str) -> None:
+        root = Path(root)
+        if root.exists() and not root.is_dir():
+            raise ValueError(f"state directory {root} is not a directory")
+        self.drafter, self.target = drafter, target
+        self.dir = root / f"{slug(drafter)}--{slug(target)}"
+
+    def exists(self) -> bool:
+        return (self.dir / MANIFEST_FILE).is_file()
+
+    # -- writing -----------------------------------------------------------------------------
+    def save(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
+             cache: NgramCache, meta: dict) -> None:
+        """Write every part atomically, then the manifest naming their checksums."""
+        blobs = {ADAPTER_FILE: save_safetensors(adapter), CACHE_FILE: cache.to_bytes()}
+        if head is not None:
+            blobs[HEAD_FILE] = save_safetensors(head)
+        files = {}
+        for name, data in blobs.items():
+            write_bytes_atomic(self.dir / name, data)
+            files[name] = {"sha256": sha256(data), "bytes": len(data)}
+        manifest = {"format": FORMAT_VERSION, "omnidraft": omnidraft.__version__,
+                    "drafter": self.drafter, "target": self.target, "saved_at": time.time(),
+                    **meta, "files": files}
+        write_bytes_atomic(self.dir / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+
+    # -- reading -----------------------------------------------------------------------------
+    def load(self, **cache_kwargs) -> LoadedState:
+        """Read what is valid; set aside and report (warning + ``problems``) what is not."""
+        out = LoadedState()
+        if not self.dir.exists():
+            return out
+        manifest_path = self.dir / MANIFEST_FILE
+        try:
+            meta = json.loads(manifest_path.read_bytes())
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+                raise ValueError(f"unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}")
+            files = meta.get("files")
+            if not isinstance(files, dict):
+                raise ValueError("no file list")
+        except FileNotFoundError:
+            if any(self.dir.iterdir()):
+                self._problem(out, MANIFEST_FILE, "missing (the parts cannot be checked)")
+                for name in (ADAPTER_FILE, HEAD_FILE, CACHE_FILE):
+                    self._set_aside(self.dir / name)
+            return out
+        except (OSError, ValueError) as exc:
+            self._problem(out, MANIFEST_FILE, f"unreadable ({exc})")
+            for name in (MANIFEST_FILE, ADAPTER_FILE, HEAD_FILE, CACHE_FILE):
+                self._set_aside(self.dir / name)
+            return out
+        out.meta = meta
+        out.adapter = self._read(out, files, ADAPTER_FILE, load_safetensors)
+        out.head = self._read(out, files, HEAD_FILE, load_safetensors)
+        out.cache = self._read(out, files, CACHE_FILE, lambda b: NgramCache.from_bytes(b, **cache_kwargs))
+        return out
+
+    def _read(self, out: LoadedState, files: dict, name: str, parse):
+        path = self.dir / name
+        record = files.get(name)
+        if record is None:
+            if path.exists():
+                self._problem(out, name, "not in the manifest")
+                self._set_aside(path)
+            return None
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            self._problem(out, name, f"unreadable ({exc.strerror or exc})")
+            return None
+        if len(data) != record.get("bytes") or sha256(data) != record.get("sha256"):
+            self._problem(out, name, f"checksum mismatch ({len(data)} bytes, manifest says {record.get('bytes')})")
+            self._set_aside(path)
+            return None
+        try:
+            return parse(data)
+        except (NgramCacheError, ValueError, RuntimeError, OSError) as exc:
+            self._problem(out, name, f"does not parse ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+            self._set_aside(path)
+            return None
+
+    def _problem(self, out: LoadedState, name: str, what: str) -> None:
+        msg = f"device state {self.dir / name}: {what}; set aside, that part starts fresh"
+        out.problems.append(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def _set_aside(path: Path) -> None:
+        if path.exists():
+            path.rename(path.with_name(f"{path.name}.corrupt-{int(time.time() * 1000)}"))

@@ -1,0 +1,198 @@
+"""Online distillation of the drafter on the device (OmniDraft paper, Algorithm 2 + 4).
+
+``OnlineLearner.observe(sample)`` is called after each generation with what it taught
+(``TrainingSample``). Every ``interval`` prompts (``I``, default 8) the buffered samples drive
+one AdamW step on the active target's LoRA adapter with the hybrid loss; the buffer is then
+cleared (one pass over the stream, on-policy: each sample was decoded with the current
+drafter). After the step, the updated drafter re-scores the buffer to label the acceptance
+head's replay buffer; on every other prompt the head takes one step on a replayed batch
+(interleaved training). The caller runs ``observe`` between requests, so an update never
+blocks a generation in progress; ``UpdateReport.seconds`` is the time it took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from omnidraft.shared.acceptance_head import AcceptanceHead, ReplayBuffer, soft_labels
+from omnidraft.shared.adapters import DrafterAdapters
+from omnidraft.shared.distill import LossConfig, hybrid_loss
+from omnidraft.shared.model_runner import cpu_has_native_bf16
+from omnidraft.shared.training_signal import Intersection, TrainingSample
+
+
+@dataclass
+class OnlineConfig:
+    """Schedule and optimizer settings (paper Table 10 defaults where it gives them)."""
+
+    interval: int = 8  # prompts per drafter update (I)
+    lr: float = 1e-4  # constant AdamW learning rate for the adapter
+    weight_decay: float = 0.0
+    steps_per_update: int = 8  # optimizer steps per buffer (the buffer split into this many batches)
+    loss: LossConfig = field(default_factory=LossConfig)
+    head: bool = True  # train the acceptance head
+    head_lr: float = 1e-3
+    head_batch: int = 256  # replayed rows per head step
+    replay_rows: int = 8192  # replay buffer capacity (rows)
+    bf16_autocast: bool | None = None  # None: where the CPU has native bf16 (AMX / AVX512-BF16)
+
+    def validate(self) -> None:
+        if self.interval < 1:
+            raise ValueError("the update interval must be >= 1 prompt")
+        if self.lr <= 0:
+            raise ValueError("the learning rate must be > 0")
+        if self.steps_per_update < 1:
+            raise ValueError("steps per update must be >= 1")
+        self.loss.validate()
+
+
+@dataclass
+class UpdateReport:
+    """One drafter update: when, how long, on what, and the loss before the step."""
+
+    update: int
+    prompts_seen: int
+    seconds: float
+    loss: float
+    dm_terms: int
+    ngram_terms: int
+    head_rows: int
+    parts: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class OnlineLearner:
+    """Adapter (and acceptance head) training for one target (see the module docstring)."""
+
+    def __init__(self, adapters: DrafterAdapters, target: str, intersection: Intersection,
+                 head: AcceptanceHead | None = None, config: OnlineConfig | None = None) -> None:
+        self.config = config or OnlineConfig()
+        self.config.validate()
+        self.adapters = adapters
+        self.target = target
+        self.inter = intersection
+        self.head = head if self.config.head else None
+        adapters.activate(target)
+        self.optimizer = torch.optim.AdamW(adapters.trainable_parameters(), lr=self.config.lr,
+                                           betas=(0.9, 0.999), weight_decay=self.config.weight_decay)
+        self.head_optimizer = (torch.optim.AdamW(self.head.parameters(), lr=self.config.head_lr)
+                               if self.head is not None else None)
+        self.replay = ReplayBuffer(self.config.replay_rows)
+        self.buffer: list[TrainingSample] = []
+        self.prompts_seen = 0
+        self.updates = 0
+        self.reports: list[UpdateReport] = []
+        autocast = self.config.bf16_autocast
+        self.autocast = cpu_has_native_bf16() if autocast is None else autocast
+
+    # -- the stream ----------------------------------------------------------------------------
+    def observe(self, sample: TrainingSample) -> UpdateReport | None:
+        """Take one generation's sample; update when the buffer holds ``interval`` prompts."""
+        self.prompts_seen += 1
+        self.buffer.append(sample)
+        if len(self.buffer) >= self.config.interval:
+            return self.update()
+        if self.head is not None and self.replay.size:
+            self.head_step()
+        return None
+
+    def update(self) -> UpdateReport:
+        """One pass over the buffer: ``steps_per_update`` AdamW steps on the hybrid loss."""
+        t0 = time.perf_counter()
+        self.adapters.activate(self.target)
+        samples = [s for s in self.buffer if s.loss_positions]
+        self.buffer = []
+        steps = max(1, min(self.config.steps_per_update, len(samples)))
+        batches = [samples[i::steps] for i in range(steps)]
+        totals = {"loss": 0.0, "dm_terms": 0, "ngram_terms": 0}
+        model = self.adapters.peft
+        model.train()
+        try:
+            for batch in batches:
+                terms = sum(s.loss_positions for s in batch)
+                self.optimizer.zero_grad(set_to_none=True)
+                for s in batch:
+                    loss, parts, _, _ = self._sample_loss(s, grad=True)
+                    (loss * (s.loss_positions / terms)).backward()
+                    totals["loss"] += float(loss.detach()) * s.loss_positions
+                    totals["dm_terms"] += parts.get("dm_terms", 0)
+                    totals["ngram_terms"] += parts.get("ngram_terms", 0)
+                if terms:
+                    self.optimizer.step()
+        finally:
+            model.eval()
+        self.adapters.invalidate(self.target)
+        head_rows = self._label_for_head(samples) if self.head is not None else 0
+        self.updates += 1
+        n_terms = totals["dm_terms"] + totals["ngram_terms"]
+        report = UpdateReport(self.updates, self.prompts_seen, time.perf_counter() - t0,
+                              totals["loss"] / n_terms if n_terms else 0.0, totals["dm_terms"],
+                              totals["ngram_terms"], head_rows)
+        self.reports.append(report)
+        return report
+
+    # -- losses ----------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _sample_loss(self, s: TrainingSample, grad: bool):
+        """``(loss, parts, hidden, dm_logits)`` of one sample: the teacher-forced drafter over
+        its ids, logits only at the rows that predict a loss position."""
+        decoder, lm_head = self.adapters.decoder_and_head()
+        ids = torch.tensor([s.draft_ids], dtype=torch.long)
+        ctx = contextlib.nullcontext() if grad else torch.no_grad()
+        with ctx, self._autocast():
+            hidden = decoder(input_ids=ids).last_hidden_state[0]
+            dm_hidden = hidden.index_select(0, s.dm_pos - 1)
+            dm_logits = lm_head(dm_hidden).float()
+            ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
+        loss, parts = hybrid_loss(dm_logits, self.inter.draft_ids, s.dm_top_idx, s.dm_top_logp,
+                                  s.dm_inter_logmass, ng_logits, s.ng_ids, s.ng_logp_t, self.config.loss)
+        return loss, parts, dm_hidden.float(), dm_logits
+
+    def loss_on(self, samples: list[TrainingSample]) -> float:
+        """The hybrid loss averaged over the terms of ``samples`` with the current adapter."""
+        total, terms = 0.0, 0
+        for s in samples:
+            if s.loss_positions:
+                loss, _, _, _ = self._sample_loss(s, grad=False)
+                total += float(loss) * s.loss_positions
+                terms += s.loss_positions
+        return total / terms if terms else 0.0
+
+    # -- the acceptance head ---------------------------------------------------------------------
+    def _label_for_head(self, samples: list[TrainingSample]) -> int:
+        """Re-score ``samples`` with the updated drafter; push (hidden, soft label) rows into the
+        replay buffer and take one head step. Returns the rows added."""
+        added = 0
+        for s in samples:
+            if not s.dm_pos.numel():
+                continue
+            _, _, hidden, logits = self._sample_loss(s, grad=False)
+            labels, keep = soft_labels(logits, self.inter.index_of_draft, s.dm_top_idx, s.dm_top_logp)
+            self.replay.push(hidden[keep], labels[keep])
+            added += int(keep.sum())
+        if self.replay.size:
+            self.head_step()
+        return added
+
+    def head_step(self) -> float:
+        """One weighted-BCE step of the head on a replayed batch; returns the loss."""
+        hidden, labels = self.replay.sample(self.config.head_batch)
+        self.head.train()
+        logits = self.head(hidden)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        self.head_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.head_optimizer.step()
+        self.head.eval()
+        self.head.trained_steps += 1
+        return float(loss.detach())

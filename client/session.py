@@ -1,0 +1,134 @@
+"""A device serving one target with the shared drafter, learning from its own traffic.
+
+``DeviceSession`` ties together the engine (drafter + target), the target's LoRA adapter
+(``DrafterAdapters``: one per target on the same drafter; several sessions may share one),
+the acceptance head with its gamma tuner, the n-gram cache, the online learner and the state
+directory. ``generate`` decodes with the current adapter/head and, when learning, hands the
+generation's training sample to the learner *after* the generation returned (updates run
+between requests). ``save``/``load`` persist everything (``DeviceState``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from omnidraft.client.device_state import DeviceState
+from omnidraft.client.online_learner import OnlineConfig, OnlineLearner, UpdateReport
+from omnidraft.shared.acceptance_head import AcceptanceHead, GammaTuner
+from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.decoding import CrossVocabDecoder
+from omnidraft.shared.engine import Engine
+from omnidraft.shared.generation import GenerationConfig, GenerationResult
+from omnidraft.shared.training_signal import Intersection, SignalRecorder
+
+
+class DeviceSession:
+    """One (drafter, target) pair on a device (see the module docstring).
+
+    ``learn``: train the adapter online; ``adaptive``: train and use the acceptance head (the
+    confidence rule drafts until the head has trained); ``translate``: the proposal translator;
+    ``grow_cache``: add committed n-grams to the cache (off: the cache stays as loaded).
+    """
+
+    def __init__(self, engine: Engine, *, target_name: str | None = None, state_dir=None,
+                 adapters: DrafterAdapters | None = None, lora: LoraSpec = LoraSpec(),
+                 online: OnlineConfig | None = None, translate: str = "text",
+                 learn: bool = True, adaptive: bool = True, grow_cache: bool = True) -> None:
+        self.engine = engine
+        self.target = target_name or str(engine.target.path)
+        self.drafter_name = engine.drafter_name
+        self.translate = translate
+        self.learn = learn
+        self.adaptive = adaptive
+        self.grow_cache = grow_cache
+        self.adapters = adapters or DrafterAdapters(engine.drafter.model, lora,
+                                                    drafter_weights=engine.drafter_weights)
+        self.adapters.add(self.target)
+        self.inter = Intersection(engine.bridge, engine.drafter.logit_rows)
+        hidden = engine.drafter.model.config.hidden_size
+        self.head = AcceptanceHead(hidden) if adaptive else None
+        self.tuner = GammaTuner()
+        config = online or OnlineConfig()
+        if not adaptive:
+            config = replace(config, head=False)
+        self.learner = OnlineLearner(self.adapters, self.target, self.inter, self.head, config)
+        self.state = DeviceState(state_dir, self.drafter_name, self.target) if state_dir is not None else None
+        self.problems: list[str] = []
+        if self.state is not None:
+            self.load()
+
+    @property
+    def cache(self):
+        return self.engine.cache
+
+    # -- decoding -------------------------------------------------------------------------------
+    def decoder(self, gamma: float | None = None) -> CrossVocabDecoder:
+        """A decoder with the current adapter (merged into the drafting runner); with ``gamma``
+        the trained acceptance head decides the draft length, else the confidence rule."""
+        self.adapters.activate(self.target)
+        e = self.engine
+        head = self.head if gamma is not None and self.head is not None and self.head.ready else None
+        return CrossVocabDecoder(self.adapters.runner(), e.drafter.tokenizer, e.target.model, e.bridge,
+                                 e.cache, expand_map=e.expand_map, translate=self.translate,
+                                 target_tokenizer=e.target.tokenizer, head=head,
+                                 gamma=0.5 if gamma is None else gamma, grow_cache=self.grow_cache)
+
+    @torch.inference_mode(False)
+    def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
+                 learn: bool | None = None, explore: bool = True) -> GenerationResult:
+        """Decode ``prompt``; when learning, feed the learner afterwards (``last_update`` says
+        whether that triggered a drafter update). ``explore`` lets the gamma tuner try
+        thresholds; without it the best one so far is used."""
+        learn = self.learn if learn is None else learn
+        head_on = self.head is not None and self.head.ready
+        gamma = (self.tuner.choose() if explore else self.tuner.best()) if head_on else None
+        text, ids = self.engine.prompt_ids(prompt, chat)
+        recorder = SignalRecorder(self.inter) if learn else None
+        result = self.decoder(gamma).generate(text, ids, config, recorder=recorder)
+        if head_on and result.stats.tokens_per_s:
+            self.tuner.record(gamma, result.stats.tokens_per_s)
+        self.last_update: UpdateReport | None = None
+        if learn:
+            self.last_update = self.learner.observe(result.training_sample)
+        return result
+
+    # -- persistence ----------------------------------------------------------------------------
+    def save(self) -> None:
+        if self.state is None:
+            raise ValueError("this session has no state directory")
+        head = self.head.state_dict() if self.head is not None and self.head.ready else None
+        meta = {"lora": self.adapters.spec.as_dict(), "updates": self.learner.updates,
+                "prompts_seen": self.learner.prompts_seen,
+                "head_steps": self.head.trained_steps if self.head is not None else 0,
+                "gamma_history": self.tuner.state()}
+        self.state.save(self.adapters.state_dict(self.target), head, self.engine.cache, meta)
+
+    def load(self) -> None:
+        """Restore the saved parts that are valid; fresh ones replace the rest."""
+        cache = self.engine.cache
+        loaded = self.state.load(max_entries=cache.max_entries, max_bytes=cache.max_bytes, policy=cache.policy)
+        self.problems = loaded.problems
+        meta = loaded.meta
+        if meta and meta.get("lora") not in (None, self.adapters.spec.as_dict()):
+            self.problems.append(f"saved adapter has LoRA settings {meta['lora']}, this session "
+                                 f"{self.adapters.spec.as_dict()}: the adapter starts fresh")
+            loaded.adapter = None
+        if loaded.adapter is not None:
+            try:
+                self.adapters.load_state_dict(self.target, loaded.adapter)
+            except ValueError as exc:
+                self.problems.append(f"saved adapter ignored: {exc}")
+        if loaded.head is not None and self.head is not None:
+            try:
+                self.head.load_state_dict(loaded.head)
+                self.head.trained_steps = int(meta.get("head_steps", 1)) or 1
+            except RuntimeError:
+                self.problems.append("saved acceptance head does not fit this drafter: it starts fresh")
+        if loaded.cache is not None:
+            self.engine.cache = loaded.cache
+        if meta:
+            self.learner.updates = int(meta.get("updates", 0))
+            self.learner.prompts_seen = int(meta.get("prompts_seen", 0))
+            self.tuner.load_state(meta.get("gamma_history", {}))

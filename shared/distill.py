@@ -1,0 +1,100 @@
+"""The hybrid cross-vocabulary distillation loss (OmniDraft paper, Eq. 3-4).
+
+``L = L_DM + lambda * L_ngram``, averaged over loss terms (one per DM position plus one per
+n-gram sub-token):
+
+* ``L_DM``: reverse KL ``KL(q'_theta || p)`` in target space at each direct-mapped position.
+  ``q'_theta`` is the drafter's softmax (temperature 1) restricted to the intersection ids and
+  renormalized there; ``p`` is the target's distribution, also renormalized over the
+  intersection. Only ``p``'s top-k intersection ids are kept (``training_signal``), so both
+  distributions are compared on the partition {top-k ids one by one, the rest of the
+  intersection as one bucket}: a KL between coarsened distributions, never larger than the
+  full one and exact when ``p`` has no mass outside its top-k.
+* ``L_ngram``: NLL ``-log q_theta(d_j)`` of every drafter sub-token of an n-gram target token
+  the target committed (drafter space). ``lambda`` is a constant (0.2 by default) or, with
+  ``dynamic``, the target's ``p(t)`` of that token (a point-wise KL on the n-gram token).
+
+The softmax temperature inside the loss is 1 whatever the decoding temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOG_FLOOR = -30.0  # log-probability floor for an (almost) empty rest bucket
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which parts of the hybrid loss are on, and the n-gram weight."""
+
+    dm: bool = True
+    ngram: bool = True
+    lam: float = 0.2
+    dynamic: bool = False
+
+    def validate(self) -> None:
+        if not (self.dm or self.ngram):
+            raise ValueError("the loss needs at least one of the DM and n-gram terms")
+        if self.lam < 0:
+            raise ValueError("lambda must be >= 0")
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x <= 0``, floored at ``LOG_FLOOR``."""
+    x = x.clamp(max=-1e-7)
+    return torch.where(x > -0.693, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x))).clamp(min=LOG_FLOOR)
+
+
+def coarse_log_probs(top: torch.Tensor) -> torch.Tensor:
+    """Append the rest bucket to normalized top-k log-probs ``[n, k]`` -> ``[n, k + 1]``."""
+    rest = _log1mexp(torch.logsumexp(top, dim=-1, keepdim=True))
+    return torch.cat([top, rest], dim=-1)
+
+
+def dm_reverse_kl(draft_logits: torch.Tensor, inter_draft_ids: torch.Tensor, top_idx: torch.Tensor,
+                  top_logp: torch.Tensor, inter_logmass: torch.Tensor) -> torch.Tensor:
+    """Per-position ``KL(q'_theta || p)`` ``[n]`` on the coarsened intersection.
+
+    ``draft_logits`` [n, drafter vocab]: the drafter's logits predicting each DM token;
+    ``inter_draft_ids`` [I]: drafter ids of the intersection; ``top_idx`` [n, k]: intersection
+    indices of the target's top-k; ``top_logp`` [n, k] / ``inter_logmass`` [n]: the target's
+    log-probabilities of those ids and of the whole intersection (full-vocabulary normalized).
+    """
+    logq_inter = torch.log_softmax(draft_logits.float().index_select(1, inter_draft_ids), dim=-1)
+    logq = coarse_log_probs(logq_inter.gather(1, top_idx))
+    logp = coarse_log_probs(top_logp - inter_logmass[:, None])
+    return (logq.exp() * (logq - logp)).sum(dim=-1)
+
+
+def ngram_nll(draft_logits: torch.Tensor, sub_ids: torch.Tensor) -> torch.Tensor:
+    """Per-sub-token ``-log q_theta(d_j)`` ``[m]`` (drafter vocabulary, temperature 1)."""
+    return -torch.log_softmax(draft_logits.float(), dim=-1).gather(1, sub_ids[:, None])[:, 0]
+
+
+def hybrid_loss(dm_logits: torch.Tensor, inter_draft_ids: torch.Tensor, top_idx: torch.Tensor,
+                top_logp: torch.Tensor, inter_logmass: torch.Tensor, ng_logits: torch.Tensor,
+                ng_ids: torch.Tensor, ng_logp_t: torch.Tensor,
+                config: LossConfig = LossConfig()) -> tuple[torch.Tensor, dict[str, float]]:
+    """``(loss, parts)``: the mean over loss terms of ``KL_DM`` and ``lambda * NLL_ngram``.
+
+    ``parts`` reports ``dm_kl`` and ``ngram_nll`` (means of each term) and the term counts.
+    """
+    terms = []
+    parts = {"dm_terms": 0, "ngram_terms": 0}
+    if config.dm and dm_logits.shape[0]:
+        kl = dm_reverse_kl(dm_logits, inter_draft_ids, top_idx, top_logp, inter_logmass)
+        terms.append(kl)
+        parts.update(dm_kl=float(kl.detach().mean()), dm_terms=int(kl.numel()))
+    if config.ngram and ng_logits.shape[0]:
+        nll = ngram_nll(ng_logits, ng_ids)
+        weight = ng_logp_t.exp() if config.dynamic else torch.full_like(nll, config.lam)
+        terms.append(weight * nll)
+        parts.update(ngram_nll=float(nll.detach().mean()), ngram_terms=int(nll.numel()))
+    if not terms:
+        return dm_logits.sum() * 0.0, parts
+    loss = torch.cat(terms).mean()
+    parts["loss"] = float(loss.detach())
+    return loss, parts

@@ -1,0 +1,153 @@
+"""The training signal that cross-vocabulary decoding leaves behind, at no extra target call.
+
+Verification already scores every committed target position. ``SignalRecorder`` keeps, per
+committed target token ``t``:
+
+* ``log p(t)`` (temperature 1, full target vocabulary), and
+* the target distribution gathered onto the *intersection* (target ids with an identical
+  drafter token): its ``top_k`` largest log-probabilities, their intersection indices, and the
+  log of the total intersection mass (so the rest of the intersection is one bucket).
+
+When the generation ends, ``finish`` aligns the committed tokens with the drafter's own
+tokenization of the final text (``DraftContext``):
+
+* a **direct-mapped (DM)** position: one drafter token spells exactly ``t`` and maps to it;
+* an **n-gram** position: ``n >= 2`` drafter tokens spell exactly ``t`` (``"flake"`` <->
+  ``"f" "la" "ke"``); every sub-token gets an NLL term (paper Eq. 4);
+* anything else (a token boundary inside a drafter token) carries no loss.
+
+Drafter index ``j`` of an aligned token is predicted by the drafter's output at ``j - 1``, so
+the teacher-forced drafter forward over ``TrainingSample.draft_ids`` gives ``q_theta`` there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnidraft.shared.draft_context import DraftContext
+from omnidraft.shared.vocab_bridge import VocabBridge
+
+TOP_K = 32
+
+
+class Intersection:
+    """Paired drafter/target ids of the tokens both vocabularies share (identical bytes).
+
+    ``draft_ids[i]`` and ``target_ids[i]`` spell the same bytes; ``index_of_draft[d]`` is ``i``
+    for a shared drafter id ``d`` and -1 otherwise.
+    """
+
+    def __init__(self, bridge: VocabBridge, draft_rows: int) -> None:
+        pairs = [(d, t) for d, t in enumerate(bridge.d2t[:draft_rows]) if t >= 0]
+        self.draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)
+        self.target_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)
+        self.index_of_draft = torch.full((draft_rows,), -1, dtype=torch.long)
+        self.index_of_draft[self.draft_ids] = torch.arange(len(pairs))
+        self.d2t = bridge.d2t
+
+    def __len__(self) -> int:
+        return int(self.draft_ids.numel())
+
+
+@dataclass
+class TrainingSample:
+    """What one generation teaches the drafter (all indices are drafter positions).
+
+    ``draft_ids``: drafter tokenization of prompt + response. DM positions: ``dm_pos`` [n],
+    ``dm_top_idx`` [n, k] (intersection indices), ``dm_top_logp`` [n, k] and ``dm_inter_logmass``
+    [n] (target log-probs, temperature 1), ``dm_logp_t`` [n] (log p of the committed token).
+    N-gram sub-token positions: ``ng_pos`` [m], ``ng_ids`` [m] (the sub-tokens), ``ng_logp_t``
+    [m] (log p of the target token they spell), ``ng_count`` (n-gram target tokens).
+    ``target_tokens``: committed target tokens of the response.
+    """
+
+    draft_ids: list[int]
+    dm_pos: torch.Tensor
+    dm_top_idx: torch.Tensor
+    dm_top_logp: torch.Tensor
+    dm_inter_logmass: torch.Tensor
+    dm_logp_t: torch.Tensor
+    ng_pos: torch.Tensor
+    ng_ids: torch.Tensor
+    ng_logp_t: torch.Tensor
+    ng_count: int
+    target_tokens: int
+
+    @property
+    def loss_positions(self) -> int:
+        return int(self.dm_pos.numel() + self.ng_pos.numel())
+
+
+class SignalRecorder:
+    """Collects the per-token target statistics of one generation (see the module docstring)."""
+
+    def __init__(self, intersection: Intersection, top_k: int = TOP_K) -> None:
+        self.inter = intersection
+        self.top_k = min(top_k, len(intersection))
+        self._rows: list[tuple[torch.Tensor, ...]] = []
+        self._tokens: list[int] = []
+
+    def record(self, logits: torch.Tensor, committed: list[int]) -> None:
+        """``logits`` [>= len(committed), target vocab]: the verification rows that scored the
+        committed tokens (invalid ids already at -inf)."""
+        n = len(committed)
+        if n == 0:
+            return
+        logp = torch.log_softmax(logits[:n].float(), dim=-1)
+        ids = torch.tensor(committed, dtype=torch.long)
+        logp_t = logp.gather(1, ids[:, None])[:, 0]
+        inter = logp.index_select(1, self.inter.target_ids)
+        mass = torch.logsumexp(inter, dim=-1)
+        top = inter.topk(self.top_k, dim=-1)
+        self._rows.append((top.indices.to(torch.int32), top.values, mass, logp_t))
+        self._tokens.extend(committed)
+
+    @torch.inference_mode(False)
+    def finish(self, context: DraftContext, response_start: int, target_bytes) -> TrainingSample:
+        """Align the recorded tokens with ``context`` (which must hold the whole response);
+        ``response_start`` is the committed-byte offset where the response begins. The sample's
+        tensors are normal tensors (usable in autograd) even when decoding ran in inference mode."""
+        if self._rows:
+            top_idx, top_logp, mass, logp_t = (torch.cat(c) for c in zip(*self._rows))
+        else:
+            top_idx = torch.zeros(0, self.top_k, dtype=torch.int32)
+            top_logp = torch.zeros(0, self.top_k)
+            mass = logp_t = torch.zeros(0)
+        ids, d2t = context.ids, self.inter.d2t
+        dm_rows, dm_pos, ng_pos, ng_ids, ng_rows = [], [], [], [], []
+        ng_count = 0
+        pos = response_start
+        for i, t in enumerate(self._tokens):
+            raw = target_bytes[t] or b""
+            a, pos = pos, pos + len(raw)
+            if not raw:
+                continue
+            start = context.text_offset(a)
+            if start is None:
+                break
+            hit = context.span(start, start + len(raw))
+            if hit is None or hit[0] == 0:
+                continue
+            first, last = hit
+            if first == last:
+                if ids[first] < len(d2t) and d2t[ids[first]] == t:
+                    dm_rows.append(i)
+                    dm_pos.append(first)
+            else:
+                sub = ids[first:last + 1]
+                ng_count += 1
+                ng_pos.extend(range(first, last + 1))
+                ng_ids.extend(sub)
+                ng_rows.extend([i] * len(sub))
+        dm = torch.tensor(dm_rows, dtype=torch.long)
+        ng = torch.tensor(ng_rows, dtype=torch.long)
+        return TrainingSample(
+            draft_ids=list(ids),
+            dm_pos=torch.tensor(dm_pos, dtype=torch.long),
+            dm_top_idx=top_idx[dm].long(), dm_top_logp=top_logp[dm], dm_inter_logmass=mass[dm],
+            dm_logp_t=logp_t[dm],
+            ng_pos=torch.tensor(ng_pos, dtype=torch.long), ng_ids=torch.tensor(ng_ids, dtype=torch.long),
+            ng_logp_t=logp_t[ng], ng_count=ng_count, target_tokens=len(self._tokens),
+        )

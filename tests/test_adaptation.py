@@ -1,0 +1,344 @@
+"""Online adaptation: the loss math, LoRA adapters, the learner, the acceptance head, device
+state on disk, and that learning never changes what the target outputs (tiny models)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from omnidraft.client.device_state import ADAPTER_FILE, CACHE_FILE, HEAD_FILE, MANIFEST_FILE, DeviceState
+from omnidraft.client.online_learner import OnlineConfig, OnlineLearner
+from omnidraft.client.session import DeviceSession
+from omnidraft.shared.acceptance_head import AcceptanceHead, GammaTuner, ReplayBuffer, soft_labels
+from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll
+from omnidraft.shared.engine import Engine
+from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.ngram_cache import NgramCache
+
+from tiny_models import build_pair, corpus
+
+
+# -- the loss, against hand computations ---------------------------------------------------------
+
+def test_dm_reverse_kl_matches_hand_computation_when_top_k_covers_the_intersection():
+    # drafter vocab of 4; ids 1, 2, 3 are shared with the target (intersection order: 1, 2, 3)
+    draft_logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    inter = torch.tensor([1, 2, 3])
+    p_full = torch.tensor([0.5, 0.3, 0.1])  # target probs of the shared ids; 0.1 elsewhere
+    top_idx = torch.tensor([[0, 1, 2]])
+    kl = dm_reverse_kl(draft_logits, inter, top_idx, p_full.log()[None], p_full.sum().log()[None])
+    q = torch.tensor([0.2, 0.3, 0.4]) / 0.9  # q' renormalized over the intersection
+    p = p_full / 0.9
+    expected = float((q * (q / p).log()).sum())
+    assert float(kl[0]) == pytest.approx(expected, rel=1e-5)
+
+
+def test_dm_reverse_kl_rest_bucket():
+    draft_logits = torch.log(torch.tensor([[0.25, 0.25, 0.25, 0.25]]))
+    inter = torch.tensor([0, 1, 2, 3])
+    p = torch.tensor([0.6, 0.2, 0.15, 0.05])
+    top_idx = torch.tensor([[0, 1]])  # only the two largest kept: rest = {2, 3}
+    kl = dm_reverse_kl(draft_logits, inter, top_idx, p[:2].log()[None], torch.zeros(1))
+    qb = torch.tensor([0.25, 0.25, 0.5])
+    pb = torch.tensor([0.6, 0.2, 0.2])
+    assert float(kl[0]) == pytest.approx(float((qb * (qb / pb).log()).sum()), rel=1e-5)
+    # identical distributions: zero
+    same = dm_reverse_kl(p.log()[None], inter, top_idx, p[:2].log()[None], torch.zeros(1))
+    assert float(same[0]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_ngram_nll_and_hybrid_weighting():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
+    nll = ngram_nll(logits, torch.tensor([1, 2]))
+    assert nll.tolist() == pytest.approx([math.log(4), -math.log(0.8)], rel=1e-5)
+
+    dm_logits = torch.log(torch.tensor([[0.5, 0.5, 0.0 + 1e-9]]))
+    inter = torch.tensor([0, 1])
+    top_idx, top_logp, mass = torch.tensor([[0, 1]]), torch.log(torch.tensor([[0.5, 0.5]])), torch.zeros(1)
+    kl = float(dm_reverse_kl(dm_logits, inter, top_idx, top_logp, mass)[0])
+    p_t = torch.log(torch.tensor([0.3, 0.3]))
+    loss, parts = hybrid_loss(dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t,
+                              LossConfig(lam=0.2))
+    assert float(loss) == pytest.approx((kl + 0.2 * float(nll.sum())) / 3, rel=1e-5)
+    assert parts["dm_terms"] == 1 and parts["ngram_terms"] == 2
+    dyn, _ = hybrid_loss(dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t,
+                         LossConfig(dynamic=True))
+    assert float(dyn) == pytest.approx((kl + 0.3 * float(nll.sum())) / 3, rel=1e-5)
+    dm_only, parts = hybrid_loss(dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t,
+                                 LossConfig(ngram=False))
+    assert float(dm_only) == pytest.approx(kl, abs=1e-6) and parts["ngram_terms"] == 0
+
+
+def test_soft_labels_hand_computation():
+    # drafter argmax is id 2 (q = 0.5), shared as intersection index 1; p there = 0.25
+    logits = torch.log(torch.tensor([[0.2, 0.3, 0.5], [0.6, 0.3, 0.1]]))
+    index_of_draft = torch.tensor([-1, 0, 1])
+    top_idx = torch.tensor([[1, 0], [1, 0]])
+    top_logp = torch.log(torch.tensor([[0.25, 0.5], [0.9, 0.05]]))
+    labels, keep = soft_labels(logits, index_of_draft, top_idx, top_logp)
+    assert keep.tolist() == [True, False]  # row 2's argmax (id 0) has no target counterpart
+    assert float(labels[0]) == pytest.approx(0.5)  # min(1, 0.25 / 0.5)
+
+
+def test_gamma_tuner_tries_every_arm_then_prefers_the_fastest():
+    tuner = GammaTuner(epsilon=0.0)
+    seen = []
+    for _ in range(len(tuner.candidates)):
+        g = tuner.choose()
+        seen.append(g)
+        tuner.record(g, 10.0 if g == 0.7 else 5.0)
+    assert set(seen) == set(tuner.candidates)
+    assert tuner.choose() == 0.7 and tuner.best() == 0.7
+    restored = GammaTuner()
+    restored.load_state(json.loads(json.dumps(tuner.state())))
+    assert restored.best() == 0.7
+
+
+def test_replay_buffer_is_bounded():
+    buf = ReplayBuffer(capacity=10)
+    for i in range(5):
+        buf.push(torch.full((4, 3), float(i)), torch.full((4,), 0.5))
+    assert buf.size <= 13 and buf.size >= 10
+    hidden, labels = buf.sample(6)
+    assert hidden.shape == (6, 3) and float(hidden.min()) >= 2  # the oldest rows were evicted
+
+
+# -- tiny models ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_pair")
+    build_pair(d)
+    return d
+
+
+def _engine(pair_dir):
+    return Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), torch.float32,
+                       drafter_weights="fp32", progress=False)
+
+
+PROMPTS = [t[:28] for t in corpus(24, seed=11)]
+CONFIG = GenerationConfig(max_new_tokens=24)
+
+
+def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair_dir):
+    engine = _engine(pair_dir)
+    base = {n: p.detach().clone() for n, p in engine.drafter.model.named_parameters()}
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
+    a = DeviceSession(engine, target_name="target-a", adapters=adapters,
+                      online=OnlineConfig(interval=2, lr=1e-2))
+    b = DeviceSession(engine, target_name="target-b", adapters=adapters)
+    b_before = adapters.state_dict("target-b")
+    for prompt in PROMPTS[:4]:
+        a.generate(prompt, CONFIG)
+    assert a.learner.updates == 2
+    trainable = {n for n, p in adapters.peft.named_parameters() if p.grad is not None}
+    assert trainable and all("lora_" in n and ".t_target_a." in n for n in trainable)
+    # base weights untouched (compare through the unwrapped names)
+    for n, p in adapters.peft.get_base_model().named_parameters():
+        key = n.replace(".base_layer", "")
+        if "lora_" not in n:
+            assert torch.equal(p, base[key]), n
+    a_sd, b_sd = adapters.state_dict("target-a"), adapters.state_dict("target-b")
+    assert any(not torch.equal(a_sd[k], b_before[k]) for k in a_sd)  # A learned
+    assert all(torch.equal(b_sd[k], b_before[k]) for k in b_sd)  # B did not move
+    # switching adapters switches the drafting weights, without reloading the drafter
+    adapters.activate("target-a")
+    ra = adapters.runner()
+    adapters.activate("target-b")
+    rb = adapters.runner()
+    ids = engine.drafter.tokenizer.encode(PROMPTS[0])
+    ra.reset(), rb.reset()
+    assert not torch.allclose(ra.forward(ids), rb.forward(ids))
+    assert adapters.peft.get_base_model() is engine.drafter.model
+
+
+def test_loss_decreases_on_a_fixed_stream(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", online=OnlineConfig(interval=100, lr=3e-3),
+                            lora=LoraSpec(rank=8))
+    samples = [session.generate(p, CONFIG).training_sample for p in PROMPTS[:6]]
+    assert all(s.loss_positions > 0 for s in samples)
+    learner = session.learner
+    first = learner.loss_on(samples)
+    for _ in range(8):
+        learner.buffer = list(samples)
+        learner.update()
+    assert learner.loss_on(samples) < 0.8 * first
+
+
+def test_greedy_output_identical_to_target_after_training(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", online=OnlineConfig(interval=2, lr=2e-2))
+    for prompt in PROMPTS[:8]:
+        session.generate(prompt, CONFIG)
+    assert session.learner.updates == 4 and session.head.ready
+    ar = engine.ar()
+    for gamma in (None, 0.3, 0.9):  # confidence rule and the learned head
+        for prompt in PROMPTS[8:14]:
+            text, ids = engine.prompt_ids(prompt)
+            expected = ar.generate(ids, CONFIG).token_ids
+            out = session.decoder(gamma).generate(text, ids, CONFIG)
+            assert out.token_ids == expected
+
+
+def test_training_sample_alignment(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", learn=True)
+    sample = session.generate(PROMPTS[0], CONFIG).training_sample
+    ids = sample.draft_ids
+    d2t, bridge = engine.bridge.d2t, engine.bridge
+    assert sample.target_tokens == CONFIG.max_new_tokens
+    inter_target = session.inter.target_ids
+    for row, j in enumerate(sample.dm_pos.tolist()):
+        # the top-k row's best target id is a shared id, and the aligned drafter token maps 1:1
+        assert d2t[ids[j]] >= 0
+        assert int(sample.dm_top_idx[row].max()) < len(inter_target)
+    for j, d in zip(sample.ng_pos.tolist(), sample.ng_ids.tolist()):
+        assert ids[j] == d
+    assert float(sample.dm_logp_t.max()) <= 0 and float(sample.dm_inter_logmass.max()) <= 1e-5
+    assert bridge is engine.bridge
+
+
+# -- device state on disk --------------------------------------------------------------------------
+
+def test_state_round_trip(pair_dir, tmp_path):
+    engine = _engine(pair_dir)
+    s = DeviceSession(engine, target_name="t", state_dir=tmp_path, online=OnlineConfig(interval=2, lr=1e-2))
+    for prompt in PROMPTS[:4]:
+        s.generate(prompt, CONFIG)
+    s.save()
+    saved_adapter = s.adapters.state_dict("t")
+    saved_cache = engine.cache.to_bytes()
+    files = {p.name for p in s.state.dir.iterdir()}
+    assert {ADAPTER_FILE, HEAD_FILE, CACHE_FILE, MANIFEST_FILE} <= files
+
+    engine2 = _engine(pair_dir)
+    s2 = DeviceSession(engine2, target_name="t", state_dir=tmp_path)
+    assert s2.problems == []
+    assert all(torch.equal(saved_adapter[k], v) for k, v in s2.adapters.state_dict("t").items())
+    assert engine2.cache.to_bytes() == saved_cache
+    assert s2.head.ready and s2.learner.updates == 2
+    assert all(torch.equal(a, b) for a, b in zip(s.head.state_dict().values(), s2.head.state_dict().values()))
+
+
+@pytest.mark.parametrize("victim", [ADAPTER_FILE, HEAD_FILE, CACHE_FILE, MANIFEST_FILE])
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupted_state_is_set_aside_and_rebuilt(pair_dir, tmp_path, victim, damage):
+    engine = _engine(pair_dir)
+    s = DeviceSession(engine, target_name="t", state_dir=tmp_path, online=OnlineConfig(interval=2, lr=1e-2))
+    for prompt in PROMPTS[:2]:
+        s.generate(prompt, CONFIG)
+    s.save()
+    path = s.state.dir / victim
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" * 7)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s2 = DeviceSession(_engine(pair_dir), target_name="t", state_dir=tmp_path)
+    assert s2.problems and victim in s2.problems[0]
+    assert any("set aside" in str(w.message) for w in caught)
+    assert list(s2.state.dir.glob(f"{victim}.corrupt-*"))  # kept for inspection, not deleted
+    # the damaged part starts fresh; the session still works and saves a consistent state
+    if victim in (ADAPTER_FILE, MANIFEST_FILE):
+        assert all(float(v.abs().max()) == 0 for k, v in s2.adapters.state_dict("t").items() if "lora_B" in k)
+    s2.generate(PROMPTS[3], CONFIG)
+    s2.save()
+    s3 = DeviceSession(_engine(pair_dir), target_name="t", state_dir=tmp_path)
+    assert s3.problems == []
+
+
+def test_state_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        DeviceState(f, "d", "t")
+
+
+# -- the commands ----------------------------------------------------------------------------------
+
+def _jsonl(path, prompts):
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return str(path)
+
+
+def test_adapt_command_end_to_end(pair_dir, tmp_path, capsys):
+    from omnidraft.cli import main
+
+    data = _jsonl(tmp_path / "p.jsonl", PROMPTS[:6])
+    out, plot, state = tmp_path / "a.json", tmp_path / "a.png", tmp_path / "state"
+    pair = ["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
+            "--dtype", "fp32", "--drafter-weights", "fp32", "--max-new-tokens", "8"]
+    rc = main(["adapt", *pair, "--dataset", data, "--train-fraction", "0.67", "--interval", "2",
+               "--lr", "1e-2", "--state-dir", str(state), "--out", str(out), "--plot", str(plot)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    for phase in ("before", "after"):
+        assert set(report[phase]) >= {"acceptance_rate", "tokens_per_target_call", "tokens_per_s", "speedup_vs_ar"}
+    assert len(report["curve"]) == 2 and report["train_prompts"] == 4 and report["heldout_prompts"] == 2
+    assert report["identical_to_ar_after"] == 2  # fp32: greedy output is the target's own
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "after" in capsys.readouterr().out
+    # the learned state is used by bench and generate
+    rc = main(["bench", *pair, "--dataset", data, "--limit", "2", "--methods", "ar,omnidraft",
+               "--state-dir", str(state), "--out", str(tmp_path / "b.json")])
+    assert rc == 0
+    bench = json.loads((tmp_path / "b.json").read_text())
+    assert bench["config"]["state_dir"] and bench["methods"]["omnidraft"]["identical_prompts"] == 2
+    assert main(["generate", *pair, "--prompt", PROMPTS[0], "--state-dir", str(state)]) == 0
+
+
+def test_adapt_ablation_and_drift_commands(pair_dir, tmp_path):
+    from omnidraft.cli import main
+
+    data = _jsonl(tmp_path / "p.jsonl", PROMPTS[:6])
+    pair = ["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
+            "--dtype", "fp32", "--drafter-weights", "fp32", "--max-new-tokens", "8"]
+    out = tmp_path / "ab.json"
+    assert main(["adapt", *pair, "--dataset", data, "--train-fraction", "0.67", "--interval", "2",
+                 "--ablation", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["variants"]) == ["cold", "cache only", "L_DM", "L_DM + lambda L_ngram", "+ adaptive head"]
+    assert report["updates"]["cache only"] == 0 and report["updates"]["L_DM"] == 2
+    assert all(v == 2 for v in report["identical_to_ar"].values())
+
+    other = _jsonl(tmp_path / "q.jsonl", [t[:20] for t in corpus(6, seed=99)])
+    target = str(pair_dir / "target")
+    out = tmp_path / "drift.json"
+    assert main(["drift", "--drafter", str(pair_dir / "drafter"), "--stream", f"{target}:{data}:3,{target}:{other}:3",
+                 "--dtype", "fp32", "--drafter-weights", "fp32", "--max-new-tokens", "8",
+                 "--out", str(out), "--plot", str(tmp_path / "drift.png")]) == 0
+    drift = json.loads(out.read_text())
+    assert set(drift["runs"]) == {"with cache", "without cache"}
+    assert all(len(rows) == 6 for rows in drift["runs"].values())
+    assert drift["runs"]["without cache"][-1]["cache_entries"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["adapt", "--dataset", "humaneval", "--train-fraction", "1.5"], "--train-fraction must be in (0, 1)"),
+    (["adapt", "--dataset", "humaneval", "--limit", "1"], "--limit must be >= 2"),
+    (["adapt", "--dataset", "humaneval", "--lora-modules", "nope"], "unknown LoRA module set"),
+    (["adapt", "--dataset", "humaneval", "--interval", "0"], "interval must be >= 1"),
+    (["adapt", "--dataset", "/no/such.jsonl"], "an existing JSONL file"),
+])
+def test_adapt_bad_input_is_one_line_error(argv, message, capsys):
+    from omnidraft.cli import main
+
+    rc = main([argv[0], "--drafter", "smollm2-135m", "--target", "qwen2.5-coder-0.5b", *argv[1:]])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_drift_stream_spec_errors():
+    from omnidraft.client.drift_run import parse_stream
+
+    assert parse_stream("a:humaneval:3,b:pydoc:4") == [("a", "humaneval", 3), ("b", "pydoc", 4)]
+    for bad in ("a:humaneval:3", "a:humaneval:x,b:pydoc:1", "a:humaneval:0,b:pydoc:1", "humaneval:3,b:pydoc:1"):
+        with pytest.raises(ValueError):
+            parse_stream(bad)
