@@ -58,6 +58,14 @@ def split(prompts: list[str], train_fraction: float) -> tuple[list[str], list[st
     return train, test
 
 
+def warm_up(session: DeviceSession, prompt: str) -> None:
+    """First-call initialization (allocations, kernel selection) outside every timing."""
+    tiny = GenerationConfig(max_new_tokens=4)
+    session.generate(prompt, tiny, learn=False)
+    _, ids = session.engine.prompt_ids(prompt)
+    session.engine.ar().generate(ids, tiny)
+
+
 def evaluate(session: DeviceSession, prompts: list[str], config: GenerationConfig, label: str,
              ar: Phase | None = None) -> Phase:
     """Decode ``prompts`` with the session's current state (no learning); with ``ar`` given,
@@ -76,10 +84,8 @@ def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConf
               train_fraction: float = 0.8, warmup: bool = True) -> dict:
     """The whole experiment (see the module docstring); returns the JSON report."""
     train, test = split(prompts, train_fraction)
-    if warmup:  # first-call initialization outside every timing
-        session.generate(test[0], GenerationConfig(max_new_tokens=4), learn=False)
-        _, ids = session.engine.prompt_ids(test[0])
-        session.engine.ar().generate(ids, GenerationConfig(max_new_tokens=4))
+    if warmup:
+        warm_up(session, test[0])
     ar = Phase()
     before = evaluate(session, test, config, "held-out before", ar=ar)
     ar_tps = ar.summary()["tokens_per_s"]
@@ -195,9 +201,7 @@ def run_ablation(engine, prompts: list[str], config: GenerationConfig, train_fra
                              online=cfg, translate=translate, learn=learn, adaptive=head)
 
     cold = session("cold", False, None, False)
-    cold.generate(test[0], GenerationConfig(max_new_tokens=4), learn=False)
-    _, ids = engine.prompt_ids(test[0])
-    engine.ar().generate(ids, GenerationConfig(max_new_tokens=4))
+    warm_up(cold, test[0])
     ar = Phase()
     rows = {"cold": evaluate(cold, test, config, "cold", ar=ar)}
     ar_tps = ar.summary()["tokens_per_s"]

@@ -68,9 +68,6 @@ class DeviceState:
         self.drafter, self.target = drafter, target
         self.dir = root / f"{slug(drafter)}--{slug(target)}"
 
-    def exists(self) -> bool:
-        return (self.dir / MANIFEST_FILE).is_file()
-
     # -- writing -----------------------------------------------------------------------------
     def save(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
              cache: NgramCache, meta: dict) -> None:

@@ -92,10 +92,15 @@ def run_drift(drafter: str, phases: list[tuple[str, str, int]], config: Generati
 
 
 def _phase_mean(rows: list[dict], phase: int) -> dict:
+    """Mean acceptance and tokens per call over the first and the second half of a phase."""
     sel = [r for r in rows if r["phase"] == phase]
-    half = sel[: max(1, len(sel) // 2)], sel[len(sel) // 2:] or sel
-    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-    return {k: {"first_half": mean(half[0], k), "second_half": mean(half[1], k)}
+    mid = max(1, len(sel) // 2)
+    first, second = sel[:mid], sel[mid:] or sel
+
+    def mean(part: list[dict], key: str) -> float:
+        return sum(r[key] for r in part) / len(part)
+
+    return {k: {"first_half": mean(first, k), "second_half": mean(second, k)}
             for k in ("acceptance_rate", "tokens_per_target_call")}
 
 

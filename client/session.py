@@ -56,6 +56,7 @@ class DeviceSession:
         self.learner = OnlineLearner(self.adapters, self.target, self.inter, self.head, config)
         self.state = DeviceState(state_dir, self.drafter_name, self.target) if state_dir is not None else None
         self.problems: list[str] = []
+        self.last_update: UpdateReport | None = None  # set when a generation triggered an update
         if self.state is not None:
             self.load()
 
@@ -89,9 +90,7 @@ class DeviceSession:
         result = self.decoder(gamma).generate(text, ids, config, recorder=recorder)
         if head_on and result.stats.tokens_per_s:
             self.tuner.record(gamma, result.stats.tokens_per_s)
-        self.last_update: UpdateReport | None = None
-        if learn:
-            self.last_update = self.learner.observe(result.training_sample)
+        self.last_update = self.learner.observe(result.training_sample) if learn else None
         return result
 
     # -- persistence ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -173,6 +174,9 @@ def _config(args):
         config.validate()
     except ValueError as exc:
         raise UsageError(f"omnidraft {args.command}: {exc}") from None
+    state_dir = getattr(args, "state_dir", None)
+    if state_dir and os.path.exists(state_dir) and not os.path.isdir(state_dir):
+        raise UsageError(f"omnidraft {args.command}: --state-dir {state_dir} is not a directory")
     return config
 
 

@@ -153,12 +153,12 @@ class DrafterAdapters:
         name = self.active
         if name not in self._runners:
             t0 = time.perf_counter()
-            with self.merged() as model:
-                if self.drafter_weights != "hf" and model.config.model_type == "llama":
+            if self.drafter_weights == "hf" or self.model.config.model_type != "llama":
+                runner = ModelRunner(self.peft)  # plain transformers forward applies the adapter itself
+            else:
+                with self.merged() as model:
                     runner = FastLlamaRunner(model, weights=self.drafter_weights)
-                else:  # plain transformers forward: applies the (unmerged) adapter itself
-                    runner = None
-            self._runners[name] = runner or ModelRunner(self.peft)
+            self._runners[name] = runner
             self.last_pack_s = time.perf_counter() - t0
         return self._runners[name]
 

@@ -105,16 +105,18 @@ def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[st
 
 def _engine_runner(engine: Engine, method: str, config: GenerationConfig,
                    translate: str, session=None) -> Callable[[str], dict]:
-    decoder = engine.ar() if method == "ar" else engine.omnidraft(translate)
+    if method == "ar":
+        decoder = engine.ar()
+        generate = lambda prompt, text, ids: decoder.generate(ids, config)  # noqa: E731
+    elif session is not None:  # a device's learned state (adapter, head, cache), not learning
+        generate = lambda prompt, text, ids: session.generate(prompt, config, learn=False, explore=False)  # noqa: E731
+    else:
+        decoder = engine.omnidraft(translate)
+        generate = lambda prompt, text, ids: decoder.generate(text, ids, config)  # noqa: E731
 
     def run(prompt: str) -> dict:
         text, ids = engine.prompt_ids(prompt)
-        if method == "ar":
-            result = decoder.generate(ids, config)
-        elif session is not None:  # a device's learned state (adapter, head, cache), not learning
-            result = session.generate(prompt, config, learn=False, explore=False)
-        else:
-            result = decoder.generate(text, ids, config)
+        result = generate(prompt, text, ids)
         s = result.stats
         return {"token_ids": result.token_ids, "wall_s": s.wall_s, "new_tokens": s.new_tokens,
                 "acceptance_rate": s.acceptance_rate, "tokens_per_target_call": s.tokens_per_target_call,
@@ -169,7 +171,8 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
         "config": {
             "drafter": str(engine.drafter.path), "target": str(engine.target.path),
             "dtype": str(next(engine.target.model.parameters()).dtype).replace("torch.", ""),
-            "drafter_backend": getattr(engine.drafter_runner, "backend", "transformers"),
+            "drafter_backend": getattr(session.adapters.runner() if session is not None else engine.drafter_runner,
+                                       "backend", "transformers"),
             "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
             "k_max": config.k_max, "confidence": config.confidence, "translate": translate,
             "prompts": len(prompts),

@@ -140,7 +140,7 @@ class CrossVocabDecoder:
         fed = context_ids[:]
         logits = self.drafter.forward(context_ids[keep:], last_only=True)[-1]
         drafts: list[int] = []
-        head = self.head if self.head is not None and getattr(self.head, "ready", True) else None
+        head = self.head
         all_accepted = 1.0  # the head's P(every drafted token so far is accepted)
         while True:
             stats.drafter_steps += 1

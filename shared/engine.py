@@ -8,6 +8,7 @@ n-gram cache, and hands out the ``ar`` and ``omnidraft`` decoders over the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -32,7 +33,6 @@ class Engine:
     bridge: VocabBridge
     cache: NgramCache
     expand_map: dict[int, tuple[int, ...]]
-    drafter_runner: ModelRunner | FastLlamaRunner
     drafter_name: str = ""
     target_name: str = ""
     drafter_weights: str = "int8"
@@ -50,19 +50,24 @@ class Engine:
         if drafter_weights not in DRAFTER_WEIGHTS:
             raise ValueError(f"unknown drafter weights {drafter_weights!r}: choose one of {', '.join(DRAFTER_WEIGHTS)}")
         model_runner.set_threads()
-        fast = drafter_weights != "hf"
+        fast = drafter_weights != "hf"  # the fast runners pack from float32 weights
         d = drafter_model or model_runner.load(drafter, torch.float32 if fast else dtype, progress=progress)
         t = model_runner.load(target, dtype, progress=progress)
         bridge = VocabBridge.from_tokenizers(d.tokenizer, t.tokenizer, d.logit_rows, t.logit_rows)
-        if fast and d.model.config.model_type == "llama":
-            runner = FastLlamaRunner(d.model, weights=drafter_weights)
-        else:
-            runner = ModelRunner(d.model)
         engine = cls(d, t, bridge, cache if cache is not None else NgramCache(),
-                     build_expand_map(bridge, t.tokenizer), runner, drafter, target, drafter_weights)
+                     build_expand_map(bridge, t.tokenizer), drafter, target, drafter_weights)
         if seed_cache:
             engine.seed_cache()
         return engine
+
+    @cached_property
+    def drafter_runner(self) -> ModelRunner | FastLlamaRunner:
+        """The base drafter's runner (packed on first use: a device session drafts with its
+        adapter's runner instead and never needs this one)."""
+        model = self.drafter.model
+        if self.drafter_weights != "hf" and model.config.model_type == "llama":
+            return FastLlamaRunner(model, weights=self.drafter_weights)
+        return ModelRunner(model)
 
     def seed_cache(self) -> int:
         """Warm-start the n-gram cache from the two tokenizers alone; returns entries added."""

@@ -326,6 +326,8 @@ def test_adapt_ablation_and_drift_commands(pair_dir, tmp_path):
     (["adapt", "--dataset", "humaneval", "--lora-modules", "nope"], "unknown LoRA module set"),
     (["adapt", "--dataset", "humaneval", "--interval", "0"], "interval must be >= 1"),
     (["adapt", "--dataset", "/no/such.jsonl"], "an existing JSONL file"),
+    (["adapt", "--dataset", "humaneval", "--state-dir", __file__], "is not a directory"),
+    (["bench", "--dataset", "humaneval", "--state-dir", __file__], "is not a directory"),
 ])
 def test_adapt_bad_input_is_one_line_error(argv, message, capsys):
     from omnidraft.cli import main
