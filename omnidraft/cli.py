@@ -5,6 +5,7 @@
     omnidraft bench --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
     omnidraft adapt --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
     omnidraft profile --drafter NAME --target NAME [...]
+    omnidraft fleet register-target NAME --model NAME|DIR [--root DIR] | fleet status [--root DIR]
 
 Every user error prints one line to stderr and exits with status 2.
 """
@@ -114,7 +115,57 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--drafter-weights", default="int8", choices=["int8", "bf16", "fp32", "hf"])
     prof.add_argument("--blocks", default="1,2,4,8,16", help="target block sizes in tokens")
     prof.add_argument("--json", action="store_true")
+
+    fleet = sub.add_parser("fleet", help="the coordinator's target registry")
+    fsub = fleet.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    reg = fsub.add_parser("register-target", help="create a target's global state (untrained adapter, "
+                                                  "cache seeded from the two tokenizers)")
+    reg.add_argument("name", help="registry name (letters, digits, '.', '_', '-')")
+    reg.add_argument("--model", required=True, help="catalog name or local HF directory of the target")
+    reg.add_argument("--drafter", default="smollm2-135m", help="the fleet's shared drafter")
+    reg.add_argument("--lora-rank", type=int, default=8)
+    reg.add_argument("--lora-modules", default="all", choices=["all", "attn", "mlp", "qv"])
+    reg.add_argument("--ffa", action="store_true", help="FFA-LoRA: freeze A, train and average only B (exact)")
+    status = fsub.add_parser("status", help="registered targets and their global state versions")
+    status.add_argument("--json", action="store_true")
+    for sp in (reg, status):
+        sp.add_argument("--root", default=os.environ.get("OMNIDRAFT_FLEET_DIR", "fleet"),
+                        help="coordinator directory (default: $OMNIDRAFT_FLEET_DIR or ./fleet)")
     return p
+
+
+def _fleet(args) -> int:
+    from omnidraft.coordinator.registry import RegistryError, TargetRegistry
+    from omnidraft.coordinator.server_app import last_round
+    from omnidraft.shared.adapters import LoraSpec
+
+    try:
+        registry = TargetRegistry(args.root)
+        if args.action == "register-target":
+            m = registry.register(args.name, args.model, args.drafter,
+                                  LoraSpec(rank=args.lora_rank, modules=args.lora_modules, ffa=args.ffa),
+                                  progress=True)
+            print(f"registered {args.name}: version {m.version}, adapter {m.adapter_bytes} bytes, "
+                  f"cache {m.cache_bytes} bytes ({registry.root})")
+            return 0
+        rows = []
+        for name in registry.names():
+            spec, m = registry.spec(name), registry.manifest(name)
+            rows.append({"target": name, "model": spec.model, "drafter": spec.drafter, "version": m.version,
+                         "round": m.round, "devices_total": m.devices_total, "tokens_total": m.tokens_total,
+                         "adapter_bytes": m.adapter_bytes, "cache_bytes": m.cache_bytes})
+    except RegistryError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"last_round": last_round(registry.root), "targets": rows}, indent=1))
+    elif not rows:
+        print(f"no targets registered in {registry.root}")
+    else:
+        print(f"last finished round: {last_round(registry.root)}")
+        for r in rows:
+            print(f"{r['target']:<24} v{r['version']:<4} round {r['round']:<4} devices {r['devices_total']:<6} "
+                  f"tokens {r['tokens_total']:<8} model {r['model']}")
+    return 0
 
 
 def _profile(args) -> int:
@@ -334,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
         handler = {"models": _models, "generate": _generate, "bench": _bench,
-                   "adapt": _adapt, "drift": _drift, "profile": _profile}[args.command]
+                   "adapt": _adapt, "drift": _drift, "profile": _profile,
+                   "fleet": _fleet}[args.command]
         return handler(args)
     except (UsageError, CatalogError, ValueError) as exc:
         # ValueError: input the engine rejects (e.g. a prompt with no drafter token)

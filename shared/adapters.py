@@ -35,12 +35,14 @@ class LoraSpec:
     """LoRA hyperparameters shared by every target's adapter.
 
     ``modules``: a key of ``MODULE_SETS`` (which Linear layers get an adapter); ``alpha``
-    defaults to ``2 * rank``.
+    defaults to ``2 * rank``. ``ffa`` (FFA-LoRA): ``A`` stays frozen at its initialization and
+    only ``B`` trains, so averaging adapters that share ``A`` averages ``B·A`` exactly.
     """
 
     rank: int = 32
     alpha: float | None = None
     modules: str = "all"
+    ffa: bool = False
 
     def validate(self) -> None:
         if self.rank < 1:
@@ -53,7 +55,8 @@ class LoraSpec:
                           target_modules=list(MODULE_SETS[self.modules]), bias="none")
 
     def as_dict(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha or 2 * self.rank, "modules": self.modules}
+        out = {"rank": self.rank, "alpha": self.alpha or 2 * self.rank, "modules": self.modules}
+        return {**out, "ffa": True} if self.ffa else out
 
 
 def adapter_name(target: str) -> str:
@@ -98,8 +101,9 @@ class DrafterAdapters:
         if name not in self.names:
             raise KeyError(f"no adapter for target {target!r}")
         self.peft.set_adapter(name)
+        trained = ("lora_B",) if self.spec.ffa else ("lora_A", "lora_B")
         for n, p in self.peft.named_parameters():
-            p.requires_grad_(f".{name}." in n and "lora_" in n)
+            p.requires_grad_(f".{name}." in n and any(part in n for part in trained))
         self.active = name
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -122,6 +126,16 @@ class DrafterAdapters:
         result = set_peft_model_state_dict(self.peft, tensors, adapter_name=adapter_name(target))
         if getattr(result, "unexpected_keys", None):
             raise ValueError("adapter tensors do not match the LoRA configuration")
+        self.invalidate(target)
+
+    @torch.no_grad()
+    def reset(self, target: str) -> None:
+        """Return ``target``'s adapter to the untrained state (B = 0, A kept): the drafter
+        drafts as without an adapter."""
+        name = adapter_name(target)
+        for n, p in self.peft.named_parameters():
+            if f".lora_B.{name}." in n:
+                p.zero_()
         self.invalidate(target)
 
     def invalidate(self, target: str | None = None) -> None:

@@ -24,6 +24,18 @@ from omnidraft.shared.vocab_bridge import VocabBridge
 DRAFTER_WEIGHTS = ("int8", "bf16", "fp32", "hf")
 
 
+def seed_cache_from_bridge(cache: NgramCache, bridge: VocabBridge, drafter_tokenizer) -> int:
+    """Add to ``cache`` every target token that the drafter spells with >= 2 tokens (its text
+    tokenized by the drafter alone); returns the entries created."""
+    tok = drafter_tokenizer
+    return seed_from_tokenizers(
+        cache, bridge.target_bytes[: bridge.target_vocab_size],
+        lambda text: tok.encode(text, add_special_tokens=False),
+        frozenset(t for t in bridge.d2t if t >= 0),
+        encode_draft_batch=lambda texts: tok(texts, add_special_tokens=False)["input_ids"],
+    )
+
+
 @dataclass
 class Engine:
     """A loaded drafter/target pair and the state cross-vocabulary decoding keeps between calls."""
@@ -71,13 +83,7 @@ class Engine:
 
     def seed_cache(self) -> int:
         """Warm-start the n-gram cache from the two tokenizers alone; returns entries added."""
-        tok = self.drafter.tokenizer
-        return seed_from_tokenizers(
-            self.cache, self.bridge.target_bytes[: self.bridge.target_vocab_size],
-            lambda text: tok.encode(text, add_special_tokens=False),
-            frozenset(t for t in self.bridge.d2t if t >= 0),
-            encode_draft_batch=lambda texts: tok(texts, add_special_tokens=False)["input_ids"],
-        )
+        return seed_cache_from_bridge(self.cache, self.bridge, self.drafter.tokenizer)
 
     def prompt_ids(self, prompt: str, chat: bool = False) -> tuple[str, list[int]]:
         """The prompt as text and as target ids; ``chat`` applies the target's chat template."""

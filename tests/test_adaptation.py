@@ -20,7 +20,7 @@ from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
 
-from tiny_models import build_pair, corpus
+from omnidraft.shared.tiny_models import build_pair, corpus
 
 
 # -- the loss, against hand computations ---------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from omnidraft.cli import main
 
-from tiny_models import build_pair
+from omnidraft.shared.tiny_models import build_pair
 
 
 @pytest.fixture(scope="module")

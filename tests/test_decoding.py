@@ -14,7 +14,7 @@ from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.sampling import warp
 from omnidraft.shared.vocab_bridge import VocabBridge
 
-from tiny_models import build_pair
+from omnidraft.shared.tiny_models import build_pair
 
 
 @pytest.fixture(scope="module")

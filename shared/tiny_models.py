@@ -1,12 +1,17 @@
-"""Tiny drafter/target pairs built inside the tests: two byte-level BPE tokenizers with
-different vocabularies trained on the same synthetic code corpus, and two small Llama models
-trained briefly on it so that the drafter agrees with the target often enough to exercise
-acceptance, n-gram merging and KV-cache rollback."""
+"""Tiny drafter/target models built on the spot (no download): byte-level BPE tokenizers with
+different vocabularies trained on the same synthetic code corpus, and small Llama models trained
+briefly on it so that the drafter agrees with a target often enough to exercise acceptance,
+n-gram merging and KV-cache rollback. Tests use them, and so do fleet simulations
+(``--models tiny``) through :func:`ensure_tiny_fleet`, which builds them once per directory."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -93,3 +98,46 @@ def build_pair(save_dir=None) -> TinyPair:
             model.save_pretrained(save_dir / name)
             tok.save_pretrained(save_dir / name)
     return pair
+
+
+TINY_FLEET_VERSION = 1
+TINY_FLEET = ("tiny-drafter", "tiny-target-a", "tiny-target-b")
+
+
+def ensure_tiny_fleet(root: str | os.PathLike[str]) -> dict[str, Path]:
+    """A tiny drafter and two tiny targets with different tokenizers, as HF directories under
+    ``root/tiny-fleet-v<N>/`` (built on first use, about 10 s; then reused). Returns
+    {name: directory} for the names in ``TINY_FLEET``."""
+    base = Path(root) / f"tiny-fleet-v{TINY_FLEET_VERSION}"
+    dirs = {name: base / name for name in TINY_FLEET}
+    if _complete(dirs):
+        return dirs
+    base.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=base.parent, prefix=".tiny-fleet-"))
+    try:
+        texts = corpus()
+        d_tok = train_tokenizer(texts, 300)
+        built = {
+            "tiny-drafter": (train_model(d_tok, texts, hidden=48, layers=2, steps=120, seed=1), d_tok),
+        }
+        for name, vocab, seed, extra in (("tiny-target-a", 420, 2, 13), ("tiny-target-b", 520, 3, 0)):
+            tok = train_tokenizer(texts, vocab)
+            built[name] = (train_model(tok, texts, hidden=64, layers=2, steps=160, seed=seed,
+                                       extra_rows=extra), tok)
+        for name, (model, tok) in built.items():
+            model.save_pretrained(tmp / name)
+            tok.save_pretrained(tmp / name)
+        if base.exists() and not _complete(dirs):  # a partial earlier build
+            shutil.rmtree(base)
+        try:
+            os.replace(tmp, base)
+        except OSError:
+            if not _complete(dirs):  # not a concurrent build that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dirs
+
+
+def _complete(dirs: dict[str, Path]) -> bool:
+    return all((d / "config.json").is_file() and (d / "tokenizer.json").is_file() for d in dirs.values())

@@ -1,0 +1,77 @@
+"""The device as a Flower ``ClientApp`` (Message API).
+
+Messages and their records (``omnidraft.v1`` payloads ride as bytes in ConfigRecords):
+
+* ``query.status`` → reply ``"status"`` ConfigRecord: target, held global version and
+  checksums, tokenizer digest. No local text.
+* ``train`` ← ``"fleet"`` ConfigRecord: ``round``, ``spec`` (TargetSpec), ``manifest``
+  (StateManifest), and ``adapter`` / ``cache`` bytes only when the device does not hold them.
+  → reply ``"adapter"`` ArrayRecord (the trained adapter), ``"metrics"`` MetricRecord (with
+  ``trained-tokens``, the aggregation weight) and ``"fleet"`` ConfigRecord (``target``,
+  ``state-version``, ``ngram-stats`` = NgramStats bytes).
+* ``evaluate`` ← the same ``"fleet"`` record plus ``use-global`` → reply ``"metrics"``.
+
+``make_client_app(device_for)`` takes a function from the node's ``Context`` to its
+``FleetDevice``; simulations map ``partition-id`` to a device, a deployed device builds it from
+its node config. Exceptions become Flower error replies, which the coordinator counts as
+failures without stopping the round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from omnidraft.client.fleet_device import FleetDevice
+from omnidraft.coordinator.ngram_release import encode_stats
+from omnidraft.proto import fleet_pb2
+
+
+def receive_state(device: FleetDevice, fleet: ConfigRecord) -> fleet_pb2.StateManifest:
+    """Store the global state carried by a train/evaluate message; returns its manifest."""
+    spec, manifest = fleet_pb2.TargetSpec(), fleet_pb2.StateManifest()
+    spec.ParseFromString(fleet["spec"])
+    manifest.ParseFromString(fleet["manifest"])
+    device.receive(spec, manifest, fleet.get("adapter"), fleet.get("cache"))
+    return manifest
+
+
+def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence = ()) -> ClientApp:
+    """A ClientApp whose handlers act on ``device_for(context)`` (see the module docstring)."""
+    app = ClientApp(mods=list(mods))
+
+    @app.query("status")
+    def status(msg: Message, context: Context) -> Message:
+        return Message(RecordDict({"status": ConfigRecord(device_for(context).status())}), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        device = device_for(context)
+        fleet = msg.content["fleet"]
+        manifest = receive_state(device, fleet)
+        tensors, learned, metrics = device.train_round(int(fleet["round"]))
+        stats = encode_stats(device.profile.target, learned,
+                             device.pool.engine(device.profile.drafter, device.profile.target_model)
+                             .bridge.target_vocab_size, manifest.version)
+        adapter = ArrayRecord({k: v.float() for k, v in tensors.items()})
+        metrics["uplink-bytes"] = adapter.count_bytes() + len(stats)
+        return Message(RecordDict({
+            "adapter": adapter,
+            "metrics": MetricRecord(metrics),
+            "fleet": ConfigRecord({"target": device.profile.target, "state-version": int(manifest.version),
+                                   "ngram-stats": stats}),
+        }), reply_to=msg)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        device = device_for(context)
+        fleet = msg.content["fleet"]
+        use_global = bool(fleet.get("use-global", True))
+        if use_global:
+            receive_state(device, fleet)
+        metrics = device.evaluate(use_global=use_global, measure_ar=bool(fleet.get("measure-ar", False)))
+        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+    return app

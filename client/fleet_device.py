@@ -1,0 +1,281 @@
+"""One device of the fleet, independent of Flower: what it holds, how it takes the global state,
+how it runs a round of local sessions, and what it reports.
+
+A device serves one target with the shared drafter. It owns its local prompts (they never leave
+it), its device state (``DeviceState``: local adapter, acceptance head, n-gram cache) and the last
+global state it received (``<state_dir>/global/``: manifest, adapter, cache), so the coordinator
+sends a state only when the device does not hold it yet.
+
+A training round (FedAvg semantics): the local adapter restarts from the global one, global cache
+entries are merged into the local cache once per global version, the device decodes its next
+``prompts_per_round`` local prompts with online learning, flushes the learner, and reports
+
+* the adapter (tensors, to be averaged),
+* ``NgramStats``: the set of target-token ids it learned as n-gram entries this round,
+* metrics (acceptance and tokens per target call of the round's first session, which ran with the
+  global state alone, and of the whole round; tokens trained; update seconds; payload bytes).
+
+Models are shared: ``EnginePool`` loads each base model once per process, and devices that run
+one after the other in the same process swap only their adapters, caches and data.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors, save as save_safetensors
+
+from omnidraft.client.adapt_run import Phase
+from omnidraft.client.device_state import slug
+from omnidraft.client.online_learner import OnlineConfig
+from omnidraft.client.session import DeviceSession
+from omnidraft.proto import fleet_pb2
+from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.engine import Engine
+from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.ngram_cache import NgramCache
+
+GLOBAL_DIR = "global"
+FLEET_FILE = "fleet.json"
+HISTORY_FILE = "history.jsonl"
+
+
+class StateMismatch(ValueError):
+    """Global state that does not match its manifest or this device's target (one line)."""
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+class EnginePool:
+    """Base models loaded once per process: one drafter shared by every target's engine (with
+    one LoRA adapter per target on it), so a worker holds one copy of each model whatever the
+    number of devices it runs."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, drafter_weights: str = "int8") -> None:
+        self.dtype = dtype
+        self.drafter_weights = drafter_weights
+        self._engines: dict[tuple[str, str], Engine] = {}
+        self._adapters: dict[str, DrafterAdapters] = {}
+
+    def engine(self, drafter: str, target: str) -> Engine:
+        if (drafter, target) not in self._engines:
+            shared = next((e.drafter for (d, _), e in self._engines.items() if d == drafter), None)
+            self._engines[(drafter, target)] = Engine.load(
+                drafter, target, self.dtype, drafter_weights=self.drafter_weights, progress=False,
+                drafter_model=shared)
+        return self._engines[(drafter, target)]
+
+    def adapters(self, drafter: str, lora: LoraSpec | None = None) -> DrafterAdapters:
+        """The drafter's adapters (every target's on one peft model); one LoRA setting per
+        drafter and process (``None``: the one in use, else rank 8)."""
+        engine = next(e for (d, _), e in self._engines.items() if d == drafter)
+        if lora is None:
+            lora = self._adapters[drafter].spec if drafter in self._adapters else LoraSpec(rank=8)
+        if drafter not in self._adapters:
+            self._adapters[drafter] = DrafterAdapters(engine.drafter.model, lora,
+                                                      drafter_weights=self.drafter_weights)
+        adapters = self._adapters[drafter]
+        if adapters.spec != lora:
+            raise ValueError(f"this process already runs drafter adapters with {adapters.spec}, not {lora}")
+        return adapters
+
+
+@dataclass
+class DeviceProfile:
+    """Who a device is and what it holds locally (``prompts``/``heldout`` never leave it)."""
+
+    device_id: str
+    target: str  # registry name of the target it serves
+    target_model: str  # catalog name or directory the target loads from
+    drafter: str
+    prompts: list[str]
+    heldout: list[str]
+    state_dir: Path
+    prompts_per_round: int = 4
+    generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=32))
+    online: OnlineConfig = field(default_factory=lambda: OnlineConfig(interval=4))
+    translate: str = "ngram"
+    joins_at_round: int = 1  # the device is not part of the fleet before this round
+
+
+class FleetDevice:
+    """A device's fleet-facing operations (see the module docstring)."""
+
+    def __init__(self, profile: DeviceProfile, pool: EnginePool) -> None:
+        self.profile = profile
+        self.pool = pool
+        self.dir = Path(profile.state_dir)
+        self.global_dir = self.dir / GLOBAL_DIR / slug(profile.target)
+
+    # -- what the device holds ----------------------------------------------------------------
+    def _fleet_meta(self) -> dict:
+        try:
+            return json.loads((self.dir / FLEET_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _save_fleet_meta(self, meta: dict) -> None:
+        write_bytes_atomic(self.dir / FLEET_FILE, json.dumps(meta).encode())
+
+    def held_manifest(self) -> fleet_pb2.StateManifest | None:
+        """The manifest of the global state this device holds, if its files are intact."""
+        try:
+            m = fleet_pb2.StateManifest()
+            m.ParseFromString((self.global_dir / "manifest.pb").read_bytes())
+            adapter = (self.global_dir / "adapter.safetensors").read_bytes()
+            cache = (self.global_dir / "cache.pb").read_bytes()
+        except Exception:  # missing or unparsable: the device holds nothing usable
+            return None
+        if _sha256(adapter) != m.adapter_sha256 or _sha256(cache) != m.cache_sha256:
+            return None
+        return m
+
+    def status(self) -> dict:
+        """What the coordinator needs to decide what to send (no local text)."""
+        m = self.held_manifest()
+        return {"target": self.profile.target, "joins-at": self.profile.joins_at_round,
+                "trained": "round" in self._fleet_meta(), "state-version": int(m.version) if m else -1,
+                "adapter-sha256": m.adapter_sha256 if m else "", "cache-sha256": m.cache_sha256 if m else "",
+                "tokenizer-sha256": self._tokenizer_digest}
+
+    @cached_property
+    def _tokenizer_digest(self) -> str:
+        from omnidraft.coordinator.registry import tokenizer_digest
+
+        return tokenizer_digest(self.pool.engine(self.profile.drafter, self.profile.target_model).bridge)
+
+    # -- taking the global state ----------------------------------------------------------------
+    def receive(self, spec: fleet_pb2.TargetSpec, manifest: fleet_pb2.StateManifest,
+                adapter_blob: bytes | None, cache_blob: bytes | None) -> None:
+        """Store the global state (the parts not sent must be the ones already held); raises
+        StateMismatch when it is not for this device's target or fails its checksums."""
+        if manifest.target != self.profile.target or spec.name != self.profile.target:
+            raise StateMismatch(f"global state for {manifest.target!r}, this device serves {self.profile.target!r}")
+        if spec.tokenizer_sha256 != self._tokenizer_digest:
+            raise StateMismatch(f"target {spec.name!r}: the coordinator's tokenizer differs from this device's")
+        held = self.held_manifest()
+        for kind, blob, digest in (("adapter", adapter_blob, manifest.adapter_sha256),
+                                   ("cache", cache_blob, manifest.cache_sha256)):
+            if blob is None:
+                if held is None or getattr(held, f"{kind}_sha256") != digest:
+                    raise StateMismatch(f"the coordinator sent no {kind} and this device does not hold version {manifest.version}")
+            elif _sha256(blob) != digest:
+                raise StateMismatch(f"the received {kind} does not match its manifest checksum")
+        if adapter_blob is not None:
+            write_bytes_atomic(self.global_dir / "adapter.safetensors", adapter_blob)
+        if cache_blob is not None:
+            write_bytes_atomic(self.global_dir / "cache.pb", cache_blob)
+        write_bytes_atomic(self.global_dir / "spec.pb", spec.SerializeToString())
+        write_bytes_atomic(self.global_dir / "manifest.pb", manifest.SerializeToString())
+
+    def _spec(self) -> fleet_pb2.TargetSpec:
+        spec = fleet_pb2.TargetSpec()
+        spec.ParseFromString((self.global_dir / "spec.pb").read_bytes())
+        return spec
+
+    def session(self, *, use_global: bool = True) -> DeviceSession:
+        """A session with this device's local state; ``use_global`` restarts the adapter from the
+        held global adapter and merges a newly received global cache into the local one."""
+        manifest = self.held_manifest() if use_global else None
+        if use_global and manifest is None:
+            raise StateMismatch("this device holds no global state yet")
+        from omnidraft.coordinator.registry import lora_spec
+
+        lora = lora_spec(self._spec()) if manifest is not None else None
+        engine = self.pool.engine(self.profile.drafter, self.profile.target_model)
+        adapters = self.pool.adapters(self.profile.drafter, lora)
+        engine.cache = NgramCache(drafter=self.profile.drafter, target=self.profile.target)
+        adapters.add(self.profile.target)
+        adapters.reset(self.profile.target)  # nothing of the previous device in this process
+        session = DeviceSession(engine, target_name=self.profile.target, state_dir=self.dir / "local",
+                                adapters=adapters, lora=adapters.spec, online=self.profile.online,
+                                translate=self.profile.translate)
+        if manifest is not None:
+            adapters.load_state_dict(self.profile.target,
+                                     load_safetensors((self.global_dir / "adapter.safetensors").read_bytes()))
+            meta = self._fleet_meta()
+            if meta.get("cache-merged") != manifest.cache_sha256:
+                merged = NgramCache.from_bytes((self.global_dir / "cache.pb").read_bytes())
+                for e in merged.entries():
+                    session.cache.add(e.draft_ids, e.target_id, max(1, e.count))
+                self._save_fleet_meta({**meta, "cache-merged": manifest.cache_sha256})
+        return session
+
+    # -- a round ------------------------------------------------------------------------------
+    def train_round(self, round_: int) -> tuple[dict[str, torch.Tensor], set[int], dict]:
+        """Run this round's local sessions with online learning; returns (adapter tensors,
+        target ids learned as n-gram entries, metrics)."""
+        p = self.profile
+        session = self.session()
+        cache_before = {e.draft_ids: e.count for e in session.cache.entries()}
+        start = self._fleet_meta().get("next-prompt", 0)
+        prompts = [p.prompts[(start + i) % len(p.prompts)] for i in range(p.prompts_per_round)]
+        first, whole = Phase(), Phase()
+        outputs = []
+        trained_tokens, update_s = 0, 0.0
+        for i, prompt in enumerate(prompts):
+            result = session.generate(prompt, p.generation, learn=True)
+            if i == 0:
+                first.add(result)
+            whole.add(result)
+            outputs.append(result.text)
+            trained_tokens += result.training_sample.target_tokens if result.training_sample else 0
+            update_s += session.last_update.seconds if session.last_update else 0.0
+        if session.learner.buffer:
+            update_s += session.learner.update().seconds
+        learned = {e.target_id for e in session.cache.entries() if e.count > cache_before.get(e.draft_ids, 0)}
+        session.save()
+        self._append_history(round_, prompts, outputs)
+        self._save_fleet_meta({**self._fleet_meta(), "next-prompt": start + len(prompts), "round": round_})
+        f, w = first.summary(), whole.summary()
+        metrics = {"trained-tokens": trained_tokens, "acceptance-first": f["acceptance_rate"],
+                   "tokens-per-call-first": f["tokens_per_target_call"],
+                   "acceptance": w["acceptance_rate"], "tokens-per-call": w["tokens_per_target_call"],
+                   "tokens-per-s": w["tokens_per_s"], "generated-tokens": w["new_tokens"],
+                   "update-s": update_s, "cache-entries": len(session.cache)}
+        return session.adapters.state_dict(p.target), learned, metrics
+
+    def _append_history(self, round_: int, prompts: list[str], outputs: list[str]) -> None:
+        """Keep this round's prompts and outputs in the device's own ``history.jsonl`` (the only
+        place local text is stored; nothing here is ever sent)."""
+        path = self.dir / HISTORY_FILE
+        old = path.read_bytes() if path.exists() else b""
+        new = "".join(json.dumps({"round": round_, "prompt": p, "output": o}) + "\n"
+                      for p, o in zip(prompts, outputs))
+        write_bytes_atomic(path, old + new.encode())
+
+    def history(self) -> list[dict]:
+        path = self.dir / HISTORY_FILE
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def evaluate(self, *, use_global: bool = True, measure_ar: bool = False) -> dict:
+        """Decode the held-out prompts with the global state (or, ``use_global=False``, with the
+        device's local state alone), without learning; optionally the target alone too."""
+        session = self.session(use_global=use_global)
+        session.learn = False
+        ar = Phase() if measure_ar else None
+        ar_decoder = session.engine.ar() if measure_ar else None
+        phase = Phase()
+        t0 = time.perf_counter()
+        for prompt in self.profile.heldout:
+            if ar_decoder is not None:
+                ar.add(ar_decoder.generate(session.engine.prompt_ids(prompt)[1], self.profile.generation))
+            phase.add(session.generate(prompt, self.profile.generation, learn=False, explore=False))
+        out = phase.summary(ar.summary()["tokens_per_s"] if ar is not None else None)
+        return {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
+                "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
+                "generated-tokens": out["new_tokens"], "eval-s": time.perf_counter() - t0}
+
+
+def adapter_blob(tensors: dict[str, torch.Tensor]) -> bytes:
+    return save_safetensors({k: v.contiguous() for k, v in tensors.items()})

@@ -1,0 +1,235 @@
+"""The coordinator's target registry and each target's global state, on disk.
+
+Layout under the coordinator root::
+
+    targets/<slug>/spec.pb                 omnidraft.v1.TargetSpec
+    targets/<slug>/candidates.pb           every (drafter ids -> target id) pair the two
+                                           tokenizers imply (NgramCache, unbounded): released
+                                           target ids are turned back into cache entries here
+    targets/<slug>/adapter-v<N>.safetensors  the global LoRA adapter of version N
+    targets/<slug>/cache-v<N>.pb           the global n-gram cache of version N
+    targets/<slug>/manifest.pb             omnidraft.v1.StateManifest naming version N, written last
+    targets/<slug>/privacy.json            the n-gram release's accountant state
+
+Every file is written atomically, and a new version's files are complete before the manifest
+that names them replaces the old one, so a coordinator killed at any point restarts from the
+last committed version. Superseded versions are deleted after the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors, save as save_safetensors
+from transformers import AutoConfig, AutoTokenizer
+
+from omnidraft.proto import fleet_pb2
+from omnidraft.shared import catalog
+from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.engine import seed_cache_from_bridge
+from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
+from omnidraft.shared.vocab_bridge import VocabBridge
+
+SPEC_FILE = "spec.pb"
+MANIFEST_FILE = "manifest.pb"
+CANDIDATES_FILE = "candidates.pb"
+PRIVACY_FILE = "privacy.json"
+GLOBAL_CACHE_ENTRIES = 65536  # capacity of a global cache (entries)
+_CANDIDATE_LIMIT = 1 << 22  # the candidates table keeps every pair
+
+
+class RegistryError(Exception):
+    """A registry problem meant for the user as one line (unknown target, corrupt state...)."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def tokenizer_digest(bridge: VocabBridge) -> str:
+    """sha256 over the target's token byte table: devices and coordinator compare it to agree
+    that they mean the same target vocabulary."""
+    h = hashlib.sha256()
+    for raw in bridge.target_bytes[: bridge.target_vocab_size]:
+        h.update(b"\xff" if raw is None else len(raw).to_bytes(2, "little") + raw)
+    return h.hexdigest()
+
+
+def lora_spec(spec: fleet_pb2.TargetSpec) -> LoraSpec:
+    return LoraSpec(rank=spec.lora_rank, alpha=spec.lora_alpha, modules=spec.lora_modules,
+                    ffa=spec.lora_ffa)
+
+
+@dataclass
+class GlobalState:
+    """One target's committed global state; ``adapter_blob``/``cache_blob`` are the exact bytes
+    the manifest's sha256 values describe (what devices receive)."""
+
+    spec: fleet_pb2.TargetSpec
+    manifest: fleet_pb2.StateManifest
+    adapter_blob: bytes
+    cache_blob: bytes
+
+    @property
+    def adapter(self) -> dict[str, torch.Tensor]:
+        return load_safetensors(self.adapter_blob)
+
+    def cache(self, **capacity) -> NgramCache:
+        return NgramCache.from_bytes(self.cache_blob, **capacity)
+
+
+class TargetRegistry:
+    """Targets and their global states under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise RegistryError(f"coordinator directory {self.root} is not a directory")
+        self._candidates: dict[str, dict[int, tuple[int, ...]]] = {}
+
+    def _dir(self, name: str) -> Path:
+        return self.root / "targets" / slug(name)
+
+    def names(self) -> list[str]:
+        """Registered target names, sorted."""
+        base = self.root / "targets"
+        if not base.is_dir():
+            return []
+        return sorted(self.spec_of(d.name).name for d in base.iterdir() if (d / SPEC_FILE).is_file())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (self._dir(name) / MANIFEST_FILE).is_file()
+
+    # -- registration -------------------------------------------------------------------------
+    def register(self, name: str, model: str, drafter: str, lora: LoraSpec = LoraSpec(rank=8),
+                 *, seed: int = 0, progress: bool = False) -> fleet_pb2.StateManifest:
+        """Create ``name``'s state: an untrained adapter (B = 0, so the drafter is unchanged) and
+        a global cache seeded from the two tokenizers alone. Loads the drafter (for the adapter's
+        shapes) and the target's tokenizer and config, never the target's weights."""
+        if not name or len(name) > 128 or slug(name) != name:
+            raise RegistryError(f"bad target name {name!r}: use letters, digits, '.', '_' and '-'")
+        if name in self:
+            raise RegistryError(f"target {name!r} is already registered (version "
+                                f"{self.manifest(name).version})")
+        lora.validate()
+        from omnidraft.shared import model_runner  # torch model loading only when registering
+
+        d = model_runner.load(drafter, torch.float32, progress=progress)
+        target_path = catalog.resolve(model, progress=progress)
+        t_tok = AutoTokenizer.from_pretrained(target_path)
+        t_config = AutoConfig.from_pretrained(target_path)
+        t_rows = getattr(t_config.get_text_config(), "vocab_size", None) or len(t_tok)
+        bridge = VocabBridge.from_tokenizers(d.tokenizer, t_tok, d.logit_rows, t_rows)
+        torch.manual_seed(seed)
+        adapters = DrafterAdapters(d.model, lora, drafter_weights="hf")
+        adapters.add(name)
+        adapter = adapters.state_dict(name)
+        candidates = NgramCache(max_entries=_CANDIDATE_LIMIT, drafter=drafter, target=name)
+        seed_cache_from_bridge(candidates, bridge, d.tokenizer)
+        cache = NgramCache(max_entries=GLOBAL_CACHE_ENTRIES, drafter=drafter, target=name)
+        seed_cache_from_bridge(cache, bridge, d.tokenizer)
+        spec = fleet_pb2.TargetSpec(
+            name=name, model=str(model), drafter=str(drafter), lora_rank=lora.rank,
+            lora_alpha=float(lora.alpha or 2 * lora.rank), lora_modules=lora.modules,
+            lora_ffa=lora.ffa, target_vocab_size=bridge.target_vocab_size, tokenizer_sha256=tokenizer_digest(bridge),
+            registered_at=time.time())
+        out = self._dir(name)
+        write_bytes_atomic(out / CANDIDATES_FILE, candidates.to_bytes())
+        write_bytes_atomic(out / SPEC_FILE, spec.SerializeToString())
+        return self._commit(name, fleet_pb2.StateManifest(target=name), adapter, cache)
+
+    # -- reading ------------------------------------------------------------------------------
+    def spec_of(self, dirname: str) -> fleet_pb2.TargetSpec:
+        spec = fleet_pb2.TargetSpec()
+        spec.ParseFromString((self.root / "targets" / dirname / SPEC_FILE).read_bytes())
+        return spec
+
+    def spec(self, name: str) -> fleet_pb2.TargetSpec:
+        self._require(name)
+        return self.spec_of(slug(name))
+
+    def manifest(self, name: str) -> fleet_pb2.StateManifest:
+        self._require(name)
+        m = fleet_pb2.StateManifest()
+        try:
+            m.ParseFromString((self._dir(name) / MANIFEST_FILE).read_bytes())
+        except Exception as exc:  # protobuf raises DecodeError; OSError for unreadable files
+            raise RegistryError(f"target {name!r}: unreadable manifest ({exc})") from None
+        return m
+
+    def load(self, name: str) -> GlobalState:
+        """The committed state of ``name``; RegistryError if a file fails its checksum."""
+        m = self.manifest(name)
+        blobs = []
+        for kind, digest in (("adapter", m.adapter_sha256), ("cache", m.cache_sha256)):
+            path = self._dir(name) / self._file(kind, m.version)
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise RegistryError(f"target {name!r}: {path.name} unreadable ({exc.strerror})") from None
+            if sha256(data) != digest:
+                raise RegistryError(f"target {name!r}: {path.name} does not match its manifest checksum")
+            blobs.append(data)
+        return GlobalState(self.spec(name), m, *blobs)
+
+    def candidates(self, name: str) -> dict[int, tuple[int, ...]]:
+        """target id -> the drafter ids that spell it (from the tokenizers alone)."""
+        if name not in self._candidates:
+            self._require(name)
+            try:
+                table = NgramCache.from_bytes((self._dir(name) / CANDIDATES_FILE).read_bytes(),
+                                              max_entries=_CANDIDATE_LIMIT)
+            except (OSError, NgramCacheError) as exc:
+                raise RegistryError(f"target {name!r}: candidates unreadable ({exc})") from None
+            out: dict[int, tuple[int, ...]] = {}
+            for e in table.entries():
+                out.setdefault(e.target_id, e.draft_ids)
+            self._candidates[name] = out
+        return self._candidates[name]
+
+    def privacy_path(self, name: str) -> Path:
+        return self._dir(name) / PRIVACY_FILE
+
+    # -- committing a round -------------------------------------------------------------------
+    def commit(self, name: str, adapter: dict[str, torch.Tensor], cache: NgramCache, *,
+               round_: int, devices: int, tokens: int) -> fleet_pb2.StateManifest:
+        """Write version N+1 of ``name``'s state (adapter, cache, then manifest)."""
+        old = self.manifest(name)
+        m = fleet_pb2.StateManifest(target=name, version=old.version + 1, round=round_,
+                                    devices_total=old.devices_total + devices,
+                                    tokens_total=old.tokens_total + tokens)
+        return self._commit(name, m, adapter, cache)
+
+    def _commit(self, name: str, m: fleet_pb2.StateManifest, adapter: dict[str, torch.Tensor],
+                cache: NgramCache) -> fleet_pb2.StateManifest:
+        out = self._dir(name)
+        adapter_blob = save_safetensors({k: v.contiguous() for k, v in adapter.items()})
+        cache_blob = cache.to_bytes()
+        write_bytes_atomic(out / self._file("adapter", m.version), adapter_blob)
+        write_bytes_atomic(out / self._file("cache", m.version), cache_blob)
+        m.adapter_sha256, m.adapter_bytes = sha256(adapter_blob), len(adapter_blob)
+        m.cache_sha256, m.cache_bytes = sha256(cache_blob), len(cache_blob)
+        write_bytes_atomic(out / MANIFEST_FILE, m.SerializeToString())
+        keep = {self._file("adapter", m.version), self._file("cache", m.version)}
+        for old in list(out.glob("adapter-v*.safetensors")) + list(out.glob("cache-v*.pb")):
+            if old.name not in keep:
+                old.unlink(missing_ok=True)
+        return m
+
+    @staticmethod
+    def _file(kind: str, version: int) -> str:
+        return f"adapter-v{version}.safetensors" if kind == "adapter" else f"cache-v{version}.pb"
+
+    def _require(self, name: str) -> None:
+        if name not in self:
+            known = ", ".join(self.names()) or "none"
+            raise RegistryError(f"unknown target {name!r} (registered: {known})")

@@ -1,0 +1,279 @@
+"""The coordinator as a Flower ``ServerApp``: rounds of per-target federated learning.
+
+One round:
+
+1. wait (bounded by ``wait_s``) until ``min_devices`` are connected, and sample a ``fraction`` of
+   them with Flower's ``sample_nodes``;
+2. ask each sampled device which target it serves and which global state it holds
+   (``query.status``); a device with an unknown target or a different tokenizer is skipped
+   with a logged reason;
+3. send each device its target's global state (only the parts it lacks) in a ``train``
+   message; wait at most ``round_timeout_s``: devices that drop out or time out are left out;
+4. per target: check every reply (``aggregation.check_reply``), aggregate the adapters with the
+   configured Flower strategy, release frequent n-grams privately (``ngram_release``) into the
+   global cache, and commit a new version of the target's state atomically;
+5. optionally evaluate: the round's devices decode held-out prompts with the new global state;
+6. record the round (``coordinator.json`` holds the last finished round, so a restarted
+   coordinator resumes after it) and report one metrics dict per target to ``on_round``.
+
+Configuration is passed to ``make_server_app`` (``run_config`` is empty under
+``run_simulation``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
+
+from omnidraft.coordinator.aggregation import (
+    FLEET_KEY, METRICS_KEY, AggregationConfig, aggregate_target, check_reply, payload_bytes)
+from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats
+from omnidraft.coordinator.registry import GlobalState, TargetRegistry
+from omnidraft.shared.atomic_io import write_bytes_atomic
+
+log = logging.getLogger("omnidraft.coordinator")
+STATE_FILE = "coordinator.json"
+
+
+@dataclass
+class FleetConfig:
+    """Round schedule and the aggregation / privacy settings of a federation."""
+
+    rounds: int = 3  # total rounds; a restarted coordinator runs the ones left
+    fraction: float = 1.0  # share of connected devices sampled per round
+    min_devices: int = 1  # devices that must be connected before a round starts
+    wait_s: float = 120.0  # longest wait for min_devices (seconds)
+    round_timeout_s: float = 1800.0  # longest wait for replies of one message wave (seconds)
+    evaluate: bool = True  # the round's devices evaluate the new global state
+    measure_ar: bool = False  # evaluation also runs the target alone (for speedups)
+    seed: int = 0
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
+
+    def validate(self) -> None:
+        if self.rounds < 1:
+            raise ValueError("rounds must be >= 1")
+        if not 0 < self.fraction <= 1:
+            raise ValueError("fraction must be in (0, 1]")
+        if self.min_devices < 1:
+            raise ValueError("min devices must be >= 1")
+        self.aggregation.validate()
+        self.release.validate()
+
+
+def last_round(root: Path) -> int:
+    try:
+        return int(json.loads((root / STATE_FILE).read_text())["round"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def wait_for_devices(grid: Grid, minimum: int, wait_s: float) -> list[int]:
+    """Connected node ids once ``minimum`` are connected; after ``wait_s`` whatever is there."""
+    deadline = time.monotonic() + wait_s
+    while len(nodes := list(grid.get_node_ids())) < minimum and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return nodes
+
+
+def state_record(state: GlobalState, status: ConfigRecord | None, round_: int, **extra) -> ConfigRecord:
+    """The ``fleet`` record carrying ``state`` to a device that reported ``status``: adapter and
+    cache bytes only when the device does not hold them."""
+    record = ConfigRecord({"round": round_, "spec": state.spec.SerializeToString(),
+                           "manifest": state.manifest.SerializeToString(), **extra})
+    if status is None or status.get("adapter-sha256") != state.manifest.adapter_sha256:
+        record["adapter"] = state.adapter_blob
+    if status is None or status.get("cache-sha256") != state.manifest.cache_sha256:
+        record["cache"] = state.cache_blob
+    return record
+
+
+class Coordinator:
+    """The round loop over a registry (see the module docstring)."""
+
+    def __init__(self, root: str | Path, config: FleetConfig,
+                 on_round: Callable[[dict], None] | None = None) -> None:
+        config.validate()
+        self.root = Path(root)
+        self.registry = TargetRegistry(self.root)
+        self.config = config
+        self.on_round = on_round or (lambda record: None)
+
+    def run(self, grid: Grid) -> None:
+        start = last_round(self.root) + 1
+        for rnd in range(start, self.config.rounds + 1):
+            random.seed(self.config.seed * 100_003 + rnd)  # sample_nodes draws from `random`
+            self.round(grid, rnd)
+
+    # -- one round ------------------------------------------------------------------------------
+    def round(self, grid: Grid, rnd: int) -> list[dict]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        nodes = wait_for_devices(grid, cfg.min_devices, cfg.wait_s)
+        if not nodes:
+            log.warning("round %d: no device connected after %.0f s; round skipped", rnd, cfg.wait_s)
+            return []
+        size = max(1, min(len(nodes), round(len(nodes) * cfg.fraction)))
+        sampled, _ = sample_nodes(grid, size, size)
+        statuses = self._send(grid, sampled, "query.status", lambda node: RecordDict(), rnd)
+        by_target: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
+        skipped: list[str] = []
+        states: dict[str, GlobalState] = {}
+        for node, reply in statuses.items():
+            if reply.has_error() or "status" not in reply.content.config_records:
+                skipped.append(f"node {node}: no status ({reply.error.reason if reply.has_error() else 'empty reply'})")
+                continue
+            status = reply.content.config_records["status"]
+            target = status.get("target")
+            if int(status.get("joins-at", 1)) > rnd:
+                continue  # a device that joins the fleet later
+            if target not in self.registry:
+                skipped.append(f"node {node}: unknown target {target!r}")
+                continue
+            states.setdefault(target, self.registry.load(target))
+            if status.get("tokenizer-sha256") != states[target].spec.tokenizer_sha256:
+                skipped.append(f"node {node}: tokenizer of {target!r} differs from the registered one")
+                continue
+            by_target[target][node] = status
+        for reason in skipped:
+            log.warning("round %d: %s", rnd, reason)
+        newcomers = {t: self._first_sessions(grid, rnd, states[t], group) for t, group in by_target.items()}
+
+        messages = {node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd)})
+                    for t, group in by_target.items() for node, status in group.items()}
+        downlink = {node: sum(len(v) for v in rec[FLEET_KEY].values() if isinstance(v, bytes))
+                    for node, rec in messages.items()}
+        replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
+
+        records = []
+        for target, group in sorted(by_target.items()):
+            record = self._aggregate(rnd, target, states[target], group, replies, downlink)
+            record.update(newcomers.get(target, {}))
+            if cfg.evaluate and record["aggregated"]:
+                record.update(self.evaluate(grid, rnd, list(group), self.registry.load(target)))
+            record["round-s"] = time.perf_counter() - t0
+            record["skipped"] = [r for r in skipped if target in r]
+            records.append(record)
+        write_bytes_atomic(self.root / STATE_FILE, json.dumps({"round": rnd, "time": time.time()}).encode())
+        for record in records:
+            self.on_round(record)
+        return records
+
+    def _first_sessions(self, grid: Grid, rnd: int, state: GlobalState, group: dict[int, ConfigRecord]) -> dict:
+        """Devices that never trained and meet a trained global state: their first session's
+        acceptance without it (``new-cold-``) and with it (``new-warm-``)."""
+        new = [node for node, status in group.items() if not status.get("trained")]
+        if not new or state.manifest.version == 0:
+            return {}
+        return {**self.evaluate(grid, rnd, new, None, prefix="new-cold-"),
+                **self.evaluate(grid, rnd, new, state, prefix="new-warm-")}
+
+    def _send(self, grid: Grid, nodes: list[int], message_type: str,
+              content: Callable[[int], RecordDict], rnd: int) -> dict[int, Message]:
+        """Send one message per node, wait (bounded), return the replies by node."""
+        if not nodes:
+            return {}
+        out = [Message(content(node), dst_node_id=node, message_type=message_type, group_id=str(rnd))
+               for node in nodes]
+        replies = grid.send_and_receive(out, timeout=self.config.round_timeout_s)
+        by_node = {m.metadata.src_node_id: m for m in replies}
+        missing = set(nodes) - set(by_node)
+        if missing:
+            log.warning("round %d: %d device(s) did not answer %s in time", rnd, len(missing), message_type)
+        return by_node
+
+    def _aggregate(self, rnd: int, target: str, state: GlobalState, group: dict[int, ConfigRecord],
+                   replies: dict[int, Message], downlink: dict[int, int]) -> dict:
+        cfg = self.config
+        global_adapter = {k: v.numpy() for k, v in state.adapter.items()}
+        version = int(state.manifest.version)
+        good: list[Message] = []
+        rejected: list[str] = []
+        metric_keys = None
+        for node in group:
+            msg = replies.get(node)
+            if msg is None:
+                rejected.append(f"node {node}: no reply (dropped out or timed out)")
+                continue
+            reason = check_reply(msg, target, version, global_adapter, metric_keys, cfg.aggregation)
+            if reason is None:
+                try:
+                    bits = decode_stats(msg.content[FLEET_KEY]["ngram-stats"], target, state.spec.target_vocab_size)
+                except (StatsError, KeyError) as exc:
+                    reason = str(exc)
+            if reason is not None:
+                rejected.append(f"node {node}: {reason}")
+                continue
+            metric_keys = metric_keys or frozenset(msg.content[METRICS_KEY])
+            good.append((msg, bits))
+        for reason in rejected:
+            log.warning("round %d, %s: update rejected: %s", rnd, target, reason)
+
+        record = {"round": rnd, "target": target, "sampled": len(group), "aggregated": len(good),
+                  "rejected": rejected, "version": version,
+                  "downlink-bytes-per-device": float(np.mean([downlink[n] for n in group])) if group else 0.0}
+        if not good:
+            return record
+        msgs = [m for m, _ in good]
+        uplink = [payload_bytes(m) for m in msgs]
+        tokens = int(sum(m.content[METRICS_KEY]["trained-tokens"] for m in msgs))
+        adapter, metrics = aggregate_target(rnd, msgs, global_adapter, cfg.aggregation)
+        release = NgramRelease(cfg.release, self.registry.privacy_path(target))
+        released, report = release.release([b for _, b in good], np.random.default_rng(cfg.seed * 7919 + rnd))
+        cache = state.cache()
+        candidates = self.registry.candidates(target)
+        for target_id, count in released.items():
+            if target_id in candidates:
+                cache.add(candidates[target_id], target_id, max(1, int(round(count))))
+        manifest = self.registry.commit(target, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in adapter.items()},
+                                        cache, round_=rnd, devices=len(msgs), tokens=tokens)
+        record.update({f"train-{k}": float(v) for k, v in metrics.items() if not isinstance(v, list)})
+        record.update({"version": int(manifest.version), "trained-tokens": tokens,
+                       "uplink-bytes-per-device": float(np.mean(uplink)),
+                       "cache-entries": len(cache), "cache-bytes": int(manifest.cache_bytes),
+                       "adapter-bytes": int(manifest.adapter_bytes),
+                       "ngrams": report.to_dict()})
+        return record
+
+    def evaluate(self, grid: Grid, rnd: int, nodes: list[int], state: GlobalState | None,
+                 prefix: str = "eval-") -> dict:
+        """``nodes`` decode their held-out prompts without learning: with ``state`` (a global
+        state, sent to them), or with their local state alone (``state=None``)."""
+        if state is None:
+            fleet = ConfigRecord({"round": rnd, "use-global": False, "measure-ar": self.config.measure_ar})
+        else:
+            fleet = state_record(state, None, rnd, **{"use-global": True, "measure-ar": self.config.measure_ar})
+        replies = self._send(grid, nodes, MessageType.EVALUATE, lambda node: RecordDict({FLEET_KEY: fleet}), rnd)
+        metrics = [m.content[METRICS_KEY] for m in replies.values()
+                   if not m.has_error() and METRICS_KEY in m.content.metric_records]
+        if not metrics:
+            return {f"{prefix}devices": 0}
+        keys = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup")
+        weights = np.array([float(m["generated-tokens"]) for m in metrics]) + 1e-9
+        return {f"{prefix}devices": len(metrics),
+                f"{prefix}downlink-bytes-per-device": float(sum(len(v) for v in fleet.values() if isinstance(v, bytes))),
+                **{f"{prefix}{k}": float(np.average([float(m[k]) for m in metrics], weights=weights)) for k in keys}}
+
+
+def make_server_app(root: str | Path, config: FleetConfig,
+                    on_round: Callable[[dict], None] | None = None) -> ServerApp:
+    """A ServerApp running ``Coordinator(root, config, on_round)`` (targets must be registered)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        Coordinator(root, config, on_round).run(grid)
+
+    return app

@@ -1,0 +1,40 @@
+"""Running a ServerApp and a ClientApp together on Flower's Simulation Engine (Ray).
+
+``run_simulation`` is deprecated in Flower 1.41/1.42 but is the supported in-process entry point;
+it is called only here so it can be swapped for a ``flwr run`` subprocess when it is removed.
+Environment set before Ray starts: Ray binds to 127.0.0.1 only, its accelerator warning is
+silenced, and each worker runs torch with as many threads as the CPUs a device is given.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from flwr.clientapp import ClientApp
+from flwr.serverapp import ServerApp
+
+
+def run_federation(server_app: ServerApp, client_app: ClientApp, devices: int, *,
+                   cpus_per_device: float = 1.0, total_cpus: int | None = None,
+                   ray_address: str | None = None, verbose: bool = False) -> None:
+    """Simulate ``devices`` devices (Flower SuperNodes) against ``server_app`` until it returns.
+
+    ``total_cpus``: CPUs Ray may use (default: all available); ``ray_address``: join an existing
+    Ray cluster (``ray start --head`` elsewhere) instead of starting a local one."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    os.environ.setdefault("OMNIDRAFT_THREADS", str(max(1, int(cpus_per_device))))
+    from flwr.simulation import run_simulation
+
+    init_args: dict = {"include_dashboard": False, "logging_level": "error" if not verbose else "info"}
+    if ray_address:
+        init_args["address"] = ray_address
+    else:
+        init_args["num_cpus"] = total_cpus or len(os.sched_getaffinity(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=devices,
+                       backend_config={"client_resources": {"num_cpus": cpus_per_device, "num_gpus": 0.0},
+                                       "init_args": init_args},
+                       verbose_logging=verbose)

@@ -1,0 +1,54 @@
+"""Flower client mods for the federation tests. They run inside Ray worker processes, so they
+live in an importable module (the tests put this folder on PYTHONPATH) and talk to the test
+through files under ``$OMNIDRAFT_TEST_CAPTURE``."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import uuid
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message
+
+
+def payload_bytes(msg: Message) -> list[bytes]:
+    """Every value a message carries, as bytes (arrays raw, strings UTF-8, numbers repr)."""
+    out = []
+    if msg.has_error():
+        return [msg.error.reason.encode()]
+    for rec in msg.content.array_records.values():
+        out.extend(a.data for a in rec.values())
+    for rec in msg.content.config_records.values():
+        for key, v in rec.items():
+            out.append(key.encode())
+            for item in v if isinstance(v, list) else [v]:
+                out.append(item if isinstance(item, bytes) else str(item).encode())
+    for rec in msg.content.metric_records.values():
+        out.extend(f"{k}={v}".encode() for k, v in rec.items())
+    return out
+
+
+def capture_mod(msg: Message, context, call_next) -> Message:
+    """Record every reply a device sends (with its partition id)."""
+    reply = call_next(msg, context)
+    folder = Path(os.environ["OMNIDRAFT_TEST_CAPTURE"])
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"partition": int(context.node_config["partition-id"]), "type": msg.metadata.message_type,
+              "payload": payload_bytes(reply)}
+    (folder / f"{uuid.uuid4().hex}.pkl").write_bytes(pickle.dumps(record))
+    return reply
+
+
+def poison_mod(msg: Message, context, call_next) -> Message:
+    """Device 0 sends NaN adapters; device 1 crashes in training (a drop-out)."""
+    partition = int(context.node_config["partition-id"])
+    if partition == 1 and msg.metadata.message_type == "train":
+        raise RuntimeError("simulated device crash")
+    reply = call_next(msg, context)
+    if partition == 0 and msg.metadata.message_type == "train" and not reply.has_error():
+        arrays = reply.content["adapter"]
+        reply.content["adapter"] = ArrayRecord(
+            {k: Array(np.full(a.shape, np.nan, dtype=np.float32)) for k, a in arrays.items()})
+    return reply

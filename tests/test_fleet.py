@@ -1,0 +1,370 @@
+"""Federation: aggregation math, the private n-gram release, the registry, reply checks, and an
+end-to-end federation on Flower's Simulation Engine with tiny models (bad updates, privacy
+audit, restart and resume)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from omnidraft.coordinator.aggregation import AggregationConfig, aggregate_target, check_reply
+from omnidraft.coordinator.ngram_release import (
+    NgramRelease, ReleaseConfig, StatsError, decode_stats, encode_stats)
+from omnidraft.coordinator.registry import RegistryError, TargetRegistry
+from omnidraft.shared.adapters import LoraSpec
+from omnidraft.shared.tiny_models import ensure_tiny_fleet
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+@pytest.fixture(autouse=True)
+def _task_identity():
+    """Flower stamps messages with the running task's identity; give hand-made ones a run."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    names = ("_run_id", "_node_id", "_task_id")
+    old = {n: getattr(TaskIdentity, n) for n in names}
+    for n in names:
+        setattr(TaskIdentity, n, 1 if old[n] is None else old[n])
+    yield
+    for n in names:
+        setattr(TaskIdentity, n, old[n])
+
+
+def reply(arrays: dict[str, np.ndarray], weight: float, *, target="t", version=0, node=1, stats=b"") -> Message:
+    msg = Message(RecordDict({
+        "adapter": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+        "metrics": MetricRecord({"trained-tokens": weight, "acceptance": 0.5}),
+        "fleet": ConfigRecord({"target": target, "state-version": version, "ngram-stats": stats}),
+    }), dst_node_id=node, message_type="train")
+    return msg
+
+
+GLOBAL = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.float32)}
+
+
+# -- aggregation ----------------------------------------------------------------------------------
+
+def test_weighted_fedavg_and_robust_methods():
+    ups = [({"a": np.full((2, 3), v, np.float32), "b": np.full(4, v, np.float32)}, w)
+           for v, w in ((1.0, 1), (2.0, 3), (10.0, 1))]
+    avg, metrics = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig())
+    assert np.allclose(avg["a"], (1 + 6 + 10) / 5) and avg["a"].dtype == np.float32
+    assert metrics["acceptance"] == pytest.approx(0.5)
+    med, _ = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig(method="median"))
+    assert np.allclose(med["b"], 2.0)  # the outlier 10 does not move the median
+    clipped, _ = aggregate_target(1, [reply(a, 1) for a, _ in ups], GLOBAL, AggregationConfig(clip_norm=1.0))
+    # each update is clipped to norm 1 around the zero global: 10 elements of 1/sqrt(10)
+    assert np.allclose(clipped["a"], 1 / math.sqrt(10), atol=1e-6)
+
+
+def test_ffa_lora_averaging_is_exact_and_plain_lora_is_not():
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(4, 8)).astype(np.float32)
+    Bs = [rng.normal(size=(8, 4)).astype(np.float32) for _ in range(3)]
+    weights = [1, 2, 5]
+    want = sum(w * B @ A for w, B in zip(weights, Bs)) / sum(weights)  # the average of the updates B·A
+    g = {"A": np.zeros_like(A), "B": np.zeros_like(Bs[0])}
+    ffa, _ = aggregate_target(1, [reply({"A": A, "B": B}, w) for B, w in zip(Bs, weights)], g, AggregationConfig())
+    assert np.allclose(ffa["B"] @ ffa["A"], want, atol=1e-5)
+    As = [rng.normal(size=(4, 8)).astype(np.float32) for _ in range(3)]
+    plain, _ = aggregate_target(1, [reply({"A": a, "B": B}, w) for a, B, w in zip(As, Bs, weights)], g,
+                                AggregationConfig())
+    want_plain = sum(w * B @ a for w, B, a in zip(weights, Bs, As)) / sum(weights)
+    assert not np.allclose(plain["B"] @ plain["A"], want_plain, atol=1e-2)
+
+
+def test_ffa_trains_only_b(tmp_path):
+    from omnidraft.shared.adapters import DrafterAdapters
+    from transformers import AutoModelForCausalLM
+
+    dirs = ensure_tiny_fleet(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(dirs["tiny-drafter"])
+    adapters = DrafterAdapters(model, LoraSpec(rank=2, ffa=True), drafter_weights="hf")
+    adapters.add("x")
+    names = [n for n, p in adapters.peft.named_parameters() if p.requires_grad]
+    assert names and all(".lora_B." in n for n in names)
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda a: {**a, "a": np.full((2, 3), np.nan, np.float32)}, "NaN"),
+    (lambda a: {**a, "a": np.zeros((3, 2), np.float32)}, "expected"),
+    (lambda a: {**a, "a": np.zeros((2, 3), np.float64)}, "expected"),
+    (lambda a: {"a": a["a"]}, "keys differ"),
+    (lambda a: {**a, "x": np.zeros(1, np.float32)}, "keys differ"),
+])
+def test_bad_adapters_are_rejected_with_a_reason(mutate, reason):
+    good = {"a": np.ones((2, 3), np.float32), "b": np.ones(4, np.float32)}
+    assert check_reply(reply(good, 1), "t", 0, GLOBAL, None, AggregationConfig()) is None
+    why = check_reply(reply(mutate(good), 1), "t", 0, GLOBAL, None, AggregationConfig())
+    assert why is not None and reason in why
+
+
+def test_stale_unknown_oversized_and_weightless_replies_are_rejected():
+    good = {"a": np.ones((2, 3), np.float32), "b": np.ones(4, np.float32)}
+    cfg = AggregationConfig()
+    assert "stale" in check_reply(reply(good, 1, version=1), "t", 2, GLOBAL, None, cfg)
+    assert "target" in check_reply(reply(good, 1, target="other"), "t", 0, GLOBAL, None, cfg)
+    assert "exceeds" in check_reply(reply(good, 1), "t", 0, GLOBAL, None, AggregationConfig(max_payload_bytes=16))
+    assert "weight" in check_reply(reply(good, 0), "t", 0, GLOBAL, None, cfg)
+    assert "weight" in check_reply(reply(good, float("inf")), "t", 0, GLOBAL, None, cfg)
+
+
+# -- n-gram release -------------------------------------------------------------------------------
+
+def test_stats_round_trip_and_errors():
+    blob = encode_stats("t", {0, 5, 99}, 100, 3)
+    bits = decode_stats(blob, "t", 100)
+    assert set(np.flatnonzero(bits)) == {0, 5, 99}
+    with pytest.raises(StatsError):
+        decode_stats(blob, "other", 100)
+    with pytest.raises(StatsError):
+        decode_stats(blob, "t", 101)
+    with pytest.raises(StatsError):
+        decode_stats(b"\xff\xff\xff", "t", 100)
+    with pytest.raises(ValueError):
+        encode_stats("t", {100}, 100)
+
+
+def _bitmaps(holders: dict[int, int], devices: int, vocab: int = 50) -> list[np.ndarray]:
+    maps = [np.zeros(vocab, bool) for _ in range(devices)]
+    for token, n in holders.items():
+        for d in range(n):
+            maps[d][token] = True
+    return maps
+
+
+def test_k_threshold_releases_only_entries_enough_devices_hold():
+    rel = NgramRelease(ReleaseConfig(k=5))
+    released, report = rel.release(_bitmaps({1: 5, 2: 4, 3: 9}, 10), np.random.default_rng(0))
+    assert set(released) == {1, 3} and released[3] == 9
+    assert report.reported_ids == 3 and report.released == 2 and math.isinf(report.epsilon)
+
+
+def test_contribution_is_bounded_per_device():
+    rel = NgramRelease(ReleaseConfig(k=1, max_entries_per_device=3))
+    bits = np.ones(40, bool)
+    released, _ = rel.release([bits], np.random.default_rng(0))
+    assert len(released) == 3
+
+
+def test_noise_scale_and_privacy_ledger(tmp_path):
+    cfg = ReleaseConfig(k=1, noise_multiplier=0.5, max_entries_per_device=100)
+    rel = NgramRelease(cfg, tmp_path / "privacy.json")
+    assert rel.sensitivity == 10.0
+    maps = [np.zeros(500, bool) for _ in range(200)]
+    for d, m in enumerate(maps):  # each device holds 100 of 500 tokens: about 40 devices per token
+        m[(np.arange(100) + d * 37) % 500] = True
+    counts = np.sum(maps, axis=0)
+    released, report = rel.release(maps, np.random.default_rng(1))
+    assert report.noise_std == pytest.approx(5.0)
+    ids = np.flatnonzero(counts)
+    assert counts[ids].min() > 20 and len(released) == len(ids)  # far above k: all released
+    noisy = np.array([released[int(t)] for t in ids])
+    assert np.std(noisy - counts[ids]) == pytest.approx(5.0, rel=0.15)
+    eps1 = report.epsilon
+    assert 0 < eps1 < math.inf
+    again = NgramRelease(cfg, tmp_path / "privacy.json")  # the ledger is reloaded from disk
+    assert again.epsilon() == pytest.approx(eps1)
+    _, report2 = again.release(maps, np.random.default_rng(2))
+    assert report2.epsilon > eps1
+
+
+# -- registry -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return ensure_tiny_fleet(tmp_path_factory.mktemp("tiny"))
+
+
+def test_registry_versions_checksums_and_errors(tmp_path, tiny):
+    reg = TargetRegistry(tmp_path / "coord")
+    m0 = reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+    assert m0.version == 0 and reg.names() == ["tiny-target-a"]
+    state = reg.load("tiny-target-a")
+    assert all(torch.count_nonzero(v) == 0 for k, v in state.adapter.items() if "lora_B" in k)
+    assert len(state.cache()) == len(reg.candidates("tiny-target-a")) > 0  # seeded from the tokenizers
+    m1 = reg.commit("tiny-target-a", state.adapter, state.cache(), round_=1, devices=3, tokens=90)
+    assert (m1.version, m1.devices_total, m1.tokens_total) == (1, 3, 90)
+    files = sorted(p.name for p in (tmp_path / "coord" / "targets" / "tiny-target-a").iterdir())
+    assert "adapter-v0.safetensors" not in files and "adapter-v1.safetensors" in files
+    with pytest.raises(RegistryError, match="already registered"):
+        reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]))
+    with pytest.raises(RegistryError, match="unknown target"):
+        reg.load("nope")
+    with pytest.raises(RegistryError, match="bad target name"):
+        reg.register("a b", "x", "y")
+    (tmp_path / "coord" / "targets" / "tiny-target-a" / "adapter-v1.safetensors").write_bytes(b"garbage")
+    with pytest.raises(RegistryError, match="checksum"):
+        reg.load("tiny-target-a")
+
+
+def test_fleet_cli_register_and_status(tmp_path, tiny):
+    from omnidraft.cli import main
+
+    root = str(tmp_path / "c")
+    args = ["fleet", "register-target", "tiny-target-b", "--model", str(tiny["tiny-target-b"]),
+            "--drafter", str(tiny["tiny-drafter"]), "--lora-rank", "2", "--root", root]
+    assert main(args) == 0
+    assert main(args) == 2  # already registered: one-line error
+    assert main(["fleet", "status", "--root", root, "--json"]) == 0
+    assert main(["fleet", "register-target", "x y", "--model", "m", "--root", root]) == 2
+
+
+# -- end to end on Flower's Simulation Engine -------------------------------------------------------
+
+def _scenario(**kw):
+    from omnidraft.simulations.scenario import Scenario
+
+    base = dict(models="tiny", devices=6, rounds=3, prompts_per_device=6, heldout_per_device=2,
+                prompts_per_round=3, max_new_tokens=12, late_joiners=1, lora_rank=2, lr=1e-2,
+                release=ReleaseConfig(k=2))
+    base.update(kw)
+    return Scenario(**base)
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory, tiny):
+    """A 6-device, 3-round federation on two tiny targets; device 0 sends NaN adapters, device 1
+    crashes in training, and every reply a device sends is captured."""
+    import fleet_mods
+    from omnidraft.simulations.scenario import run
+
+    out = tmp_path_factory.mktemp("fed")
+    capture = out / "capture"
+    env = {"OMNIDRAFT_TEST_CAPTURE": str(capture), "OMNIDRAFT_HOME": str(tiny["tiny-drafter"].parents[2]),
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    records = []
+    try:
+        profiles = run(_scenario(), out / "run", records.append, mods=[fleet_mods.capture_mod, fleet_mods.poison_mod])
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    captured = [pickle.loads(p.read_bytes()) for p in capture.glob("*.pkl")]
+    return out / "run", profiles, records, captured
+
+
+def test_federation_rounds_versions_and_bad_updates(federation):
+    out, profiles, records, _ = federation
+    assert sorted({(r["round"], r["target"]) for r in records}) == [
+        (rnd, t) for rnd in (1, 2, 3) for t in ("tiny-target-a", "tiny-target-b")]
+    reasons = " | ".join(x for r in records for x in r["rejected"])
+    assert "NaN" in reasons and "device error" in reasons  # poisoned and crashed devices
+    assert all(r["aggregated"] >= 1 for r in records)  # every round completed with the rest
+    reg = TargetRegistry(out / "coordinator")
+    for t in ("tiny-target-a", "tiny-target-b"):
+        m = reg.manifest(t)
+        assert m.version == 3 and m.round == 3
+        assert np.isfinite(np.concatenate([v.numpy().ravel() for v in reg.load(t).adapter.values()])).all()
+    # devices that never trained (the late joiner at round 3; the crashing device 1 every round)
+    # get a first session with and without the global state, once a trained state exists
+    late = [r for r in records if "new-warm-acceptance" in r]
+    assert any(r["round"] == 3 for r in late) and all(r["round"] > 1 for r in late)
+    assert all(r["new-cold-devices"] == r["new-warm-devices"] >= 1 for r in late)
+    assert records[-1]["downlink-bytes-per-device"] > 0
+    assert json.loads((out / "coordinator" / "coordinator.json").read_text())["round"] == 3
+
+
+def test_privacy_audit_no_local_text_or_token_runs_in_any_payload(federation):
+    out, profiles, _, captured = federation
+    from transformers import AutoTokenizer
+
+    assert captured and {c["type"] for c in captured} >= {"train", "evaluate", "query.status"}
+    payloads = [b for c in captured for b in c["payload"]]
+    blob = b"\x00".join(payloads)
+    texts = []
+    for p in profiles:
+        texts += p.prompts + p.heldout
+        texts += [h["output"] for h in json.loads("[" + ",".join(
+            (Path(p.state_dir) / "history.jsonl").read_text().splitlines()) + "]")] \
+            if (Path(p.state_dir) / "history.jsonl").exists() else []
+    assert any(len(t) >= 8 for t in texts)
+    grams = {t[i:i + 8].encode() for t in texts for i in range(len(t) - 7)}
+    leaked = [g for g in grams if g in blob]
+    assert not leaked, leaked[:3]
+    planted = blob + texts[0][:8].encode()  # the check itself catches a planted leak
+    assert any(g in planted for g in grams)
+    # no run of 4 consecutive local token ids (drafter or target tokenization), in any integer encoding
+    toks = [AutoTokenizer.from_pretrained(profiles[0].drafter)] + [
+        AutoTokenizer.from_pretrained(m) for m in {p.target_model for p in profiles}]
+    runs = set()
+    for tok in toks:
+        for t in texts:
+            ids = tok.encode(t, add_special_tokens=False)
+            for i in range(len(ids) - 3):
+                run = ids[i:i + 4]
+                if len(set(run)) > 1:  # a repeated id (e.g. spaces) is not a run of text
+                    for dt in ("<u2", "<i4", "<i8", "<f4"):
+                        runs.add(np.array(run, dtype=dt).tobytes())
+                    runs.add(bytes(run) if max(run) < 128 else b"")  # protobuf packed varints
+    runs.discard(b"")
+    hits = [r for r in runs if r in blob]
+    assert not hits, len(hits)
+    ids = toks[0].encode(texts[0], add_special_tokens=False)[:4]
+    assert np.array(ids, dtype="<i8").tobytes() in runs or len(set(ids)) == 1
+
+
+def test_device_state_stays_on_the_device(federation):
+    out, profiles, _, _ = federation
+    for p in profiles[2:5]:
+        d = Path(p.state_dir)
+        assert (d / "history.jsonl").is_file() and (d / "global").is_dir()
+        assert (d / "local").is_dir()
+
+
+def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
+    """Kill the coordinator's process (with its Ray workers) after round 1, start again: it runs
+    rounds 2..3 only, from the committed round-1 state."""
+    script = tmp_path / "fed.py"
+    script.write_text(
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from omnidraft.simulations.scenario import Scenario, run\n"
+        "from omnidraft.coordinator.ngram_release import ReleaseConfig\n"
+        "out = Path(sys.argv[1])\n"
+        "s = Scenario(models='tiny', devices=2, rounds=3, prompts_per_device=2, heldout_per_device=1,\n"
+        "             prompts_per_round=2, max_new_tokens=8, lora_rank=2, release=ReleaseConfig(k=1))\n"
+        "def on_round(r):\n"
+        "    with open(out / 'rounds.jsonl', 'a') as f: f.write(json.dumps([r['round'], r['target'], r['version']]) + '\\n')\n"
+        "run(s, out / 'run', on_round)\n")
+    env = {**os.environ, "OMNIDRAFT_HOME": str(tiny["tiny-drafter"].parents[2])}
+    state = tmp_path / "run" / "coordinator" / "coordinator.json"
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if state.exists() and json.loads(state.read_text())["round"] >= 1:
+                break
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_after = json.loads(state.read_text())["round"]
+    assert 1 <= killed_after < 3, "the coordinator was not killed between rounds"
+    seen = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()][len(seen):]
+    assert sorted({r for r, _, _ in after}) == list(range(killed_after + 1, 4))  # finished rounds not rerun
+    reg = TargetRegistry(tmp_path / "run" / "coordinator")
+    assert all(reg.manifest(t).version == 3 for t in reg.names())
