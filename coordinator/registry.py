@@ -123,10 +123,10 @@ class TargetRegistry:
         lora.validate()
         from omnidraft.shared import model_runner  # torch model loading only when registering
 
-        d = model_runner.load(drafter, torch.float32, progress=progress)
         target_path = catalog.resolve(model, progress=progress)
         t_tok = AutoTokenizer.from_pretrained(target_path)
         t_config = AutoConfig.from_pretrained(target_path)
+        d = model_runner.load(drafter, torch.float32, progress=progress)
         t_rows = getattr(t_config.get_text_config(), "vocab_size", None) or len(t_tok)
         bridge = VocabBridge.from_tokenizers(d.tokenizer, t_tok, d.logit_rows, t_rows)
         torch.manual_seed(seed)
