@@ -52,9 +52,8 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         fleet = msg.content["fleet"]
         manifest = receive_state(device, fleet)
         tensors, learned, metrics = device.train_round(int(fleet["round"]))
-        stats = encode_stats(device.profile.target, learned,
-                             device.pool.engine(device.profile.drafter, device.profile.target_model)
-                             .bridge.target_vocab_size, manifest.version)
+        stats = encode_stats(device.profile.target, learned, device.engine.bridge.target_vocab_size,
+                             manifest.version)
         adapter = ArrayRecord({k: v.float() for k, v in tensors.items()})
         metrics["uplink-bytes"] = adapter.count_bytes() + len(stats)
         return Message(RecordDict({

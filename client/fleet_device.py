@@ -28,10 +28,10 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors, save as save_safetensors
+from safetensors.torch import load as load_safetensors
 
 from omnidraft.client.adapt_run import Phase
-from omnidraft.client.device_state import slug
+from omnidraft.client.device_state import sha256 as _sha256, slug
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import fleet_pb2
@@ -48,12 +48,6 @@ HISTORY_FILE = "history.jsonl"
 
 class StateMismatch(ValueError):
     """Global state that does not match its manifest or this device's target (one line)."""
-
-
-def _sha256(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()
 
 
 class EnginePool:
@@ -152,7 +146,12 @@ class FleetDevice:
     def _tokenizer_digest(self) -> str:
         from omnidraft.coordinator.registry import tokenizer_digest
 
-        return tokenizer_digest(self.pool.engine(self.profile.drafter, self.profile.target_model).bridge)
+        return tokenizer_digest(self.engine.bridge)
+
+    @property
+    def engine(self) -> Engine:
+        """This device's (shared, per-process) drafter/target engine."""
+        return self.pool.engine(self.profile.drafter, self.profile.target_model)
 
     # -- taking the global state ----------------------------------------------------------------
     def receive(self, spec: fleet_pb2.TargetSpec, manifest: fleet_pb2.StateManifest,
@@ -192,7 +191,7 @@ class FleetDevice:
         from omnidraft.coordinator.registry import lora_spec
 
         lora = lora_spec(self._spec()) if manifest is not None else None
-        engine = self.pool.engine(self.profile.drafter, self.profile.target_model)
+        engine = self.engine
         adapters = self.pool.adapters(self.profile.drafter, lora)
         engine.cache = NgramCache(drafter=self.profile.drafter, target=self.profile.target)
         adapters.add(self.profile.target)
@@ -276,6 +275,3 @@ class FleetDevice:
                 "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
                 "generated-tokens": out["new_tokens"], "eval-s": time.perf_counter() - t0}
 
-
-def adapter_blob(tensors: dict[str, torch.Tensor]) -> bytes:
-    return save_safetensors({k: v.contiguous() for k, v in tensors.items()})

@@ -28,7 +28,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -142,7 +142,8 @@ class Coordinator:
             if target not in self.registry:
                 skipped.append(f"node {node}: unknown target {target!r}")
                 continue
-            states.setdefault(target, self.registry.load(target))
+            if target not in states:
+                states[target] = self.registry.load(target)
             if status.get("tokenizer-sha256") != states[target].spec.tokenizer_sha256:
                 skipped.append(f"node {node}: tokenizer of {target!r} differs from the registered one")
                 continue

@@ -65,6 +65,8 @@ class Scenario:
             raise ValueError("devices and rounds must be >= 1")
         if self.prompts_per_device < 1 or self.heldout_per_device < 1 or self.prompts_per_round < 1:
             raise ValueError("prompts per device, held-out prompts and prompts per round must be >= 1")
+        if not 0 < self.fraction <= 1:
+            raise ValueError("fraction must be in (0, 1]")
         if not 0 <= self.late_joiners < self.devices:
             raise ValueError("late joiners must be fewer than the devices")
         shares = self.target_shares()
@@ -77,7 +79,7 @@ class Scenario:
         return self.targets or (TINY_TARGETS if self.models == "tiny" else REAL_TARGETS)
 
 
-def _models(scenario: Scenario, out: Path) -> tuple[str, dict[str, str]]:
+def _models(scenario: Scenario) -> tuple[str, dict[str, str]]:
     """(drafter, {target name: model}) for the scenario."""
     if scenario.models == "tiny":
         from omnidraft.shared import catalog
@@ -122,7 +124,7 @@ def assign_targets(shares: dict[str, float], devices: int) -> list[str]:
 def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
     """Register the targets (first run only) and build every device's profile."""
     scenario.validate()
-    drafter, models = _models(scenario, out)
+    drafter, models = _models(scenario)
     registry = TargetRegistry(out / "coordinator")
     for target, model in models.items():
         if target not in registry:
