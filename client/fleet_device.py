@@ -55,7 +55,7 @@ class EnginePool:
     one LoRA adapter per target on it), so a worker holds one copy of each model whatever the
     number of devices it runs."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, drafter_weights: str = "int8") -> None:
+    def __init__(self, dtype: str | torch.dtype = "fp32", drafter_weights: str = "int8") -> None:
         self.dtype = dtype
         self.drafter_weights = drafter_weights
         self._engines: dict[tuple[str, str], Engine] = {}

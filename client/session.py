@@ -19,6 +19,7 @@ from omnidraft.client.online_learner import OnlineConfig, OnlineLearner, UpdateR
 from omnidraft.shared.acceptance_head import AcceptanceHead, GammaTuner
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.decoding import CrossVocabDecoder
+from omnidraft.shared.draft_policy import CostAwareStop
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.training_signal import Intersection, SignalRecorder
@@ -28,7 +29,7 @@ class DeviceSession:
     """One (drafter, target) pair on a device (see the module docstring).
 
     ``learn``: train the adapter online; ``adaptive``: train and use the acceptance head (the
-    confidence rule drafts until the head has trained); ``translate``: the proposal translator;
+    draft-stopping rule of ``config.draft_stop`` drafts until the head has trained); ``translate``: the proposal translator;
     ``grow_cache``: add committed n-grams to the cache (off: the cache stays as loaded).
     """
 
@@ -57,6 +58,7 @@ class DeviceSession:
         self.state = DeviceState(state_dir, self.drafter_name, self.target) if state_dir is not None else None
         self.problems: list[str] = []
         self.last_update: UpdateReport | None = None  # set when a generation triggered an update
+        self.stopper: CostAwareStop | None = None  # this device's cost-aware draft stopping
         if self.state is not None:
             self.load()
 
@@ -67,14 +69,19 @@ class DeviceSession:
     # -- decoding -------------------------------------------------------------------------------
     def decoder(self, gamma: float | None = None) -> CrossVocabDecoder:
         """A decoder with the current adapter (merged into the drafting runner); with ``gamma``
-        the trained acceptance head decides the draft length, else the confidence rule."""
+        the trained acceptance head decides the draft length, else ``config.draft_stop``'s rule
+        (cost-aware by default)."""
         self.adapters.activate(self.target)
         e = self.engine
         head = self.head if gamma is not None and self.head is not None and self.head.ready else None
-        return CrossVocabDecoder(self.adapters.runner(), e.drafter.tokenizer, e.target.model, e.bridge,
+        runner = self.adapters.runner()
+        if self.stopper is None:
+            self.stopper = CostAwareStop(e.cost_profile(runner))
+        return CrossVocabDecoder(runner, e.drafter.tokenizer, e.target_runner, e.bridge,
                                  e.cache, expand_map=e.expand_map, translate=self.translate,
                                  target_tokenizer=e.target.tokenizer, head=head,
-                                 gamma=0.5 if gamma is None else gamma, grow_cache=self.grow_cache)
+                                 gamma=0.5 if gamma is None else gamma, grow_cache=self.grow_cache,
+                                 stopper=self.stopper)
 
     @torch.inference_mode(False)
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,

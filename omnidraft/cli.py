@@ -27,6 +27,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def dtype_arg(sp) -> None:
+    sp.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp64"],
+                    help="target precision; auto = the cheapest verification measured on this machine "
+                         "(measured once, cached under $OMNIDRAFT_HOME/profiles); fp64 = exact-arithmetic "
+                         "reference for checking losslessness (slow)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="omnidraft", description="Cross-vocabulary speculative decoding on the device.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -43,14 +50,19 @@ def _build_parser() -> argparse.ArgumentParser:
     def pair(sp):
         sp.add_argument("--drafter", required=True, help="catalog name or local HF directory")
         sp.add_argument("--target", required=True, help="catalog name or local HF directory")
-        sp.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+        dtype_arg(sp)
         sp.add_argument("--drafter-weights", default="int8", choices=["int8", "bf16", "fp32", "hf"],
                         help="drafter kernels (never changes the output): fast runner in int8/bf16/fp32, "
                              "or the plain transformers forward (hf)")
         sp.add_argument("--max-new-tokens", type=int, default=128)
         sp.add_argument("--k-max", type=int, default=10, help="most drafter tokens per round")
+        sp.add_argument("--draft-stop", default="auto", choices=["auto", "cost", "confidence"],
+                        help="when drafting stops: cost = most expected tokens per second from this "
+                             "machine's measured costs and the measured acceptance; confidence = the "
+                             "--confidence threshold; auto = cost (confidence where no profile exists)")
         sp.add_argument("--confidence", type=float, default=0.4,
-                        help="stop drafting when the drafter's top probability falls below this")
+                        help="with --draft-stop confidence: stop drafting when the drafter's top "
+                             "probability falls below this")
         sp.add_argument("--translate", default="text", choices=["text", "ngram"],
                         help="drafted block -> target tokens: the target tokenizer on the drafted "
                              "text (default) or the paper's n-gram-cache merge with the direct map")
@@ -100,7 +112,7 @@ def _build_parser() -> argparse.ArgumentParser:
     drift.add_argument("--drafter", required=True)
     drift.add_argument("--stream", required=True,
                        help="phases TARGET:DATASET:PROMPTS,... (dataset: humaneval, pydoc or a JSONL file)")
-    drift.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+    dtype_arg(drift)
     drift.add_argument("--drafter-weights", default="int8", choices=["int8", "bf16", "fp32", "hf"])
     drift.add_argument("--translate", default="ngram", choices=["text", "ngram"])
     drift.add_argument("--max-new-tokens", type=int, default=64)
@@ -111,9 +123,11 @@ def _build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="measure target and drafter forward costs on this machine")
     prof.add_argument("--drafter", required=True)
     prof.add_argument("--target", required=True)
-    prof.add_argument("--dtype", default="bf16", choices=["auto", "bf16", "fp32"])
+    dtype_arg(prof)
     prof.add_argument("--drafter-weights", default="int8", choices=["int8", "bf16", "fp32", "hf"])
-    prof.add_argument("--blocks", default="1,2,4,8,16", help="target block sizes in tokens")
+    prof.add_argument("--blocks", default=None,
+                      help="target block sizes in tokens (default: the decoder's profile, 1..16)")
+    prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
     prof.add_argument("--json", action="store_true")
 
     fleet = sub.add_parser("fleet", help="the coordinator's target registry")
@@ -170,27 +184,45 @@ def _fleet(args) -> int:
 
 def _profile(args) -> int:
     from omnidraft.shared import profiling
-    from omnidraft.shared.bench import cpu_name
     from omnidraft.shared.engine import Engine
-    from omnidraft.shared.model_runner import ModelRunner, resolve_dtype
+    from omnidraft.shared.precision import runner_backend
 
-    try:
-        blocks = sorted({int(b) for b in args.blocks.split(",") if b.strip()})
-    except ValueError:
-        raise UsageError("omnidraft profile: --blocks takes comma-separated integers") from None
-    if not blocks or blocks[0] < 1:
-        raise UsageError("omnidraft profile: block sizes must be >= 1")
-    dtype = resolve_dtype(args.dtype)
-    engine = Engine.load(args.drafter, args.target, dtype, drafter_weights=args.drafter_weights)
-    costs = profiling.measure_costs(ModelRunner(engine.target.model), engine.drafter_runner, blocks)
-    report = {"cpu": cpu_name(), "dtype": str(dtype).replace("torch.", ""), **costs}
+    blocks = profiling.PROFILE_BLOCKS
+    if args.blocks is not None:
+        try:
+            blocks = tuple(sorted({int(b) for b in args.blocks.split(",") if b.strip()}))
+        except ValueError:
+            raise UsageError("omnidraft profile: --blocks takes comma-separated integers") from None
+        if not blocks or blocks[0] < 1:
+            raise UsageError("omnidraft profile: block sizes must be >= 1")
+    auto = None
+    if args.dtype == "auto":
+        precision, costs = profiling.choose_precision(args.target, refresh=args.refresh)
+        auto = {"chosen": precision, "score_ms": {p: round(profiling.verification_score(c), 2)
+                                                  for p, c in costs.items()}}
+    engine = Engine.load(args.drafter, args.target, auto["chosen"] if auto else args.dtype,
+                         drafter_weights=args.drafter_weights)
+    target = engine.target_runner
+    target_ms = profiling.target_costs(target, engine.target.path, engine.precision, runner_backend(target),
+                                       blocks=blocks, refresh=args.refresh)
+    drafter_ms = profiling.drafter_cost(engine.drafter_runner, engine.drafter.path,
+                                        runner_backend(engine.drafter_runner), refresh=args.refresh)
+    report = {"cpu": profiling.cpu_name(), "cpu_capability": profiling.machine_fingerprint()["capability"],
+              "threads": profiling.machine_fingerprint()["threads"], "dtype": engine.precision,
+              "target_backend": runner_backend(target), "drafter_backend": runner_backend(engine.drafter_runner),
+              "target_ms": {str(b): round(ms, 3) for b, ms in target_ms.items()},
+              "drafter_ms_per_token": round(drafter_ms, 3), "auto": auto}
     if args.json:
         print(json.dumps(report))
-    else:
-        print(f"cpu: {report['cpu']}  dtype: {report['dtype']}")
-        for b, ms in costs["target_ms"].items():
-            print(f"target forward, {b:>3} new tokens: {ms:8.1f} ms")
-        print(f"drafter step (1 token):         {costs['drafter_ms_per_token']:8.1f} ms")
+        return 0
+    print(f"cpu: {report['cpu']} ({report['cpu_capability']}, {report['threads']} threads)")
+    if auto:
+        print("auto: " + ", ".join(f"{p} {ms:.1f} ms" for p, ms in auto["score_ms"].items())
+              + f" (1-token step + 4-token block) -> {auto['chosen']}")
+    print(f"target {engine.precision} ({report['target_backend']}):")
+    for b, ms in target_ms.items():
+        print(f"  forward of {b:>3} new tokens: {ms:8.1f} ms  ({ms / b:6.1f} ms/token)")
+    print(f"drafter step ({report['drafter_backend']}): {drafter_ms:.2f} ms/token")
     return 0
 
 
@@ -220,7 +252,8 @@ def _config(args):
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=getattr(args, "temperature", 0.0),
         top_p=getattr(args, "top_p", 1.0), seed=getattr(args, "seed", None),
-        stop_strings=tuple(getattr(args, "stop", ())), k_max=args.k_max, confidence=args.confidence)
+        stop_strings=tuple(getattr(args, "stop", ())), k_max=args.k_max, confidence=args.confidence,
+        draft_stop=getattr(args, "draft_stop", "auto"))
     try:
         config.validate()
     except ValueError as exc:
@@ -233,9 +266,8 @@ def _config(args):
 
 def _engine(args):
     from omnidraft.shared.engine import Engine
-    from omnidraft.shared.model_runner import resolve_dtype
 
-    return Engine.load(args.drafter, args.target, resolve_dtype(args.dtype),
+    return Engine.load(args.drafter, args.target, args.dtype,
                        drafter_weights=args.drafter_weights, seed_cache=args.seed_cache)
 
 
@@ -281,6 +313,11 @@ def _bench(args) -> int:
     if unknown or not methods:
         raise UsageError(f"omnidraft bench: unknown method(s) {', '.join(unknown) or '(none)'}; "
                          f"choose from {', '.join(bench.METHODS)}")
+    if "llamacpp" in methods and bench.llamacpp_missing():
+        print(f"note: skipping llamacpp: {bench.llamacpp_missing()}", file=sys.stderr)
+        methods.remove("llamacpp")
+        if not methods:
+            raise UsageError("omnidraft bench: no method left to run")
     if args.limit is not None and args.limit < 1:
         raise UsageError("omnidraft bench: --limit must be >= 1")
     config = _config(args)
@@ -340,7 +377,6 @@ def _adapt(args) -> int:
 
 def _drift(args) -> int:
     from omnidraft.client import drift_run
-    from omnidraft.shared.model_runner import resolve_dtype
 
     config = _config(args)
     try:
@@ -350,7 +386,7 @@ def _drift(args) -> int:
         raise UsageError(f"omnidraft drift: {exc}") from None
     if args.plot:
         _require_matplotlib("drift")
-    report = drift_run.run_drift(args.drafter, phases, config, resolve_dtype(args.dtype),
+    report = drift_run.run_drift(args.drafter, phases, config, args.dtype,
                                  drafter_weights=args.drafter_weights, translate=args.translate)
     for label, means in report["phase_means"].items():
         cells = [f"{m['tokens_per_target_call']['first_half']:.2f} -> {m['tokens_per_target_call']['second_half']:.2f}"

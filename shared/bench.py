@@ -5,6 +5,9 @@
   ``tokenizer`` and ``assistant_tokenizer``), the drafter as assistant.
 - ``pld``: transformers' prompt lookup decoding (``prompt_lookup_num_tokens``).
 - ``omnidraft``: cross-vocabulary speculative decoding (this project).
+- ``llamacpp``: the target's original GGUF (Q4_K_M) alone in llama.cpp (``llama-cpp-python``,
+  the optional ``[llamacpp]`` extra), greedy, same prompt ids and threads: what an edge user
+  would otherwise run. Skipped with a note when the package is not installed.
 
 Methods are interleaved per prompt so that drifting machine load hits them alike. Each
 method is warmed up once before timing. Greedy outputs are compared token by token with
@@ -14,8 +17,8 @@ method is warmed up once before timing. Greedy outputs are compared token by tok
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,8 +28,10 @@ from tqdm import tqdm
 
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.precision import runner_backend
+from omnidraft.shared.profiling import cpu_name
 
-METHODS = ("ar", "uag", "pld", "omnidraft")
+METHODS = ("ar", "uag", "pld", "omnidraft", "llamacpp")
 PLD_TOKENS = 10
 
 
@@ -77,8 +82,46 @@ def load_prompts(dataset: str, limit: int | None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
+def llamacpp_missing() -> str | None:
+    """Why the ``llamacpp`` method cannot run here, or None."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install 'omnidraft-fleet[llamacpp]'; it builds llama.cpp from source)"
+    return None
+
+
+def _llamacpp_runner(engine: Engine, max_new_tokens: int) -> Callable[[str], dict]:
+    from llama_cpp import Llama
+
+    from omnidraft.shared import catalog
+
+    if engine.target_name not in catalog.CATALOG:
+        raise ValueError("the llamacpp method needs a catalog target (it runs the catalog's GGUF file)")
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=str(catalog.gguf_path(engine.target_name)), n_ctx=4096, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    eos = engine.bridge.target_stop_ids
+
+    def run(prompt: str) -> dict:
+        _, ids = engine.prompt_ids(prompt)
+        new: list[int] = []
+        t0 = time.perf_counter()
+        llm.reset()  # no prompt-prefix reuse across prompts (our decoders prefill every prompt too)
+        for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            if tok in eos:
+                break
+            new.append(int(tok))
+            if len(new) >= max_new_tokens:
+                break
+        wall = time.perf_counter() - t0
+        return {"token_ids": new, "wall_s": wall, "new_tokens": len(new),
+                "acceptance_rate": None, "tokens_per_target_call": None}
+
+    return run
+
+
 def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[str], dict]:
     target, drafter = engine.target, engine.drafter
+    target_model = engine.hf_target_model()
     extra: dict = {}
     if method == "uag":
         extra = dict(assistant_model=drafter.model, tokenizer=target.tokenizer,
@@ -92,7 +135,7 @@ def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[st
         _, ids = engine.prompt_ids(prompt)
         input_ids = torch.tensor([ids])
         t0 = time.perf_counter()
-        out = target.model.generate(
+        out = target_model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **extra)
         wall = time.perf_counter() - t0
@@ -129,11 +172,14 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
               translate: str = "text", progress: bool = True, session=None) -> dict:
     """Run every method on every prompt; return the JSON-able report. With ``session``
     (``omnidraft.client.session.DeviceSession``), ``omnidraft`` decodes with its learned state."""
-    runners = {
-        m: (_engine_runner(engine, m, config, translate, session) if m in ("ar", "omnidraft")
-            else _hf_runner(engine, m, config.max_new_tokens))
-        for m in methods
-    }
+    def runner(m: str) -> Callable[[str], dict]:
+        if m in ("ar", "omnidraft"):
+            return _engine_runner(engine, m, config, translate, session)
+        if m == "llamacpp":
+            return _llamacpp_runner(engine, config.max_new_tokens)
+        return _hf_runner(engine, m, config.max_new_tokens)
+
+    runners = {m: runner(m) for m in methods}
     for run in runners.values():  # warm-up (first-call allocations, kernel selection)
         run("def hello_world():\n")
     rows = []
@@ -159,25 +205,30 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
             entry["ngram_hits"] = sum(s["ngram_hits"] for s in st)
             entry["drafter_steps"] = sum(s["drafter_steps"] for s in st)
         summary[m] = entry
-    if "ar" in summary:
+    for base in ("ar", "llamacpp"):
+        if base in summary and summary[base]["tokens_per_s"]:
+            for entry in summary.values():
+                entry[f"speedup_vs_{base}"] = (entry["tokens_per_s"] / summary[base]["tokens_per_s"]
+                                               if entry["tokens_per_s"] else None)
+    if "ar" in summary and config.greedy:
         for m, entry in summary.items():
-            if summary["ar"]["tokens_per_s"] and entry["tokens_per_s"]:
-                entry["speedup_vs_ar"] = entry["tokens_per_s"] / summary["ar"]["tokens_per_s"]
-            if config.greedy:
-                same = [r["methods"][m]["token_ids"] == r["methods"]["ar"]["token_ids"] for r in rows]
-                entry["identical_to_ar"] = all(same)
-                entry["identical_prompts"] = sum(same)
+            same = [r["methods"][m]["token_ids"] == r["methods"]["ar"]["token_ids"] for r in rows]
+            entry["identical_to_ar"] = all(same)
+            entry["identical_prompts"] = sum(same)
     return {
         "config": {
             "drafter": str(engine.drafter.path), "target": str(engine.target.path),
-            "dtype": str(next(engine.target.model.parameters()).dtype).replace("torch.", ""),
-            "drafter_backend": getattr(session.adapters.runner() if session is not None else engine.drafter_runner,
-                                       "backend", "transformers"),
+            "dtype": engine.precision, "target_backend": runner_backend(engine.target_runner),
+            "drafter_backend": runner_backend(session.adapters.runner() if session is not None
+                                              else engine.drafter_runner),
+            "draft_stop": config.draft_stop,
+            "cost_profile": engine.cost_profile().to_dict() if "omnidraft" in methods else None,
             "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
             "k_max": config.k_max, "confidence": config.confidence, "translate": translate,
             "prompts": len(prompts),
             "methods": methods, "threads": torch.get_num_threads(),
-            "cpu": cpu_name(), "torch": torch.__version__,
+            "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__,
             "cache_entries_end": len(engine.cache),
             "state_dir": str(session.state.dir) if session is not None and session.state else None,
         },
@@ -188,20 +239,11 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
     }
 
 
-def cpu_name() -> str:
-    """The CPU model name from /proc/cpuinfo, or platform.processor() elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def format_table(report: dict) -> str:
     """A plain-text table of the per-method summary."""
-    header = f"{'method':<10} {'tok/s':>7} {'speedup':>8} {'accept':>7} {'tok/call':>9} {'identical':>10}"
+    vs_llama = any(e.get("speedup_vs_llamacpp") for e in report["methods"].values())
+    header = (f"{'method':<10} {'tok/s':>7} {'speedup':>8} " + (f"{'vs llama':>9} " if vs_llama else "")
+              + f"{'accept':>7} {'tok/call':>9} {'identical':>10}")
     lines = [header, "-" * len(header)]
     n = report["config"]["prompts"]
 
@@ -210,6 +252,7 @@ def format_table(report: dict) -> str:
 
     for m, e in report["methods"].items():
         ident = "-" if e["identical_to_ar"] is None else f"{e.get('identical_prompts', 0)}/{n}"
-        lines.append(f"{m:<10} {fmt(e['tokens_per_s'], '7.2f')} {fmt(e['speedup_vs_ar'], '7.2f')}x "
+        vs = f"{fmt(e.get('speedup_vs_llamacpp'), '8.2f')}x " if vs_llama else ""
+        lines.append(f"{m:<10} {fmt(e['tokens_per_s'], '7.2f')} {fmt(e['speedup_vs_ar'], '7.2f')}x {vs}"
                      f"{fmt(e['acceptance_rate'], '7.2f')} {fmt(e['tokens_per_target_call'], '9.2f')} {ident:>10}")
     return "\n".join(lines)

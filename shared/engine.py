@@ -1,19 +1,26 @@
 """Assemble a drafter/target pair into ready-to-use decoders.
 
-``Engine.load("smollm2-135m", "qwen2.5-coder-1.5b", dtype)`` loads both models (catalog names
-or local HF directories), builds the vocabulary bridge, the one-to-many expansion map and an
-n-gram cache, and hands out the ``ar`` and ``omnidraft`` decoders over the same weights.
+``Engine.load("smollm2-135m", "qwen2.5-coder-1.5b", "int8")`` loads both models (catalog names
+or local HF directories), runs the target in the given precision (``omnidraft.shared.precision``;
+``auto`` measures), builds the vocabulary bridge, the one-to-many expansion map and an n-gram
+cache, and hands out the ``ar`` and ``omnidraft`` decoders over one target runner. The
+machine's measured costs (``cost_profile``) drive the ``omnidraft`` decoder's draft length.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
-from omnidraft.shared import model_runner
+from omnidraft.shared import catalog, model_runner, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.draft_policy import CostAwareStop
+from omnidraft.shared.precision import (
+    build_target_runner, load_dtype, precision_name, quantize_linear_int8, runner_backend,
+)
+from omnidraft.shared.profiling import CostProfile
 from omnidraft.shared.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.fast_drafter import FastLlamaRunner
 from omnidraft.shared.model_runner import LoadedModel, ModelRunner
@@ -48,29 +55,66 @@ class Engine:
     drafter_name: str = ""
     target_name: str = ""
     drafter_weights: str = "int8"
+    precision: str = "fp32"
+    _profile: CostProfile | None = field(default=None, repr=False)
+    _stopper: CostAwareStop | None = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, drafter: str, target: str, dtype: torch.dtype = torch.float32, *,
+    def load(cls, drafter: str, target: str, precision: str | torch.dtype = "fp32", *,
              drafter_weights: str = "int8", cache: NgramCache | None = None,
              seed_cache: bool = False, progress: bool = True,
              drafter_model: LoadedModel | None = None) -> "Engine":
-        """Load a pair. ``dtype`` is the target's; ``drafter_weights`` picks the drafter's
-        kernels (``int8``/``bf16``/``fp32`` through ``FastLlamaRunner`` for Llama-architecture
-        drafters, ``hf`` for the plain transformers forward in ``dtype``). The drafter's
-        precision never changes the output, only what it proposes. ``drafter_model`` reuses an
-        already loaded drafter (one drafter serving several targets)."""
+        """Load a pair. ``precision`` is the target's (``auto``/``fp32``/``bf16``/``int8`` or a
+        torch float dtype); ``drafter_weights`` picks the drafter's kernels (``int8``/``bf16``/
+        ``fp32`` through ``FastLlamaRunner`` for Llama-architecture drafters, ``hf`` for the plain
+        transformers forward in the target's float dtype). The drafter's precision never changes
+        the output, only what it proposes. ``drafter_model`` reuses an already loaded drafter
+        (one drafter serving several targets)."""
         if drafter_weights not in DRAFTER_WEIGHTS:
             raise ValueError(f"unknown drafter weights {drafter_weights!r}: choose one of {', '.join(DRAFTER_WEIGHTS)}")
+        precision = precision_name(precision)
         model_runner.set_threads()
+        if drafter_model is None:
+            catalog.resolve(drafter, progress=progress)  # a bad name fails before any measuring
+        if precision == "auto":
+            precision, _ = profiling.choose_precision(target, progress=progress)
         fast = drafter_weights != "hf"  # the fast runners pack from float32 weights
-        d = drafter_model or model_runner.load(drafter, torch.float32 if fast else dtype, progress=progress)
-        t = model_runner.load(target, dtype, progress=progress)
+        d = drafter_model or model_runner.load(drafter, torch.float32 if fast else load_dtype(precision),
+                                               progress=progress)
+        t = model_runner.load(target, load_dtype(precision), progress=progress)
         bridge = VocabBridge.from_tokenizers(d.tokenizer, t.tokenizer, d.logit_rows, t.logit_rows)
         engine = cls(d, t, bridge, cache if cache is not None else NgramCache(),
-                     build_expand_map(bridge, t.tokenizer), drafter, target, drafter_weights)
+                     build_expand_map(bridge, t.tokenizer), drafter, target, drafter_weights, precision)
+        engine.target_runner  # noqa: B018  (quantize / pack the target now, not in the first request)
         if seed_cache:
             engine.seed_cache()
         return engine
+
+    @cached_property
+    def target_runner(self):
+        """The one runner both decoders verify / decode with (``precision``'s kernels)."""
+        return build_target_runner(self.target.model, self.precision)
+
+    def hf_target_model(self) -> torch.nn.Module:
+        """The transformers target in this engine's precision, for transformers' own
+        ``generate`` (``uag``/``pld`` in the benchmark): with int8 its Linear layers are
+        quantized in place (fbgemm) on first use."""
+        runner = self.target_runner  # a fast runner packs from the float weights first
+        if self.precision == "int8":
+            return quantize_linear_int8(self.target.model)
+        return getattr(runner, "model", self.target.model)
+
+    def cost_profile(self, drafter_runner=None) -> CostProfile:
+        """This machine's measured costs for the pair (cached on disk per machine, model and
+        precision; measured on first use). ``drafter_runner`` is the runner that drafts
+        (default: the base drafter's)."""
+        if self._profile is None:
+            runner = drafter_runner if drafter_runner is not None else self.drafter_runner
+            target_ms = profiling.target_costs(self.target_runner, self.target.path, self.precision,
+                                               runner_backend(self.target_runner))
+            drafter_ms = profiling.drafter_cost(runner, self.drafter.path, runner_backend(runner))
+            self._profile = CostProfile(target_ms, drafter_ms)
+        return self._profile
 
     @cached_property
     def drafter_runner(self) -> ModelRunner | FastLlamaRunner:
@@ -95,12 +139,15 @@ class Engine:
         return prompt, tok.encode(prompt)
 
     def ar(self) -> TargetOnlyDecoder:
-        return TargetOnlyDecoder(self.target.model, self.bridge)
+        return TargetOnlyDecoder(self.target_runner, self.bridge)
 
     def omnidraft(self, translate: str = "text") -> CrossVocabDecoder:
-        return CrossVocabDecoder(self.drafter_runner, self.drafter.tokenizer, self.target.model,
+        if self._stopper is None:
+            self._stopper = CostAwareStop(self.cost_profile())
+        return CrossVocabDecoder(self.drafter_runner, self.drafter.tokenizer, self.target_runner,
                                  self.bridge, self.cache, expand_map=self.expand_map,
-                                 translate=translate, target_tokenizer=self.target.tokenizer)
+                                 translate=translate, target_tokenizer=self.target.tokenizer,
+                                 stopper=self._stopper)
 
     def generate(self, prompt: str, config: GenerationConfig, method: str = "omnidraft",
                  chat: bool = False, translate: str = "text") -> GenerationResult:

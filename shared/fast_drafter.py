@@ -60,6 +60,8 @@ import torch
 import torch.nn.functional as F
 
 WEIGHT_KINDS = ("fp32", "bf16", "int8")
+# Llama and Qwen2 share the decoder (Qwen2 adds biases to q/k/v, which the runner folds in)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 _NATIVE_SRC = r'''
 // Native decode step for FastLlamaRunner's int8 weights (x86-64 AVX-512 VNNI).
@@ -667,8 +669,11 @@ class FastLlamaRunner:
         if weights not in WEIGHT_KINDS:
             raise ValueError(f"unknown weights kind {weights!r}: choose one of {', '.join(WEIGHT_KINDS)}")
         config = model.config
-        if getattr(config, "model_type", "llama") != "llama":
-            raise ValueError(f"FastLlamaRunner supports Llama-architecture models, not {config.model_type!r}")
+        if getattr(config, "model_type", "llama") not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"FastLlamaRunner supports Llama-architecture models ({', '.join(SUPPORTED_MODEL_TYPES)}), "
+                             f"not {config.model_type!r}")
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+            raise ValueError("FastLlamaRunner supports full attention only (no sliding-window layers)")
         decoder = model.model
         self.config = config
         self.weights = weights

@@ -9,12 +9,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+DRAFT_STOPS = ("auto", "cost", "confidence")
+
+
 @dataclass
 class GenerationConfig:
     """Decoding parameters.
 
-    ``temperature`` 0 means greedy. ``k_max`` bounds drafter tokens per round; drafting stops
-    early when the drafter's probability of its own token falls below ``confidence``.
+    ``temperature`` 0 means greedy. ``k_max`` bounds drafter tokens per round. ``draft_stop``
+    decides when drafting stops earlier: ``cost`` maximizes expected tokens per second from the
+    machine's measured costs and the measured acceptance (``omnidraft.shared.draft_policy``);
+    ``confidence`` stops when the drafter's probability of its own token falls below
+    ``confidence``; ``auto`` is ``cost`` where the decoder has a cost profile, else ``confidence``.
     """
 
     max_new_tokens: int = 128
@@ -24,6 +30,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     k_max: int = 10
     confidence: float = 0.4
+    draft_stop: str = "auto"
 
     def validate(self) -> None:
         """Raise ValueError with a one-line message for out-of-range parameters."""
@@ -37,6 +44,8 @@ class GenerationConfig:
             raise ValueError("k_max must be >= 1")
         if not 0 <= self.confidence <= 1:
             raise ValueError("confidence must be in [0, 1]")
+        if self.draft_stop not in DRAFT_STOPS:
+            raise ValueError(f"draft_stop must be one of {', '.join(DRAFT_STOPS)}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
 

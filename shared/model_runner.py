@@ -16,32 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from omnidraft.shared import catalog
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """Map a CLI dtype name (``fp32``/``bf16``/``auto``) to a torch dtype.
-
-    ``auto`` picks bf16 where the CPU has native bf16 matrix instructions (AMX or
-    AVX512-BF16) and fp32 elsewhere (bf16 is emulated and slow on AVX2-only CPUs).
-    """
-    if name == "auto":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}: choose one of auto, {', '.join(DTYPES)}") from None
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16 (Linux only; False elsewhere)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 @dataclass
 class LoadedModel:
     """A causal LM with its tokenizer and the directory it came from."""

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--translate", default="ngram", choices=["ngram", "text"])
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "int8"],
+                   help="target precision (int8: the native int8 runtime where the CPU has AVX-512 VNNI)")
     p.add_argument("--aggregation", default="fedavg", choices=["fedavg", "median", "trimmed"])
     p.add_argument("--clip-norm", type=float, default=None, help="L2 bound on each device's adapter update")
     p.add_argument("--k", type=int, default=5, help="devices that must hold an n-gram before it is released")

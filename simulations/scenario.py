@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from omnidraft.client.client_app import make_client_app
 from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
@@ -154,7 +153,7 @@ def device_factory(profiles: list[DeviceProfile], dtype: str, drafter_weights: s
     def device_for(context) -> FleetDevice:
         key = (dtype, drafter_weights)
         if key not in _POOLS:
-            _POOLS[key] = EnginePool({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], drafter_weights)
+            _POOLS[key] = EnginePool(dtype, drafter_weights)
         return FleetDevice(profiles[int(context.node_config["partition-id"])], _POOLS[key])
 
     return device_for

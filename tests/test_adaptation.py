@@ -118,7 +118,7 @@ def pair_dir(tmp_path_factory):
 
 
 def _engine(pair_dir):
-    return Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), torch.float32,
+    return Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64",
                        drafter_weights="fp32", progress=False)
 
 
@@ -274,7 +274,7 @@ def test_adapt_command_end_to_end(pair_dir, tmp_path, capsys):
     data = _jsonl(tmp_path / "p.jsonl", PROMPTS[:6])
     out, plot, state = tmp_path / "a.json", tmp_path / "a.png", tmp_path / "state"
     pair = ["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
-            "--dtype", "fp32", "--drafter-weights", "fp32", "--max-new-tokens", "8"]
+            "--dtype", "fp64", "--drafter-weights", "fp32", "--max-new-tokens", "8"]
     rc = main(["adapt", *pair, "--dataset", data, "--train-fraction", "0.67", "--interval", "2",
                "--lr", "1e-2", "--state-dir", str(state), "--out", str(out), "--plot", str(plot)])
     assert rc == 0
@@ -299,7 +299,7 @@ def test_adapt_ablation_and_drift_commands(pair_dir, tmp_path):
 
     data = _jsonl(tmp_path / "p.jsonl", PROMPTS[:6])
     pair = ["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
-            "--dtype", "fp32", "--drafter-weights", "fp32", "--max-new-tokens", "8"]
+            "--dtype", "fp64", "--drafter-weights", "fp32", "--max-new-tokens", "8"]
     out = tmp_path / "ab.json"
     assert main(["adapt", *pair, "--dataset", data, "--train-fraction", "0.67", "--interval", "2",
                  "--ablation", "--out", str(out)]) == 0
@@ -312,7 +312,7 @@ def test_adapt_ablation_and_drift_commands(pair_dir, tmp_path):
     target = str(pair_dir / "target")
     out = tmp_path / "drift.json"
     assert main(["drift", "--drafter", str(pair_dir / "drafter"), "--stream", f"{target}:{data}:3,{target}:{other}:3",
-                 "--dtype", "fp32", "--drafter-weights", "fp32", "--max-new-tokens", "8",
+                 "--dtype", "fp64", "--drafter-weights", "fp32", "--max-new-tokens", "8",
                  "--out", str(out), "--plot", str(tmp_path / "drift.png")]) == 0
     drift = json.loads(out.read_text())
     assert set(drift["runs"]) == {"with cache", "without cache"}

@@ -72,7 +72,7 @@ def test_bench_rejects_malformed_jsonl(capsys, tmp_path):
 
 def test_generate_json_contract_and_identity(capsys, tiny_dirs):
     drafter, target = tiny_dirs
-    common = ["generate", "--drafter", str(drafter), "--target", str(target), "--dtype", "fp32",
+    common = ["generate", "--drafter", str(drafter), "--target", str(target), "--dtype", "fp64",
               "--prompt", "def alpha_3(beta, gamma):\n", "--max-new-tokens", "24", "--json"]
     code, out, _ = run(capsys, *common)
     assert code == 0
@@ -94,7 +94,7 @@ def test_bench_writes_report(capsys, tiny_dirs, tmp_path):
     data.write_text("\n".join(json.dumps({"prompt": p}) for p in
                               ["def beta_1(alpha, total):\n", "def count_2(items, value):\n    "]) + "\n")
     out_file = tmp_path / "report.json"
-    code, out, _ = run(capsys, "bench", "--drafter", str(drafter), "--target", str(target), "--dtype", "fp32",
+    code, out, _ = run(capsys, "bench", "--drafter", str(drafter), "--target", str(target), "--dtype", "fp64",
                        "--dataset", str(data), "--max-new-tokens", "16", "--methods", "ar,pld,omnidraft",
                        "--out", str(out_file))
     assert code == 0

@@ -1,0 +1,245 @@
+"""The CPU runtime: target precisions, greedy identity per precision, the native int8 target's
+block invariance, the cached cost profile and the cost-aware draft stopping (tiny models)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from omnidraft.shared import fast_drafter, profiling
+from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.draft_policy import CostAwareStop
+from omnidraft.shared.engine import Engine
+from omnidraft.shared.fast_drafter import FastLlamaRunner, native_library
+from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.model_runner import ModelRunner
+from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.precision import build_target_runner, precision_name, quantize_linear_int8
+from omnidraft.shared.profiling import CostProfile
+from omnidraft.shared.tiny_models import build_pair
+from omnidraft.shared.vocab_bridge import VocabBridge
+
+HAS_NATIVE = native_library() is not None
+PROMPTS = [
+    "def alpha_3(beta, gamma):\n",
+    "def items_9(count, result):\n    items = count // result\n",
+    "\n\ndef",
+    "def delta_0(total, items):\n    \"\"\"Return total * items.\"\"\"\n    delta = total",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_pair()
+
+
+@pytest.fixture(scope="module")
+def bridge(pair):
+    return VocabBridge.from_tokenizers(pair.draft_tokenizer, pair.target_tokenizer,
+                                       pair.drafter.config.vocab_size, pair.target.config.vocab_size)
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, rope_theta=1_000_000.0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            else:
+                param.normal_(0.0, 0.08)
+    return model.eval().requires_grad_(False)
+
+
+def test_qwen2_runs_on_the_fast_runner_and_matches_transformers():
+    model = tiny_qwen2()
+    assert any(m.bias is not None for m in model.modules() if isinstance(m, torch.nn.Linear))
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = ModelRunner(model)
+    ref.reset()
+    expected = ref.forward(ids)
+    fast = FastLlamaRunner(model, weights="fp32", max_positions=128)
+    fast.reset()
+    got = torch.cat([fast.forward(ids[:30]), fast.forward(ids[30:34]), *[fast.forward([t]) for t in ids[34:]]])
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native int8 kernels need AVX-512 VNNI and gcc")
+@pytest.mark.parametrize("make", [tiny_qwen2, lambda: copy.deepcopy(build_pair().target)], ids=["qwen2", "llama"])
+def test_native_int8_block_verification_is_bit_identical_to_single_steps(make):
+    """Each row of a block is computed alone (per-token scales, exact int32 sums): a k-token
+    verification gives exactly the logits of k one-token steps, whatever k."""
+    runner = build_target_runner(make(), "int8")
+    assert runner.backend == "native-int8" and runner.prefill_weights is None
+    ids = [5 + (7 * i) % 250 for i in range(60)]
+    runner.reset()
+    runner.forward(ids[:40])
+    for block in (2, 3, 5, 8, 16):
+        runner.crop(40)
+        together = runner.forward(ids[40:40 + block])
+        runner.crop(40)
+        alone = torch.cat([runner.forward([t]) for t in ids[40:40 + block]])
+        assert torch.equal(together, alone), block
+
+
+def _decoders(pair, bridge, runner, stopper=None, translate="text"):
+    spd = CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, runner, bridge, NgramCache(),
+                            expand_map=build_expand_map(bridge, pair.target_tokenizer), translate=translate,
+                            target_tokenizer=pair.target_tokenizer, stopper=stopper)
+    return spd, TargetOnlyDecoder(runner, bridge)
+
+
+@pytest.mark.parametrize("precision", ["fp64", "int8"])
+@pytest.mark.parametrize("draft_stop", ["confidence", "cost"])
+def test_greedy_identity_per_precision(pair, bridge, precision, draft_stop):
+    """Greedy speculative output equals the target alone run in the same precision. fp64 is the
+    exact-arithmetic reference; int8 is exact where the native kernels run (fbgemm's per-tensor
+    activation scales make a block's rows depend on each other, as bf16 rounding does)."""
+    if precision == "int8" and not HAS_NATIVE:
+        pytest.skip("exact int8 identity needs the native kernels (AVX-512 VNNI)")
+    model = copy.deepcopy(pair.target)
+    runner = build_target_runner(model.double() if precision == "fp64" else model, precision)
+    stopper = CostAwareStop(CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0)) if draft_stop == "cost" else None
+    spd, ar = _decoders(pair, bridge, runner, stopper)
+    tt = pair.target_tokenizer
+    accepted = 0
+    for prompt in PROMPTS:
+        config = GenerationConfig(max_new_tokens=40, k_max=8, draft_stop=draft_stop)
+        ids = tt.encode(prompt)
+        expected = ar.generate(ids, config)
+        got = spd.generate(prompt, ids, config)
+        assert got.token_ids == expected.token_ids, prompt
+        accepted += got.stats.accepted_tokens
+    assert accepted > 0
+
+
+def test_draft_stop_cost_needs_a_profile(pair, bridge):
+    spd, _ = _decoders(pair, bridge, ModelRunner(pair.target))
+    with pytest.raises(ValueError, match="cost profile"):
+        spd.generate("x = 1\n", pair.target_tokenizer.encode("x = 1\n"), GenerationConfig(draft_stop="cost"))
+    with pytest.raises(ValueError, match="draft_stop"):
+        GenerationConfig(draft_stop="sometimes").validate()
+
+
+def drafted_length(stopper: CostAwareStop, confidence: float, k_max: int = 32) -> int:
+    stopper.begin()
+    n = 1
+    while stopper.keep_drafting(confidence) and n < k_max:
+        n += 1
+    return n
+
+
+def test_cost_aware_stop_follows_the_machine_and_the_measured_acceptance():
+    flat = CostAwareStop(CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=1.0))
+    steep = CostAwareStop(CostProfile({1: 100.0, 2: 200.0, 16: 1600.0}, drafter_ms_per_token=1.0))
+    # cheap blocks: keep drafting while tokens are likely accepted; block cost linear in its
+    # size: a second token never pays (it costs a whole target step for < 1 expected token)
+    assert drafted_length(flat, 0.95) > 8
+    assert drafted_length(steep, 0.95) == 1
+    # expensive drafter steps relative to the target: shorter drafts
+    slow = CostAwareStop(CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=40.0))
+    assert drafted_length(slow, 0.95) < drafted_length(flat, 0.95)
+    # calibration: tokens drafted at confidence 0.95 that the target keeps rejecting
+    before = drafted_length(flat, 0.95)
+    for _ in range(200):
+        flat.begin()
+        flat.keep_drafting(0.95)
+        flat.keep_drafting(0.95)
+        flat.observe(accepted_drafts=0, drafted=2, proposed=2)
+    assert flat.calibrated(0.95) < 0.1
+    assert drafted_length(flat, 0.95) < before
+    assert json.dumps(flat.state())
+
+
+def test_cost_profile_interpolates_and_extrapolates():
+    p = CostProfile({1: 10.0, 4: 16.0, 8: 24.0}, 1.0)
+    assert p.target_cost(1) == 10.0 and p.target_cost(2) == pytest.approx(12.0)
+    assert p.target_cost(6) == pytest.approx(20.0) and p.target_cost(12) == pytest.approx(32.0)
+
+
+def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"a": 1}')
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"1": float(len(calls))}
+
+    def costs():
+        return profiling.cached({"model": profiling.model_fingerprint(model_dir), "precision": "int8"}, measure)
+
+    assert costs() == {"1": 1.0} and costs() == {"1": 1.0} and len(calls) == 1
+    machine = profiling.machine_fingerprint()
+    monkeypatch.setattr(profiling, "machine_fingerprint", lambda: {**machine, "cpu": "Another CPU"})
+    assert costs() == {"1": 2.0} and len(calls) == 2  # another machine: measured again
+    (model_dir / "config.json").write_text('{"a": 2}')
+    assert costs() == {"1": 3.0} and len(calls) == 3  # the model changed: measured again
+    assert costs() == {"1": 3.0} and len(calls) == 3
+    (tmp_path / "home" / "profiles").joinpath("junk.json").write_text("{")  # unrelated junk is ignored
+    assert costs() == {"1": 3.0}
+
+
+def test_native_kernels_build_once_for_a_stream_of_prompts(pair, bridge, monkeypatch):
+    """The native step is compiled once (a shared object cached on disk) and then serves every
+    shape: no rebuild or recompilation across prompts of different lengths."""
+    if not HAS_NATIVE:
+        pytest.skip("native int8 kernels need AVX-512 VNNI and gcc")
+    builds = []
+    real_build = fast_drafter._build_native
+    monkeypatch.setattr(fast_drafter, "_native_state", {})
+    monkeypatch.setattr(fast_drafter, "_build_native", lambda: builds.append(1) or real_build())
+    runner = build_target_runner(copy.deepcopy(pair.target), "int8")
+    spd, ar = _decoders(pair, bridge, runner)
+    tt = pair.target_tokenizer
+    for prompt in PROMPTS + [p * 3 for p in PROMPTS]:
+        ids = tt.encode(prompt)
+        spd.generate(prompt, ids, GenerationConfig(max_new_tokens=12))
+        ar.generate(ids, GenerationConfig(max_new_tokens=5))
+    assert builds == [1]
+
+
+def test_int8_on_an_architecture_without_a_fast_runner_quantizes_transformers_linears(pair):
+    model = copy.deepcopy(pair.target)
+    model.config.model_type = "other"  # as for Gemma-3: no fast runner
+    runner = build_target_runner(model, "int8")
+    assert isinstance(runner, ModelRunner)
+    linears = [m for m in model.modules() if type(m).__name__ == "Linear"]
+    assert linears and all("quantized" in type(m).__module__ for m in linears)
+    assert quantize_linear_int8(model) is model  # idempotent
+    runner.reset()
+    assert torch.isfinite(runner.forward([3, 4, 5])).all()
+
+
+def test_precision_names():
+    assert precision_name(torch.float32) == "fp32" and precision_name("int8") == "int8"
+    with pytest.raises(ValueError):
+        precision_name("fp8")
+
+
+def test_engine_int8_end_to_end_with_cached_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    build_pair(tmp_path / "pair")
+    drafter_dir, target_dir = tmp_path / "pair" / "drafter", tmp_path / "pair" / "target"
+    engine = Engine.load(str(drafter_dir), str(target_dir), "int8", drafter_weights="fp32", progress=False)
+    assert engine.precision == "int8"
+    config = GenerationConfig(max_new_tokens=24)
+    for prompt in PROMPTS:
+        expected = engine.generate(prompt, config, method="ar")
+        got = engine.generate(prompt, config, method="omnidraft")
+        if HAS_NATIVE:
+            assert got.token_ids == expected.token_ids
+    profile = engine.cost_profile()
+    assert set(profile.target_ms) == set(profiling.PROFILE_BLOCKS) and profile.drafter_ms_per_token > 0
+    assert len(list((tmp_path / "home" / "profiles").glob("*.json"))) == 2  # target + drafter
