@@ -87,14 +87,17 @@ typedef struct {
     uint16_t* vcache;           // fp16 [L][KV][maxpos][HD]
     const float* cos_t;         // [maxpos][HD/2]
     const float* sin_t;         // [maxpos][HD/2]
+    int32_t act8;               // 1: 8-bit activations with a scale per (token, 64 inputs); 0: 16-bit split
 } fd_model;
 
 typedef struct {  // quantized activation rows
     int8_t* hi;   // [M][ld]
     int8_t* lo;   // [M][ld]
     int32_t* gs;  // [M][ld/64]: sum of q16 over each group
-    float* s;     // [M]: row scale
+    float* s;     // [M]: row scale (1 in 8-bit mode)
+    float* gsc;   // [M][ld/64]: 8-bit mode: scale of each group of 64 inputs
     int ld;
+    int act8;     // 8-bit mode: only `hi` holds the quantized values
 } qact;
 
 static void* amalloc(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
@@ -125,8 +128,37 @@ static float rms_factor(const float* x, int K, float eps) {
     return 1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)K + eps);
 }
 
+// 8-bit mode: each group of 64 inputs gets its own scale (absmax / 127), like llama.cpp's Q8
+// activations: an outlier channel only coarsens its own group. One VPDPBUSD pass per product.
+static void quant_row8(const float* x, int K, qact* a, int m, float mult) {
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    int8_t* hi = a->hi + (size_t)m * a->ld;
+    int32_t* gs = a->gs + (size_t)m * (a->ld / 64);
+    float* gsc = a->gsc + (size_t)m * (a->ld / 64);
+    for (int g = 0; g < K / 64; g++) {
+        __m512 am = _mm512_setzero_ps();
+        for (int k = g * 64; k < g * 64 + 64; k += 16) am = _mm512_max_ps(am, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+        const float mx = _mm512_reduce_max_ps(am);
+        const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 1.f);
+        __m512i sum = _mm512_setzero_si512();
+        for (int k = g * 64; k < g * 64 + 64; k += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, lim), nlim);
+            sum = _mm512_add_epi32(sum, q);
+            _mm_storeu_si128((__m128i*)(hi + k), _mm512_cvtepi32_epi8(q));
+        }
+        gs[g] = _mm512_reduce_add_epi32(sum);
+        gsc[g] = (mx > 0.f ? mx / 127.f : 1.f) * mult;
+    }
+    a->s[m] = 1.f;
+}
+
 // Quantize row m of `a` from x[K] (K % 64 == 0); the stored scale is multiplied by `mult`.
 static void quant_row(const float* x, int K, qact* a, int m, float mult) {
+    if (a->act8) {
+        quant_row8(x, K, a, m, mult);
+        return;
+    }
     __m512 am = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 16) am = _mm512_max_ps(am, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
     const float mx = _mm512_reduce_max_ps(am);
@@ -251,6 +283,86 @@ static inline void block_row1x2(int K, const uint8_t* w, const float* sc, const 
     out[0] = f; out[1] = f2;
 }
 
+// 8-bit mode kernels. Every row's float result is sum over groups, in order, of
+// fmadd(int32 dot - 128 * group sum, weight scales * activation group scale): the same
+// operations whichever kernel (1, 1x2 or 4 rows) computes it, so a row never depends on M.
+#define FIN8(H, f, gsum, gscale) \
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(H, _mm512_set1_epi32(128 * (gsum)))), \
+                        _mm512_mul_ps(_mm512_loadu_ps(sc + g * 16), _mm512_set1_ps(gscale)), f)
+
+static inline void block8_rows4(int K, const uint8_t* w, const float* sc, const qact* a, int m, __m512* acc) {
+    const int8_t* h0 = a->hi + (size_t)m * a->ld;
+    const size_t ld = a->ld, ldg = a->ld / 64;
+    const int32_t* g0 = a->gs + (size_t)m * ldg;
+    const float* c0 = a->gsc + (size_t)m * ldg;
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    for (int g = 0; g < K / 64; g++) {
+        __m512i H0 = _mm512_setzero_si512(), H1 = H0, H2 = H0, H3 = H0;
+#pragma GCC unroll 16
+        for (int k = g * 64; k < g * 64 + 64; k += 4) {
+            const __m512i wv = _mm512_loadu_si512(w + (size_t)k * 16);
+            H0 = _mm512_dpbusd_epi32(H0, wv, BCAST(h0 + k));
+            H1 = _mm512_dpbusd_epi32(H1, wv, BCAST(h0 + ld + k));
+            H2 = _mm512_dpbusd_epi32(H2, wv, BCAST(h0 + 2 * ld + k));
+            H3 = _mm512_dpbusd_epi32(H3, wv, BCAST(h0 + 3 * ld + k));
+        }
+        FIN8(H0, f0, g0[g], c0[g]);
+        FIN8(H1, f1, g0[ldg + g], c0[ldg + g]);
+        FIN8(H2, f2, g0[2 * ldg + g], c0[2 * ldg + g]);
+        FIN8(H3, f3, g0[3 * ldg + g], c0[3 * ldg + g]);
+    }
+    acc[0] = f0; acc[1] = f1; acc[2] = f2; acc[3] = f3;
+}
+
+static inline __m512 block8_row1(int K, const uint8_t* w, const float* sc, const qact* a, int m) {
+    const int8_t* h0 = a->hi + (size_t)m * a->ld;
+    const int32_t* g0 = a->gs + (size_t)m * (a->ld / 64);
+    const float* c0 = a->gsc + (size_t)m * (a->ld / 64);
+    __m512 f = _mm512_setzero_ps();
+    for (int g = 0; g < K / 64; g++) {
+        __m512i Ha = _mm512_setzero_si512(), Hb = Ha;
+#pragma GCC unroll 8
+        for (int k = g * 64; k < g * 64 + 64; k += 8) {
+            _mm_prefetch((const char*)(w + (size_t)k * 16 + PF_DIST), _MM_HINT_T0);
+            _mm_prefetch((const char*)(w + (size_t)k * 16 + PF_DIST + 64), _MM_HINT_T0);
+            Ha = _mm512_dpbusd_epi32(Ha, _mm512_loadu_si512(w + (size_t)k * 16), BCAST(h0 + k));
+            Hb = _mm512_dpbusd_epi32(Hb, _mm512_loadu_si512(w + (size_t)k * 16 + 64), BCAST(h0 + k + 4));
+        }
+        const __m512i H = _mm512_add_epi32(Ha, Hb);
+        FIN8(H, f, g0[g], c0[g]);
+    }
+    return f;
+}
+
+static inline void block8_row1x2(int K, const uint8_t* w, const float* sc_a, const qact* a, int m, __m512* out) {
+    const int8_t* h0 = a->hi + (size_t)m * a->ld;
+    const int32_t* g0 = a->gs + (size_t)m * (a->ld / 64);
+    const float* c0 = a->gsc + (size_t)m * (a->ld / 64);
+    const uint8_t* w2 = w + (size_t)16 * K;
+    __m512 f = _mm512_setzero_ps(), f2 = _mm512_setzero_ps();
+    for (int g = 0; g < K / 64; g++) {
+        __m512i Ha = _mm512_setzero_si512(), Hb = Ha;
+#pragma GCC unroll 16
+        for (int k = g * 64; k < g * 64 + 64; k += 4) {
+            _mm_prefetch((const char*)(w + (size_t)k * 16 + PF_DIST), _MM_HINT_T0);
+            _mm_prefetch((const char*)(w2 + (size_t)k * 16 + PF_DIST), _MM_HINT_T0);
+            const __m512i b = BCAST(h0 + k);
+            Ha = _mm512_dpbusd_epi32(Ha, _mm512_loadu_si512(w + (size_t)k * 16), b);
+            Hb = _mm512_dpbusd_epi32(Hb, _mm512_loadu_si512(w2 + (size_t)k * 16), b);
+        }
+        {
+            const float* sc = sc_a;
+            FIN8(Ha, f, g0[g], c0[g]);
+        }
+        {
+            const float* sc = sc_a + (size_t)16 * (K / 64);
+            FIN8(Hb, f2, g0[g], c0[g]);
+        }
+    }
+    out[0] = f; out[1] = f2;
+}
+#undef FIN8
+
 // y[m][n] (+)= a.s[m] * sum_g scale[n][g] * dot_g(w[n], q16[m]) + bias[n], for n-blocks [nb0, nb1).
 static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const float* sp, const float* bias,
                         float* y, int ldy, int accumulate, int nb0, int nb1) {
@@ -259,7 +371,8 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
     if (M == 1) {
         for (; nb + 2 <= nb1; nb += 2) {
             __m512 acc[2];
-            block_row1x2(K, wp + (size_t)nb * 16 * K, sp + (size_t)nb * 16 * G, a, 0, acc);
+            if (a->act8) block8_row1x2(K, wp + (size_t)nb * 16 * K, sp + (size_t)nb * 16 * G, a, 0, acc);
+            else block_row1x2(K, wp + (size_t)nb * 16 * K, sp + (size_t)nb * 16 * G, a, 0, acc);
             for (int r = 0; r < 2; r++) {
                 const int n0 = (nb + r) * 16;
                 const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
@@ -277,7 +390,8 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
         int m = 0;
         for (; m + 4 <= M; m += 4) {
             __m512 acc[4];
-            block_rows4(K, w, sc, a, m, acc);
+            if (a->act8) block8_rows4(K, w, sc, a, m, acc);
+            else block_rows4(K, w, sc, a, m, acc);
             for (int r = 0; r < 4; r++) {
                 __m512 v = _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a->s[m + r]), bv);
                 float* yo = y + (size_t)(m + r) * ldy + n0;
@@ -286,7 +400,8 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
             }
         }
         for (; m < M; m++) {
-            __m512 v = _mm512_fmadd_ps(block_row1(K, w, sc, a, m), _mm512_set1_ps(a->s[m]), bv);
+            const __m512 r1 = a->act8 ? block8_row1(K, w, sc, a, m) : block_row1(K, w, sc, a, m);
+            __m512 v = _mm512_fmadd_ps(r1, _mm512_set1_ps(a->s[m]), bv);
             float* yo = y + (size_t)m * ldy + n0;
             if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yo));
             _mm512_storeu_ps(yo, v);
@@ -414,6 +529,8 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int last_only, floa
     if (qw > KMAX) KMAX = qw;
     qact a;
     a.ld = KMAX;
+    a.act8 = md->act8;
+    a.gsc = (float*)amalloc(sizeof(float) * (size_t)M * (KMAX / 64));
     a.hi = (int8_t*)amalloc((size_t)M * KMAX);
     a.lo = (int8_t*)amalloc((size_t)M * KMAX);
     a.gs = (int32_t*)amalloc(sizeof(int32_t) * (size_t)M * (KMAX / 64));
@@ -425,7 +542,7 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int last_only, floa
     const size_t sstride = ((size_t)pos + M + 32 + 15) / 16 * 16;
     float* scores = (float*)amalloc(sizeof(float) * sstride * (size_t)(nthreads > 1 ? nthreads : 1));
     int rc = 0;
-    if (!a.hi || !a.lo || !a.gs || !a.s || !qkv || !att || !gu || !act || !scores) {
+    if (!a.hi || !a.lo || !a.gs || !a.s || !a.gsc || !qkv || !att || !gu || !act || !scores) {
         rc = -1;
         goto done;
     }
@@ -496,7 +613,7 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int last_only, floa
         gemm(nthreads, MO, md->n_head, D, &a, md->head_ptrs, logits, md->n_head, 0);
     }
 done:
-    free(a.hi); free(a.lo); free(a.gs); free(a.s); free(qkv); free(att); free(gu); free(act); free(scores);
+    free(a.hi); free(a.lo); free(a.gs); free(a.s); free(a.gsc); free(qkv); free(att); free(gu); free(act); free(scores);
     return rc;
 }
 '''
@@ -584,7 +701,7 @@ class _FdModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("D", "H", "KV", "HD", "I", "L", "maxpos", "n_qkv", "n_head")] + [
         ("eps", ctypes.c_float), ("layer_ptrs", ctypes.c_void_p), ("head_ptrs", ctypes.c_void_p),
         ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("cos_t", ctypes.c_void_p),
-        ("sin_t", ctypes.c_void_p)]
+        ("sin_t", ctypes.c_void_p), ("act8", ctypes.c_int32)]
 
 
 @contextlib.contextmanager
@@ -659,13 +776,15 @@ class FastLlamaRunner:
     logits elsewhere); ``prefill_weights`` ("auto" | None | a kind: kernels for calls with more
     than ``prefill_min_tokens`` tokens); ``native`` (int8 only: None = native kernels where
     available, True = require them, False = fbgemm); ``threads`` (native kernels; None = torch's
-    setting at each call). ``backend`` names the kernels in use.
+    setting at each call); ``activation_bits`` (native kernels: 16 = per-token 16-bit activations,
+    two VPDPBUSD passes; 8 = 8-bit activations with a scale per token and 64 inputs, one pass:
+    about half the arithmetic for multi-token calls). ``backend`` names the kernels in use.
     """
 
     def __init__(self, model, *, weights: str = "int8", max_positions: int = 4096,
                  vocab_rows: torch.Tensor | None = None, prefill_weights: str | None = "auto",
                  prefill_min_tokens: int = 16, native: bool | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, activation_bits: int = 16) -> None:
         if weights not in WEIGHT_KINDS:
             raise ValueError(f"unknown weights kind {weights!r}: choose one of {', '.join(WEIGHT_KINDS)}")
         config = model.config
@@ -711,9 +830,13 @@ class FastLlamaRunner:
             if lib is None and native:
                 reason = _native_state.get("error") if dims_ok else "hidden/intermediate sizes must be multiples of 64"
                 raise RuntimeError(f"native int8 kernels unavailable: {reason}")
+        if activation_bits not in (8, 16):
+            raise ValueError("activation_bits must be 8 or 16")
         self._lib = lib
+        self.activation_bits = activation_bits if lib else None
         self.backend = {"fp32": "torch-fp32", "bf16": "onednn-bf16",
-                        "int8": "native-int8" if lib else "fbgemm-int8"}[weights]
+                        "int8": ("native-int8" + ("-a8" if activation_bits == 8 else "")) if lib
+                        else "fbgemm-int8"}[weights]
         torch_kinds = [k for k in [weights, prefill_weights] if k is not None and not (k == "int8" and lib)]
 
         # --- RoPE table: exp(i * pos * inv_freq) * attention_scaling ------------------------
@@ -807,7 +930,7 @@ class FastLlamaRunner:
                 maxpos=self._pos_pad, n_qkv=n_qkv + (-n_qkv % 16),
                 n_head=self._head_pad, eps=self.eps, layer_ptrs=layer_ptrs.data_ptr(),
                 head_ptrs=head_ptrs.data_ptr(), kcache=self._kcache.data_ptr(), vcache=self._vcache.data_ptr(),
-                cos_t=self._cos.data_ptr(), sin_t=self._sin.data_ptr())
+                cos_t=self._cos.data_ptr(), sin_t=self._sin.data_ptr(), act8=int(activation_bits == 8))
             self._fd_ref = ctypes.addressof(self._fd)
         self.length = 0
         self.forward_calls = 0

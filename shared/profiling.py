@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from omnidraft.shared.atomic_io import write_bytes_atomic
 
 CONTEXT_TOKENS = 256
 PROFILE_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16)
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # bump when a kernel changes: every cached measurement is then taken again
 
 
 def _ids(n: int, offset: int = 0) -> list[int]:
@@ -91,9 +92,16 @@ def model_fingerprint(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def profiles_dir() -> Path:
+    """Where measured profiles are cached: ``$OMNIDRAFT_PROFILES``, default
+    ``$OMNIDRAFT_HOME/profiles``."""
+    override = os.environ.get("OMNIDRAFT_PROFILES")
+    return Path(override).expanduser() if override else catalog.omnidraft_home() / "profiles"
+
+
 def _cache_file(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return catalog.omnidraft_home() / "profiles" / f"{digest}.json"
+    return profiles_dir() / f"{digest}.json"
 
 
 def cached(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dict:

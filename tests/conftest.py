@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import pytest
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _profiles_in_a_temporary_dir(tmp_path_factory):
+    """Cost profiles measured for the tests' tiny models (at temporary paths) go to a temporary
+    directory instead of the user's cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OMNIDRAFT_PROFILES", str(tmp_path_factory.mktemp("profiles")))
+    yield
+    mp.undo()
+
 DRAFTER = "smollm2-135m"
 QWEN = "qwen2.5-coder-0.5b"  # shares its tokenizer with qwen2.5-coder-1.5b
 GEMMA = "gemma3-270m"

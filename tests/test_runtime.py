@@ -79,7 +79,7 @@ def test_native_int8_block_verification_is_bit_identical_to_single_steps(make):
     """Each row of a block is computed alone (per-token scales, exact int32 sums): a k-token
     verification gives exactly the logits of k one-token steps, whatever k."""
     runner = build_target_runner(make(), "int8")
-    assert runner.backend == "native-int8" and runner.prefill_weights is None
+    assert runner.backend.startswith("native-int8") and runner.prefill_weights is None
     ids = [5 + (7 * i) % 250 for i in range(60)]
     runner.reset()
     runner.forward(ids[:40])
@@ -89,6 +89,23 @@ def test_native_int8_block_verification_is_bit_identical_to_single_steps(make):
         runner.crop(40)
         alone = torch.cat([runner.forward([t]) for t in ids[40:40 + block]])
         assert torch.equal(together, alone), block
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native int8 kernels need AVX-512 VNNI and gcc")
+@pytest.mark.parametrize("bits,tol", [(16, 0.1), (8, 0.15)])
+def test_native_int8_activation_modes_stay_close_to_fp32(bits, tol):
+    model = tiny_qwen2(seed=1)
+    ids = [5 + (11 * i) % 290 for i in range(48)]
+    ref = ModelRunner(model)
+    ref.reset()
+    expected = ref.forward(ids)
+    runner = FastLlamaRunner(model, weights="int8", prefill_weights=None, activation_bits=bits, max_positions=128)
+    runner.reset()
+    got = torch.cat([runner.forward(ids[:40]), runner.forward(ids[40:])])
+    assert (got - expected).abs().max() < tol
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.85  # int8 weights of random models
+    with pytest.raises(ValueError):
+        FastLlamaRunner(model, weights="int8", activation_bits=4)
 
 
 def _decoders(pair, bridge, runner, stopper=None, translate="text"):
@@ -167,7 +184,7 @@ def test_cost_profile_interpolates_and_extrapolates():
 
 
 def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "home" / "profiles"))
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"a": 1}')
@@ -229,7 +246,7 @@ def test_precision_names():
 
 
 def test_engine_int8_end_to_end_with_cached_profile(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "home" / "profiles"))
     build_pair(tmp_path / "pair")
     drafter_dir, target_dir = tmp_path / "pair" / "drafter", tmp_path / "pair" / "target"
     engine = Engine.load(str(drafter_dir), str(target_dir), "int8", drafter_weights="fp32", progress=False)
