@@ -155,7 +155,8 @@ class CrossVocabDecoder:
         head = self.head
         all_accepted = 1.0  # the head's P(every drafted token so far is accepted)
         if stopper is not None:
-            stopper.begin()
+            stopper.begin(config.k_max)
+            t_step = time.perf_counter()
         while True:
             stats.drafter_steps += 1
             if head is None:
@@ -174,6 +175,10 @@ class CrossVocabDecoder:
                 return drafts, fed
             logits = self.drafter.forward([drafts[-1]], last_only=True)[-1]
             fed.append(drafts[-1])
+            if stopper is not None:
+                now = time.perf_counter()
+                stopper.time_step((now - t_step) * 1000)
+                t_step = now
 
     # -- the loop --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -197,6 +202,8 @@ class CrossVocabDecoder:
         pending = prompt_ids[-1]
         target_bytes = self.bridge.target_bytes
         stopper = self._cost_stop(config)
+        if stopper is not None:
+            stopper.start_sequence()
         while not stop.done:
             drafts, fed = self._draft(context.ids, fed, config, stats, stopper)
             units = self.translate(drafts)

@@ -49,7 +49,7 @@ def _time_block(runner, context: int, block: int, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_block_ms(runner, blocks: tuple[int, ...] | list[int], repeats: int = 3) -> dict[int, float]:
+def measure_block_ms(runner, blocks: tuple[int, ...] | list[int], repeats: int = 5) -> dict[int, float]:
     """``{block: ms}``: one forward of ``block`` new tokens after ``CONTEXT_TOKENS`` cached ones
     (fewer where the model's positions run out). Leaves the runner holding that context
     (callers reset it before decoding)."""
@@ -144,6 +144,14 @@ class CostProfile:
 
     target_ms: dict[int, float]
     drafter_ms_per_token: float
+
+    def __post_init__(self) -> None:
+        # a larger block never costs less: a measured dip is noise (running maximum)
+        top, smooth = 0.0, {}
+        for b in sorted(self.target_ms):
+            top = max(top, self.target_ms[b])
+            smooth[b] = top
+        self.target_ms = smooth
 
     def target_cost(self, block: float) -> float:
         """Target forward cost (ms) of ``block`` new tokens: piecewise linear between the
