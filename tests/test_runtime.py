@@ -177,10 +177,34 @@ def test_cost_aware_stop_follows_the_machine_and_the_measured_acceptance():
     assert json.dumps(flat.state())
 
 
+def test_cost_aware_stop_learns_the_fixed_cost_of_a_round_and_drafts_longer_for_it(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("omnidraft.shared.draft_policy.time.perf_counter", lambda: clock[0])
+    stopper = CostAwareStop(CostProfile({1: 50.0, 4: 60.0, 16: 120.0}, drafter_ms_per_token=8.0))
+    stopper.start_sequence()
+    for _ in range(100):  # rounds of 2 drafter tokens, 2 target tokens, 150 ms each
+        stopper.begin()
+        stopper.keep_drafting(0.8)
+        stopper.keep_drafting(0.8)
+        stopper.observe(accepted_drafts=1, drafted=2, proposed=2)
+        clock[0] += 0.150
+    modelled = 2 * 8.0 + stopper.profile.target_cost(3)
+    assert stopper.overhead_ms == pytest.approx(150 - modelled, rel=0.01)
+    no_overhead = copy.deepcopy(stopper)
+    no_overhead.overhead_ms = 0.0
+    assert drafted_length(stopper, 0.7) > drafted_length(no_overhead, 0.7)
+    stopper.start_sequence()  # a new prompt: the gap (its prefill) is not a round
+    clock[0] += 5.0
+    stopper.observe(accepted_drafts=1, drafted=2, proposed=2)
+    assert stopper.overhead_ms == pytest.approx(150 - modelled, rel=0.01)
+
+
 def test_cost_profile_interpolates_and_extrapolates():
     p = CostProfile({1: 10.0, 4: 16.0, 8: 24.0}, 1.0)
     assert p.target_cost(1) == 10.0 and p.target_cost(2) == pytest.approx(12.0)
     assert p.target_cost(6) == pytest.approx(20.0) and p.target_cost(12) == pytest.approx(32.0)
+    noisy = CostProfile({1: 10.0, 2: 9.0, 4: 16.0}, 1.0)  # a measured dip is noise
+    assert noisy.target_ms == {1: 10.0, 2: 10.0, 4: 16.0}
 
 
 def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, monkeypatch):
