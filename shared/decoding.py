@@ -2,7 +2,9 @@
 
 One round of ``CrossVocabDecoder``:
   1. the drafter proposes up to ``k_max`` of its own tokens (its argmax, with KV cache),
-     stopping early when its confidence falls under ``config.confidence``;
+     stopping early when one more token no longer raises the expected tokens per second
+     (``CostAwareStop``: the machine's measured costs and the measured acceptance), or with
+     ``draft_stop="confidence"`` when its confidence falls under ``config.confidence``;
   2. the drafted block is translated into target tokens (``omnidraft.shared.translation``:
      the target tokenizer on the drafted text, or the paper's n-gram-cache merge with the
      direct map); the cache is frozen during the round;
@@ -247,7 +249,6 @@ class CrossVocabDecoder:
             context.commit([target_bytes[t] or b"" for t in committed])
             result.training_sample = recorder.finish(context, len(prompt_text.encode("utf-8")), target_bytes)
         return result
-
 
     def _accepted_drafts(self, drafts: list[int], accepted: list[int]) -> int:
         """How many leading drafted tokens the accepted target tokens spell in full (bytes)."""
