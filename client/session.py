@@ -59,6 +59,7 @@ class DeviceSession:
         self.problems: list[str] = []
         self.last_update: UpdateReport | None = None  # set when a generation triggered an update
         self.stopper: CostAwareStop | None = None  # this device's cost-aware draft stopping
+        self._saved_stop: dict | None = None  # its saved calibration, applied when it is built
         if self.state is not None:
             self.load()
 
@@ -77,6 +78,11 @@ class DeviceSession:
         runner = self.adapters.runner()
         if self.stopper is None:
             self.stopper = CostAwareStop(e.cost_profile(runner))
+            if self._saved_stop:
+                try:
+                    self.stopper.load_calibration(self._saved_stop)
+                except ValueError as exc:
+                    self.problems.append(f"{exc}: draft stopping starts uncalibrated")
         return CrossVocabDecoder(runner, e.drafter.tokenizer, e.target_runner, e.bridge,
                                  e.cache, expand_map=e.expand_map, translate=self.translate,
                                  target_tokenizer=e.target.tokenizer, head=head,
@@ -108,7 +114,8 @@ class DeviceSession:
         meta = {"lora": self.adapters.spec.as_dict(), "updates": self.learner.updates,
                 "prompts_seen": self.learner.prompts_seen,
                 "head_steps": self.head.trained_steps if self.head is not None else 0,
-                "gamma_history": self.tuner.state()}
+                "gamma_history": self.tuner.state(),
+                "draft_stop": self.stopper.calibration() if self.stopper is not None else self._saved_stop}
         self.state.save(self.adapters.state_dict(self.target), head, self.engine.cache, meta)
 
     def load(self) -> None:
@@ -138,3 +145,4 @@ class DeviceSession:
             self.learner.updates = int(meta.get("updates", 0))
             self.learner.prompts_seen = int(meta.get("prompts_seen", 0))
             self.tuner.load_state(meta.get("gamma_history", {}))
+            self._saved_stop = meta.get("draft_stop")

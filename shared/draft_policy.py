@@ -121,6 +121,28 @@ class CostAwareStop:
         if self._drafted:
             self.target_per_draft = max(self._proposed / self._drafted, 0.25)
 
+    def calibration(self) -> dict:
+        """What this stopper learned, to persist with a device's state (JSON-able)."""
+        return {"accepted": self.accepted, "seen": self.seen, "drafted": self._drafted,
+                "proposed": self._proposed, "target_per_draft": self.target_per_draft,
+                "drafter_ms": self.drafter_ms, "overhead_ms": self.overhead_ms}
+
+    def load_calibration(self, saved: dict) -> None:
+        """Restore :meth:`calibration`; raises ValueError when it does not fit."""
+        try:
+            accepted = [float(x) for x in saved["accepted"]]
+            seen = [float(x) for x in saved["seen"]]
+            values = {k: float(saved[k]) for k in ("drafted", "proposed", "target_per_draft",
+                                                    "drafter_ms", "overhead_ms")}
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("saved draft-stop calibration is malformed") from None
+        if len(accepted) != BUCKETS or len(seen) != BUCKETS or min(seen) <= 0:
+            raise ValueError("saved draft-stop calibration does not fit")
+        self.accepted, self.seen = accepted, seen
+        self._drafted, self._proposed = values["drafted"], values["proposed"]
+        self.target_per_draft = values["target_per_draft"]
+        self.drafter_ms, self.overhead_ms = values["drafter_ms"], values["overhead_ms"]
+
     def state(self) -> dict:
         """The calibration as JSON-able numbers (for reports)."""
         return {"acceptance_by_confidence": [round(a / s, 4) for a, s in zip(self.accepted, self.seen)],

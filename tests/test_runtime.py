@@ -284,3 +284,25 @@ def test_engine_int8_end_to_end_with_cached_profile(tmp_path, monkeypatch):
     profile = engine.cost_profile()
     assert set(profile.target_ms) == set(profiling.PROFILE_BLOCKS) and profile.drafter_ms_per_token > 0
     assert len(list((tmp_path / "home" / "profiles").glob("*.json"))) == 2  # target + drafter
+
+
+def test_device_state_keeps_the_draft_stop_calibration(tmp_path, monkeypatch):
+    from omnidraft.client.session import DeviceSession
+
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
+    build_pair(tmp_path / "pair")
+    engine = Engine.load(str(tmp_path / "pair" / "drafter"), str(tmp_path / "pair" / "target"), "fp64",
+                         drafter_weights="fp32", progress=False)
+    session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
+    for prompt in PROMPTS:
+        session.generate(prompt, GenerationConfig(max_new_tokens=16), learn=False)
+    learned = session.stopper.calibration()
+    assert sum(learned["seen"]) > sum(CostAwareStop(engine.cost_profile()).seen)
+    session.save()
+    again = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
+    again.decoder()
+    assert again.stopper.calibration() == learned and not again.problems
+    # a damaged calibration is reported and replaced, never a crash
+    again._saved_stop, again.stopper = {"accepted": [1.0]}, None
+    again.decoder()
+    assert again.problems and again.stopper.seen == CostAwareStop(engine.cost_profile()).seen
