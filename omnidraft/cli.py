@@ -305,7 +305,7 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
-    from omnidraft.shared import bench
+    from omnidraft.shared import bench, catalog
     from omnidraft.shared.atomic_io import write_bytes_atomic
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -313,6 +313,8 @@ def _bench(args) -> int:
     if unknown or not methods:
         raise UsageError(f"omnidraft bench: unknown method(s) {', '.join(unknown) or '(none)'}; "
                          f"choose from {', '.join(bench.METHODS)}")
+    if "llamacpp" in methods and args.target not in catalog.CATALOG:
+        raise UsageError("omnidraft bench: the llamacpp method needs a catalog target (it runs the catalog's GGUF file)")
     if "llamacpp" in methods and bench.llamacpp_missing():
         print(f"note: skipping llamacpp: {bench.llamacpp_missing()}", file=sys.stderr)
         methods.remove("llamacpp")

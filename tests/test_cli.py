@@ -52,6 +52,7 @@ def test_models_list(capsys):
     ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--methods", "ar,magic"),
     ("bench", "--drafter", "a", "--target", "b", "--dataset", "/no/such/file.jsonl"),
     ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--limit", "0"),
+    ("bench", "--drafter", "a", "--target", "/no/such/dir", "--dataset", "humaneval", "--methods", "ar,llamacpp"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv):
     code, _, err = run(capsys, *argv)
