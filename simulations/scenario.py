@@ -1,23 +1,34 @@
 """A simulated fleet: targets registered with a coordinator, devices with local data, and the
 Flower apps that connect them, run on Flower's Simulation Engine.
 
-``Scenario`` says what to simulate; ``prepare(scenario, out)`` registers the targets under
-``out/coordinator`` and builds one ``DeviceProfile`` per device (state under
-``out/devices/<id>``, the only place its text is kept); ``run(scenario, out, on_round)`` runs
-the federation. Devices are assigned to targets by the ``targets`` shares, in order; their
-prompts are disjoint contiguous slices of the data (so neighbouring devices see related
-prompts: non-IID by construction). The last ``late_joiners`` devices join at the last round.
+``Scenario`` says what to simulate (CLI flags or a TOML file, ``Scenario.from_toml``);
+``prepare(scenario, out)`` registers the targets under ``out/coordinator`` and writes one
+``DeviceProfile`` per device under ``out/devices/<id>/`` (the only place its text is kept);
+``run(scenario, out, on_round)`` runs the federation.
+
+* Devices are assigned to targets by the ``targets`` shares (interleaved, deterministic); their
+  local prompts are disjoint shares of the corpus whose mix of sources is drawn from
+  Dirichlet(``alpha``) (``simulations.data``).
+* ``probes`` devices per target never train: they evaluate every round's global state on the
+  same held-out prompts (and the starting state as round 0), so rounds are comparable.
+* Events: ``late_joiners`` devices join at ``join_round``; ``rollout`` moves a share of the
+  devices to a newly registered target from a round on; ``drift`` moves every device's traffic
+  (and the probes' held-out prompts) to another source from a round on.
+
+Workers never receive the devices' data through Ray: a device's profile is read from its own
+directory in the worker process (``cached_profile``), and base models are loaded once per
+worker (``shared_pool``).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-
 from omnidraft.client.client_app import make_client_app
-from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+from omnidraft.client.fleet_device import DeviceProfile, FleetDevice, cached_profile, shared_pool
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.coordinator.aggregation import AggregationConfig
 from omnidraft.coordinator.ngram_release import ReleaseConfig
@@ -25,32 +36,92 @@ from omnidraft.coordinator.registry import TargetRegistry
 from omnidraft.coordinator.server_app import FleetConfig, make_server_app
 from omnidraft.coordinator.simulation import run_federation
 from omnidraft.shared.adapters import LoraSpec
-from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.generation import DRAFT_STOPS, GenerationConfig
 
 REAL_DRAFTER = "smollm2-135m"
 REAL_TARGETS = {"qwen2.5-coder-0.5b": 0.5, "gemma3-270m": 0.5}
 TINY_TARGETS = {"tiny-target-a": 0.5, "tiny-target-b": 0.5}
 
 
+def parse_targets(text: str) -> dict[str, float]:
+    """``name:share,name:share`` (shares default to 1)."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, share = part.partition(":")
+        try:
+            out[name] = float(share) if share else 1.0
+        except ValueError:
+            raise ValueError(f"targets: bad share in {part!r} (expected NAME:NUMBER)") from None
+    if not out:
+        raise ValueError("targets names no target")
+    return out
+
+
+@dataclass
+class Rollout:
+    """From ``round`` on, a ``share`` of the devices serve ``target`` (registered up front)."""
+
+    target: str
+    round: int
+    share: float
+
+    @classmethod
+    def parse(cls, text: str) -> Rollout:
+        """``TARGET@ROUND:SHARE``, e.g. ``qwen2.5-coder-1.5b@3:0.3``."""
+        try:
+            target, _, rest = text.partition("@")
+            rnd, _, share = rest.partition(":")
+            return cls(target, int(rnd), float(share))
+        except ValueError:
+            raise ValueError(f"--rollout {text!r}: expected TARGET@ROUND:SHARE, e.g. qwen2.5-coder-1.5b@3:0.3") from None
+
+
+@dataclass
+class Drift:
+    """From ``round`` on, every device's traffic comes from ``source`` (held out of the
+    first-phase split)."""
+
+    source: str
+    round: int
+
+    @classmethod
+    def parse(cls, text: str) -> Drift:
+        """``SOURCE@ROUND``, e.g. ``pydoc@4``."""
+        source, _, rnd = text.partition("@")
+        try:
+            return cls(source, int(rnd))
+        except ValueError:
+            raise ValueError(f"--drift {text!r}: expected SOURCE@ROUND, e.g. pydoc@4") from None
+
+
 @dataclass
 class Scenario:
-    """What to simulate (sizes in devices, prompts and tokens)."""
+    """What to simulate (sizes in devices, prompts and tokens; rounds count from 1)."""
 
     models: str = "real"  # real (catalog models) | tiny (built on the spot, for tests and scale)
-    devices: int = 10
+    devices: int = 10  # devices that train (the probes come in addition)
     rounds: int = 3
-    fraction: float = 1.0
+    fraction: float = 1.0  # share of the joined devices sampled to train per round
     targets: dict[str, float] | None = None  # registry name -> share of devices (None: the models' default)
-    data: str | None = None  # humaneval | pydoc | PATH.jsonl (None: humaneval, or the tiny corpus)
+    data: str | None = None  # comma list of humaneval,stdlib,pydoc or PATH.jsonl (None: all three, or the tiny corpus)
+    alpha: float = 0.5  # Dirichlet concentration of each device's mix of sources (small: skewed)
     prompts_per_device: int = 8
     heldout_per_device: int = 2
     prompts_per_round: int = 4
     max_new_tokens: int = 32
+    probes: int = 2  # evaluation-only devices per target
+    probe_heldout: int = 4  # held-out prompts per probe device
+    newcomer_evals: int = 2  # per target and round, new devices measured warm and cold
     late_joiners: int = 0
+    join_round: int | None = None  # the late joiners' round (None: the last round)
+    rollout: Rollout | None = None
+    drift: Drift | None = None
     lora_rank: int = 8
     lr: float = 1e-3
     translate: str = "ngram"
     dtype: str = "fp32"
+    draft_stop: str = "confidence"  # deterministic; "cost" follows the machine's measured costs
+    measure_ar: bool = True  # probes also run the target alone (speedup)
     seed: int = 0
     cpus_per_device: float = 1.0
     ray_address: str | None = None
@@ -59,24 +130,121 @@ class Scenario:
 
     def validate(self) -> None:
         if self.models not in ("real", "tiny"):
-            raise ValueError("--models must be real or tiny")
+            raise ValueError("models must be real or tiny")
         if self.devices < 1 or self.rounds < 1:
             raise ValueError("devices and rounds must be >= 1")
         if self.prompts_per_device < 1 or self.heldout_per_device < 1 or self.prompts_per_round < 1:
             raise ValueError("prompts per device, held-out prompts and prompts per round must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("max new tokens must be >= 1")
         if not 0 < self.fraction <= 1:
             raise ValueError("fraction must be in (0, 1]")
+        if self.alpha <= 0:
+            raise ValueError("alpha must be > 0")
+        if self.probe_heldout < 1:
+            raise ValueError("probe held-out prompts must be >= 1")
+        if self.probes < 0 or self.newcomer_evals < 0:
+            raise ValueError("probes and newcomer evaluations must be >= 0")
         if not 0 <= self.late_joiners < self.devices:
             raise ValueError("late joiners must be fewer than the devices")
+        if self.join_round is not None and not 1 <= self.join_round <= self.rounds:
+            raise ValueError(f"the join round must be in 1..{self.rounds}")
+        if self.draft_stop not in DRAFT_STOPS:
+            raise ValueError(f"draft stop must be one of {', '.join(DRAFT_STOPS)}")
         shares = self.target_shares()
         if not shares or any(v <= 0 for v in shares.values()):
             raise ValueError("target shares must be > 0")
+        if self.rollout is not None:
+            if not 2 <= self.rollout.round <= self.rounds:
+                raise ValueError(f"the rollout round must be in 2..{self.rounds}")
+            if not 0 < self.rollout.share <= 1:
+                raise ValueError("the rollout share must be in (0, 1]")
+            if self.rollout.target in shares:
+                raise ValueError(f"rollout target {self.rollout.target!r} is already one of the targets")
+        if self.drift is not None and not 2 <= self.drift.round <= self.rounds:
+            raise ValueError(f"the drift round must be in 2..{self.rounds}")
         self.aggregation.validate()
         self.release.validate()
 
     def target_shares(self) -> dict[str, float]:
         return self.targets or (TINY_TARGETS if self.models == "tiny" else REAL_TARGETS)
 
+    def all_targets(self) -> list[str]:
+        return [*self.target_shares(), *([self.rollout.target] if self.rollout else [])]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["targets"] = self.target_shares()
+        return out
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> Scenario:
+        """A scenario from a TOML file (see ``from_dict``)."""
+        return cls.from_dict(load_toml(path), source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "scenario") -> Scenario:
+        """Keys as the fields; ``rollout``, ``drift`` and ``aggregation`` may be tables, and
+        ``privacy`` a table of ``ReleaseConfig`` fields (``noise`` for ``noise_multiplier``)."""
+        raw = dict(raw)
+        names = {f.name for f in fields(cls)} | {"privacy"}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"{source}: unknown key {unknown[0]!r}")
+        try:
+            if isinstance(raw.get("targets"), str):
+                raw["targets"] = parse_targets(raw["targets"])
+            if isinstance(raw.get("rollout"), (dict, str)):
+                r = raw["rollout"]
+                raw["rollout"] = Rollout.parse(r) if isinstance(r, str) else Rollout(**r)
+            if isinstance(raw.get("drift"), (dict, str)):
+                d = raw["drift"]
+                raw["drift"] = Drift.parse(d) if isinstance(d, str) else Drift(**d)
+            if isinstance(raw.get("aggregation"), dict):
+                raw["aggregation"] = AggregationConfig(**raw["aggregation"])
+            privacy = raw.pop("privacy", None)
+            if isinstance(privacy, dict):
+                privacy = dict(privacy)
+                if "noise" in privacy:
+                    privacy["noise_multiplier"] = privacy.pop("noise")
+                raw["release"] = ReleaseConfig(**privacy)
+            elif isinstance(raw.get("release"), dict):
+                raw["release"] = ReleaseConfig(**raw["release"])
+            _check_types(raw, source)
+            return cls(**raw)
+        except TypeError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+
+_OPTIONAL_TYPES = {"data": str, "join_round": int, "ray_address": str}
+
+
+def _check_types(raw: dict, source: str) -> None:
+    """Scalar settings must have their default's type (an int is a valid float)."""
+    defaults = Scenario()
+    for key, value in raw.items():
+        default = getattr(defaults, key, None)
+        want = _OPTIONAL_TYPES.get(key) or (type(default) if isinstance(default, (bool, int, float, str)) else None)
+        if want is None or (value is None and key in _OPTIONAL_TYPES):
+            continue
+        ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ValueError(f"{source}: {key} must be a {want.__name__}, not {value!r}")
+
+
+def load_toml(path: str | Path) -> dict:
+    """A scenario file's keys (one-line ``ValueError`` when it cannot be read or parsed)."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"scenario file {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"scenario file {path}: {exc}") from None
+
+
+# -- preparing the fleet --------------------------------------------------------------------------
 
 def _models(scenario: Scenario) -> tuple[str, dict[str, str]]:
     """(drafter, {target name: model}) for the scenario."""
@@ -85,21 +253,37 @@ def _models(scenario: Scenario) -> tuple[str, dict[str, str]]:
         from omnidraft.shared.tiny_models import ensure_tiny_fleet
 
         dirs = ensure_tiny_fleet(catalog.omnidraft_home() / "tiny")
-        unknown = set(scenario.target_shares()) - set(dirs)
+        unknown = set(scenario.all_targets()) - set(dirs)
         if unknown:
             raise ValueError(f"tiny models have no target {sorted(unknown)[0]!r} (choose tiny-target-a, tiny-target-b)")
-        return str(dirs["tiny-drafter"]), {t: str(dirs[t]) for t in scenario.target_shares()}
-    return REAL_DRAFTER, {t: t for t in scenario.target_shares()}
+        return str(dirs["tiny-drafter"]), {t: str(dirs[t]) for t in scenario.all_targets()}
+    return REAL_DRAFTER, {t: t for t in scenario.all_targets()}
 
 
-def _prompts(scenario: Scenario) -> list[str]:
+def _corpora(scenario: Scenario, devices: int):
+    """(first-phase corpus and each device's indices into it, drift corpus and indices or None)."""
+    from omnidraft.simulations import data
+
+    per = scenario.prompts_per_device + max(scenario.heldout_per_device, scenario.probe_heldout)
     if scenario.models == "tiny" and scenario.data is None:
         from omnidraft.shared.tiny_models import corpus
 
-        return [t[:40] for t in corpus(4000, seed=scenario.seed + 5)]
-    from omnidraft.shared.bench import load_prompts
-
-    return load_prompts(scenario.data or "humaneval", None)
+        texts = [t[:40] for t in corpus(max(4000, devices * per * (2 if scenario.drift else 1)), seed=scenario.seed + 5)]
+        half = len(texts) // 2 if scenario.drift else len(texts)
+        main = data.Corpus(texts[:half], [""] * half)
+        drift = data.Corpus(texts[half:], [""] * (len(texts) - half)) if scenario.drift else None
+    else:
+        full = data.load_corpus(scenario.data)
+        if scenario.drift is None:
+            main, drift = full, None
+        else:
+            drift_set = set(data.load_corpus(scenario.drift.source).prompts)
+            keep = [i for i, p in enumerate(full.prompts) if p not in drift_set]
+            main = data.Corpus([full.prompts[i] for i in keep], [full.labels[i] for i in keep])
+            drift = data.load_corpus(scenario.drift.source)
+    main_parts = data.split(main, devices, per, alpha=scenario.alpha, seed=scenario.seed)
+    drift_parts = data.split(drift, devices, per, alpha=scenario.alpha, seed=scenario.seed + 1) if drift else None
+    return main, main_parts, drift, drift_parts
 
 
 def assign_targets(shares: dict[str, float], devices: int) -> list[str]:
@@ -121,54 +305,86 @@ def assign_targets(shares: dict[str, float], devices: int) -> list[str]:
 
 
 def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
-    """Register the targets (first run only) and build every device's profile."""
+    """Register the targets (first run only), build every device's profile and write it to the
+    device's directory. Members come first (``device-0000`` ...), then the probes."""
     scenario.validate()
     drafter, models = _models(scenario)
     registry = TargetRegistry(out / "coordinator")
     for target, model in models.items():
         if target not in registry:
             registry.register(target, model, drafter, LoraSpec(rank=scenario.lora_rank), seed=scenario.seed)
-    prompts = _prompts(scenario)
-    per = scenario.prompts_per_device + scenario.heldout_per_device
+    shares = scenario.target_shares()
+    members = assign_targets(shares, scenario.devices)
+    roles = [(t, False) for t in members] + [(t, True) for t in shares for _ in range(scenario.probes)]
+    main, parts, drift, drift_parts = _corpora(scenario, len(roles))
+    n = scenario.prompts_per_device
+    join_round = scenario.join_round or scenario.rounds
+    switching = set()
+    if scenario.rollout is not None:  # every k-th member, so the rollout spans the old targets
+        count = round(scenario.devices * scenario.rollout.share)
+        step = scenario.devices / max(1, count)
+        switching = {int(i * step) for i in range(count)}
     profiles = []
-    for i, target in enumerate(assign_targets(scenario.target_shares(), scenario.devices)):
-        local = [prompts[(i * per + j) % len(prompts)] for j in range(per)]
-        profiles.append(DeviceProfile(
-            device_id=f"device-{i:04d}", target=target, target_model=models[target], drafter=drafter,
-            prompts=local[: scenario.prompts_per_device], heldout=local[scenario.prompts_per_device:],
-            state_dir=out / "devices" / f"device-{i:04d}", prompts_per_round=scenario.prompts_per_round,
-            generation=GenerationConfig(max_new_tokens=scenario.max_new_tokens),
+    for i, (target, probe) in enumerate(roles):
+        local = [main.prompts[j] for j in parts[i]]
+        name = f"device-{i:04d}"
+        held = scenario.probe_heldout if probe else scenario.heldout_per_device
+        p = DeviceProfile(
+            device_id=name, target=target, target_model=models[target], drafter=drafter,
+            prompts=local[:n], heldout=local[n: n + held],
+            state_dir=out / "devices" / name, prompts_per_round=scenario.prompts_per_round,
+            generation=GenerationConfig(max_new_tokens=scenario.max_new_tokens, draft_stop=scenario.draft_stop),
             online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr),
-            translate=scenario.translate,
-            joins_at_round=scenario.rounds if i >= scenario.devices - scenario.late_joiners else 1))
+            translate=scenario.translate, probe=probe,
+            joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1)
+        if i in switching and not probe:
+            r = scenario.rollout
+            p.switch_round, p.switch_target, p.switch_model = r.round, r.target, models[r.target]
+        if drift is not None:
+            moved = [drift.prompts[j] for j in drift_parts[i]]
+            p.drift_round = scenario.drift.round
+            p.drift_prompts, p.drift_heldout = moved[:n], moved[n: n + held]
+        p.save()
+        profiles.append(p)
+    if scenario.rollout is not None and scenario.probes:  # probes for the rolled-out target
+        r = scenario.rollout
+        for k in range(scenario.probes):
+            base = profiles[len(members) + k]
+            name = f"device-{len(profiles):04d}"
+            p = DeviceProfile(**{**base.__dict__, "device_id": name, "target": r.target,
+                                 "target_model": models[r.target], "state_dir": out / "devices" / name})
+            p.save()
+            profiles.append(p)
     return profiles
 
 
-_POOLS: dict[tuple, EnginePool] = {}  # per worker process: base models loaded once
-
-
-def device_factory(profiles: list[DeviceProfile], dtype: str, drafter_weights: str):
-    """``Context -> FleetDevice`` for simulation (partition-id indexes ``profiles``)."""
+def device_factory(devices_dir: Path, dtype: str, drafter_weights: str):
+    """``Context -> FleetDevice`` for simulation: partition ``p`` is ``devices_dir/device-p``,
+    whose profile the worker reads from disk (nothing of a device's data travels through Ray)."""
+    root = str(devices_dir)
 
     def device_for(context) -> FleetDevice:
-        key = (dtype, drafter_weights)
-        if key not in _POOLS:
-            _POOLS[key] = EnginePool(dtype, drafter_weights)
-        return FleetDevice(profiles[int(context.node_config["partition-id"])], _POOLS[key])
+        profile = cached_profile(os.path.join(root, f"device-{int(context.node_config['partition-id']):04d}"))
+        return FleetDevice(profile, shared_pool(dtype, drafter_weights))
 
     return device_for
 
 
-def run(scenario: Scenario, out: Path, on_round=None, mods=()) -> list[DeviceProfile]:
-    """Prepare and run the federation; ``on_round`` gets one metrics dict per round and target."""
+def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
+    return FleetConfig(rounds=scenario.rounds, fraction=scenario.fraction, min_devices=nodes, wait_s=300,
+                       seed=scenario.seed, measure_ar=scenario.measure_ar, newcomer_evals=scenario.newcomer_evals,
+                       aggregation=scenario.aggregation, release=scenario.release)
+
+
+def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None) -> list[DeviceProfile]:
+    """Prepare and run the federation; ``on_round`` gets one metrics dict per round and target,
+    ``progress(round, replies, messages)`` is called as replies arrive."""
     out = Path(out)
     profiles = prepare(scenario, out)
-    config = FleetConfig(rounds=scenario.rounds, fraction=scenario.fraction,
-                         min_devices=scenario.devices, wait_s=120, seed=scenario.seed,
-                         aggregation=scenario.aggregation, release=scenario.release)
     weights = "fp32" if scenario.models == "tiny" else "int8"
-    client = make_client_app(device_factory(profiles, scenario.dtype, weights), mods=mods)
+    client = make_client_app(device_factory(out / "devices", scenario.dtype, weights), mods=mods)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_federation(make_server_app(out / "coordinator", config, on_round), client, scenario.devices,
-                   cpus_per_device=scenario.cpus_per_device, ray_address=scenario.ray_address)
+    server = make_server_app(out / "coordinator", fleet_config(scenario, len(profiles)), on_round, progress)
+    run_federation(server, client, len(profiles), cpus_per_device=scenario.cpus_per_device,
+                   ray_address=scenario.ray_address)
     return profiles

@@ -231,7 +231,7 @@ def _scenario(**kw):
 
     base = dict(models="tiny", devices=6, rounds=3, prompts_per_device=6, heldout_per_device=2,
                 prompts_per_round=3, max_new_tokens=12, late_joiners=1, lora_rank=2, lr=1e-2,
-                release=ReleaseConfig(k=2))
+                probes=0, newcomer_evals=0, measure_ar=False, release=ReleaseConfig(k=2))
     base.update(kw)
     return Scenario(**base)
 
@@ -341,7 +341,7 @@ def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
         "from omnidraft.coordinator.ngram_release import ReleaseConfig\n"
         "out = Path(sys.argv[1])\n"
         "s = Scenario(models='tiny', devices=2, rounds=3, prompts_per_device=2, heldout_per_device=1,\n"
-        "             prompts_per_round=2, max_new_tokens=8, lora_rank=2, release=ReleaseConfig(k=1))\n"
+        "             prompts_per_round=2, max_new_tokens=8, lora_rank=2, probes=0, release=ReleaseConfig(k=1))\n"
         "def on_round(r):\n"
         "    with open(out / 'rounds.jsonl', 'a') as f: f.write(json.dumps([r['round'], r['target'], r['version']]) + '\\n')\n"
         "run(s, out / 'run', on_round)\n")

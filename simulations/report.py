@@ -1,0 +1,223 @@
+"""What a simulation run shows: a summary per target, PNG plots and ``report.md``.
+
+Everything is computed from ``metrics.jsonl`` (one record per round and target; round 0 is the
+probes' measurement of the starting state) and ``summary.json``'s configuration, so a report can
+be rebuilt from a finished run directory: ``python -m omnidraft.simulations.report RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from omnidraft.shared.atomic_io import write_bytes_atomic
+
+PLOTS = {
+    "acceptance.png": "Acceptance of the global state on the probes' held-out prompts, by round",
+    "speedup.png": "Speedup over the target alone (same prompts, same machine), by round",
+    "cache.png": "Global n-gram cache entries, by round",
+    "bytes.png": "Bytes per device and round (uplink: adapter + n-gram statistics; downlink: state sent)",
+    "newcomers.png": "First session of a new device: with the global state (warm) vs without (cold)",
+}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def by_target(records: list[dict]) -> dict[str, list[dict]]:
+    """Records per target, in round order (a resumed run's repeated rounds: the last one wins)."""
+    out: dict[str, dict[int, dict]] = defaultdict(dict)
+    for r in records:
+        out[r["target"]][r["round"]] = r
+    return {t: [rounds[k] for k in sorted(rounds)] for t, rounds in sorted(out.items())}
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def target_summary(rows: list[dict]) -> dict:
+    """First and last measured acceptance/speedup, newcomers warm vs cold (means over the
+    rounds that measured them), bytes, cache and privacy totals of one target."""
+    evals = [r for r in rows if "eval-acceptance" in r]
+    newcomers = [r for r in rows if "new-warm-acceptance" in r]
+    trained = [r for r in rows if r.get("aggregated")]
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
+    return {
+        "rounds": [r["round"] for r in rows],
+        "acceptance-first": first.get("eval-acceptance"), "acceptance-last": last.get("eval-acceptance"),
+        "first-round": first.get("round"), "last-round": last.get("round"),
+        "tokens-per-call-first": first.get("eval-tokens-per-call"), "tokens-per-call-last": last.get("eval-tokens-per-call"),
+        "speedup-first": first.get("eval-speedup"), "speedup-last": last.get("eval-speedup"),
+        "tokens-per-s-last": last.get("eval-tokens-per-s"),
+        "new-warm-acceptance": _mean([r["new-warm-acceptance"] for r in newcomers]),
+        "new-cold-acceptance": _mean([r["new-cold-acceptance"] for r in newcomers]),
+        "new-devices": sum(int(r.get("new-warm-devices", 0)) for r in newcomers),
+        "devices-trained": sum(int(r["aggregated"]) for r in trained),
+        "rejected": sum(len(r.get("rejected", [])) for r in rows),
+        "uplink-bytes-per-device": _mean([r.get("uplink-bytes-per-device") for r in trained]),
+        "downlink-bytes-per-device": _mean([r.get("downlink-bytes-per-device") for r in trained]),
+        "cache-entries-last": trained[-1].get("cache-entries") if trained else None,
+        "ngrams-released": sum(int(r.get("ngrams", {}).get("released", 0)) for r in trained),
+        "epsilon-last": trained[-1].get("ngrams", {}).get("epsilon") if trained else None,
+    }
+
+
+def _fmt(v, spec=".3f") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float) and v == float("inf"):
+        return "∞"
+    return format(v, spec)
+
+
+def _gib(mb) -> str:
+    return f"{mb / 1024:.1f}" if isinstance(mb, (int, float)) else "–"
+
+
+def _mb(v) -> str:
+    return "–" if v is None else f"{v / 1e6:.2f} MB"
+
+
+def summary_table(summaries: dict[str, dict]) -> str:
+    """A Markdown table, one row per target (also printed at the end of a run)."""
+    head = ("| target | acceptance (round → round) | tokens/call | speedup vs target | new device warm / cold "
+            "| devices trained | uplink / downlink per device | cache entries | n-grams released | ε |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for t, s in summaries.items():
+        rounds = f"{s['first-round']} → {s['last-round']}" if s["first-round"] is not None else ""
+        lines.append(
+            f"| {t} | {_fmt(s['acceptance-first'])} → {_fmt(s['acceptance-last'])} ({rounds}) "
+            f"| {_fmt(s['tokens-per-call-first'], '.2f')} → {_fmt(s['tokens-per-call-last'], '.2f')} "
+            f"| {_fmt(s['speedup-first'], '.2f')}x → {_fmt(s['speedup-last'], '.2f')}x "
+            f"| {_fmt(s['new-warm-acceptance'])} / {_fmt(s['new-cold-acceptance'])} ({s['new-devices']} devices) "
+            f"| {s['devices-trained']} | {_mb(s['uplink-bytes-per-device'])} / {_mb(s['downlink-bytes-per-device'])} "
+            f"| {_fmt(s['cache-entries-last'], 'd')} | {s['ngrams-released']} | {_fmt(s['epsilon-last'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
+    """Write the PNGs of ``PLOTS`` under ``out``; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    def series(key: str, fig_name: str, ylabel: str, *, scale: float = 1.0, marker="o") -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for t, rows in per_target.items():
+            pts = [(r["round"], r[key] / scale) for r in rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, label=t)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fig_name, dpi=110)
+        plt.close(fig)
+
+    series("eval-acceptance", "acceptance.png", "acceptance (probes)")
+    series("eval-speedup", "speedup.png", "speedup vs target alone (x)")
+    series("cache-entries", "cache.png", "global cache entries")
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for t, rows in per_target.items():
+        for key, style in (("uplink-bytes-per-device", "-o"), ("downlink-bytes-per-device", "--s")):
+            pts = [(r["round"], r[key] / 1e6) for r in rows if r.get(key) is not None and r.get("aggregated")]
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{t} {key.split('-')[0]}")
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("MB per device")
+    ax.grid(alpha=0.3)
+    if ax.has_data():
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "bytes.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    names = list(per_target)
+    warm = [target_summary(per_target[t])["new-warm-acceptance"] or 0.0 for t in names]
+    cold = [target_summary(per_target[t])["new-cold-acceptance"] or 0.0 for t in names]
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], cold, width=0.4, label="cold (no global state)")
+    ax.bar([x + 0.2 for x in xs], warm, width=0.4, label="warm (global state)")
+    ax.set_xticks(list(xs), names, fontsize=8)
+    ax.set_ylabel("first-session acceptance")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "newcomers.png", dpi=110)
+    plt.close(fig)
+    return list(PLOTS)
+
+
+def round_table(rows: list[dict]) -> str:
+    head = "| round | devices trained | acceptance | tokens/call | tok/s | speedup | new warm / cold | cache entries | released | ε |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ngrams = r.get("ngrams", {})
+        lines.append(
+            f"| {r['round']} | {r.get('aggregated', '–')} | {_fmt(r.get('eval-acceptance'))} "
+            f"| {_fmt(r.get('eval-tokens-per-call'), '.2f')} | {_fmt(r.get('eval-tokens-per-s'), '.1f')} "
+            f"| {_fmt(r.get('eval-speedup'), '.2f')} "
+            f"| {_fmt(r.get('new-warm-acceptance'))} / {_fmt(r.get('new-cold-acceptance'))} "
+            f"| {_fmt(r.get('cache-entries'), 'd')} | {ngrams.get('released', '–')} | {_fmt(ngrams.get('epsilon'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Plots and ``report.md`` for a finished run directory; returns the report's path."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    per_target = by_target(read_metrics(run_dir / "metrics.jsonl"))
+    if not per_target:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no rounds")
+    plots = plot(per_target, run_dir)
+    cfg = summary["config"]
+    parts = [
+        "# OmniDraft Fleet simulation report", "",
+        f"{cfg['devices']} devices ({cfg.get('probes', 0)} probe devices per target in addition), "
+        f"{cfg['rounds']} rounds, {cfg['fraction']:.0%} of the joined devices sampled per round, "
+        f"models `{cfg['models']}`, targets {', '.join(f'`{t}`' for t in cfg['targets'])}, "
+        f"seed {cfg['seed']}. Wall time {summary.get('wall_s', 0):.0f} s, peak memory "
+        f"{_gib(summary.get('peak_rss_mb'))} GiB (all processes), on {summary.get('machine', 'this machine')}.",
+        "",
+        "Acceptance, tokens per target call and speedup are the global state's, measured by the probe "
+        "devices (never trained) on the same held-out prompts every round; round 0 is the starting state "
+        "(untrained adapter, cache seeded from the tokenizers). New devices are sampled devices that never "
+        "trained for their target, whose first session runs once without and once with the global state.",
+        "", "## Per target", "", summary_table({t: target_summary(r) for t, r in per_target.items()}), "",
+    ]
+    for name in plots:
+        parts += [f"![{PLOTS[name]}]({name})", "", f"*{PLOTS[name]}.*", ""]
+    for t, rows in per_target.items():
+        parts += [f"## {t} by round", "", round_table(rows), ""]
+    events = [f"{k}: {cfg[k]}" for k in ("rollout", "drift") if cfg.get(k)]
+    if cfg.get("late_joiners"):
+        events.append(f"{cfg['late_joiners']} devices join at round {cfg.get('join_round') or cfg['rounds']}")
+    if events:
+        parts += ["## Events", "", *[f"- {e}" for e in events], ""]
+    parts += ["## Configuration", "", "```json", json.dumps(cfg, indent=1, default=str), "```", ""]
+    path = run_dir / "report.md"
+    write_bytes_atomic(path, "\n".join(parts).encode())
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m omnidraft.simulations.report RUN_DIR", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        print(write_report(sys.argv[1]))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2)

@@ -1,0 +1,201 @@
+"""``python simulations/run.py``: scenarios (flags, TOML), the non-IID split, events, and a smoke
+run of 50 tiny devices whose outputs (metrics, summary, plots, report, device and coordinator
+state) are checked, plus determinism given the seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from omnidraft.simulations import data
+from omnidraft.simulations.scenario import Drift, Rollout, Scenario
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = REPO / "simulations" / "run.py"
+
+
+def _run(*args: str, home: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMNIDRAFT_HOME": str(home)}
+    return subprocess.run([sys.executable, str(RUN), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, tiny):
+    return tiny["tiny-drafter"].parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from omnidraft.shared.tiny_models import ensure_tiny_fleet
+
+    return ensure_tiny_fleet(tmp_path_factory.mktemp("home") / "tiny")
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+def test_sources_are_real_text_with_labels():
+    corpus = data.load_corpus(None)
+    counts = Counter(corpus.labels)
+    assert counts["humaneval"] == 164 and counts["stdlib"] > 1000 and counts["pydoc"] > 500
+    i = corpus.labels.index("stdlib")
+    assert corpus.prompts[i].startswith(("def ", "async def ")) and '"""' in corpus.prompts[i] or "'''" in corpus.prompts[i]
+    assert all(len(p) <= data.MAX_CHARS + 2 for p, lab in zip(corpus.prompts, corpus.labels) if lab == "pydoc")
+
+
+def test_dirichlet_split_is_disjoint_deterministic_and_skewed():
+    corpus = data.load_corpus("humaneval,pydoc")
+    parts = data.split(corpus, 40, 5, alpha=0.1, seed=3)
+    flat = [i for p in parts for i in p]
+    assert len(flat) == len(set(flat)) == 40 * 5 and {len(p) for p in parts} == {5}
+    assert parts == data.split(corpus, 40, 5, alpha=0.1, seed=3)
+    assert parts != data.split(corpus, 40, 5, alpha=0.1, seed=4)
+
+    def majority(parts):  # mean share of each device's most common source
+        return sum(Counter(corpus.labels[i] for i in p).most_common(1)[0][1] / len(p) for p in parts) / len(parts)
+
+    assert majority(parts) > majority(data.split(corpus, 40, 5, alpha=100.0, seed=3)) + 0.1
+    with pytest.raises(ValueError, match="need"):
+        data.split(corpus, 400, 5, alpha=0.5, seed=0)
+
+
+def test_jsonl_data_without_labels_is_split_iid(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"text number {i}"}) + "\n" for i in range(30)))
+    corpus = data.load_corpus(str(path))
+    parts = data.split(corpus, 6, 5, alpha=0.5, seed=0)
+    flat = [i for p in parts for i in p]
+    assert len(flat) == len(set(flat)) == 30
+    (tmp_path / "bad.jsonl").write_text('{"prompt": 3}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        data.load_corpus(str(tmp_path / "bad.jsonl"))
+
+
+# -- scenarios -------------------------------------------------------------------------------------
+
+def test_toml_scenario_and_events(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('models = "tiny"\ndevices = 20\nrounds = 4\ntargets = "tiny-target-a:1"\n'
+                    'rollout = {target = "tiny-target-b", round = 3, share = 0.25}\n'
+                    'drift = "pydoc@4"\n[privacy]\nk = 3\nnoise = 0.5\n[aggregation]\nmethod = "median"\n')
+    s = Scenario.from_toml(path)
+    s.validate()
+    assert s.devices == 20 and s.targets == {"tiny-target-a": 1.0}
+    assert s.rollout == Rollout("tiny-target-b", 3, 0.25) and s.drift == Drift("pydoc", 4)
+    assert s.release.k == 3 and s.release.noise_multiplier == 0.5 and s.aggregation.method == "median"
+    for text, match in (("devices = 0\n", "devices"), ("bogus = 1\n", "unknown key 'bogus'"),
+                        ("rollout = 'x@9:0.5'\nrounds = 3\n", "rollout round"), ("devices = [\n", "s.toml")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            Scenario.from_toml(path).validate()
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, home):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = 'three'\n")
+    for args in (["--devices", "0"], ["--scenario", str(bad)], ["--scenario", str(tmp_path / "none.toml")],
+                 ["--rollout", "nonsense"], ["--models", "tiny", "--targets", "nope:1"]):
+        res = _run(*args, "--out", str(tmp_path / "o"), home=home, timeout=120)
+        assert res.returncode == 2, (args, res.stderr[-500:])
+        assert "Traceback" not in res.stderr and res.stderr.strip().startswith("error:"), res.stderr[-500:]
+
+
+def test_profiles_apply_rollout_and_drift(tmp_path, home, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(home))
+    from omnidraft.client.fleet_device import DeviceProfile
+    from omnidraft.simulations.scenario import prepare
+
+    s = Scenario(models="tiny", devices=8, rounds=4, targets={"tiny-target-a": 1.0}, probes=1,
+                 prompts_per_device=3, heldout_per_device=1, rollout=Rollout("tiny-target-b", 3, 0.5),
+                 drift=Drift("tiny", 4), late_joiners=2)
+    profiles = prepare(s, tmp_path / "run")
+    members = [p for p in profiles if not p.probe]
+    assert len(members) == 8 and sum(p.switch_target == "tiny-target-b" for p in members) == 4
+    assert [p.target for p in profiles if p.probe] == ["tiny-target-a", "tiny-target-b"]
+    assert [p.joins_at_round for p in members][-2:] == [4, 4]
+    p = next(p for p in members if p.switch_target)
+    assert p.at_round(2).target == "tiny-target-a" and p.at_round(3).target == "tiny-target-b"
+    assert p.at_round(4).prompts == p.drift_prompts != p.prompts and p.at_round(3).prompts == p.prompts
+    assert DeviceProfile.load(p.state_dir) == p  # what a worker reads from the device's directory
+
+
+# -- the smoke run ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, home):
+    out = tmp_path_factory.mktemp("sim") / "run"
+    res = _run("--models", "tiny", "--devices", "50", "--rounds", "3", "--seed", "7", "--out", str(out), home=home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out, res
+
+
+def test_smoke_run_writes_every_output(smoke):
+    out, res = smoke
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    targets = {"tiny-target-a", "tiny-target-b"}
+    assert {(r["round"], r["target"]) for r in records} == {(n, t) for n in range(4) for t in targets}
+    for r in records:
+        assert 0 <= r["eval-acceptance"] <= 1 and r["eval-tokens-per-call"] >= 1 and r["eval-speedup"] > 0
+        if r["round"]:
+            assert r["aggregated"] >= 1 and r["uplink-bytes-per-device"] > 0 and r["cache-entries"] > 0
+            assert "epsilon" in r["ngrams"] and "released" in r["ngrams"]
+    assert any("new-warm-acceptance" in r and "new-cold-acceptance" in r for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["devices"] == 50 and summary["wall_s"] > 0 and summary["peak_rss_mb"] > 100
+    assert set(summary["targets"]) == targets
+    for name in ("acceptance.png", "speedup.png", "cache.png", "bytes.png", "newcomers.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in (out / "report.md").read_text()
+    devices = sorted((out / "devices").iterdir())
+    assert len(devices) == 50 + 2 * 2  # members and two probes per target
+    trained = [d for d in devices if (d / "history.jsonl").exists()]
+    assert trained and all((d / "profile.json").exists() for d in devices)
+    assert (out / "coordinator" / "coordinator.json").exists()
+    assert "| tiny-target-a |" in res.stdout  # the summary table
+
+
+def test_same_seed_same_learning(smoke, tmp_path, home):
+    """Acceptance and what the devices learned depend only on the seed (timings aside)."""
+    out, _ = smoke
+    again = tmp_path / "again"
+    res = _run("--models", "tiny", "--devices", "50", "--rounds", "3", "--seed", "7", "--out", str(again), home=home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    keys = ("round", "target", "aggregated", "eval-acceptance", "eval-tokens-per-call", "trained-tokens",
+            "new-warm-acceptance", "new-cold-acceptance", "cache-entries")
+
+    def learned(run):
+        return [{k: r.get(k) for k in keys} for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+    assert learned(out) == learned(again)
+    for d in ("device-0003", "device-0010"):
+        a, b = (run / "devices" / d / "history.jsonl" for run in (out, again))
+        assert a.exists() == b.exists() and (not a.exists() or a.read_text() == b.read_text())
+
+
+def test_rollout_and_drift_events_in_a_run(tmp_path, home):
+    """From round 2 half the devices serve tiny-target-b (registered up front, no device before);
+    from round 3 every device's traffic is the drift corpus."""
+    out = tmp_path / "run"
+    res = _run("--models", "tiny", "--devices", "12", "--rounds", "3", "--fraction", "1",
+               "--targets", "tiny-target-a:1", "--rollout", "tiny-target-b@2:0.5", "--drift", "tiny@3",
+               "--probes", "1", "--late-joiners", "0", "--no-ar", "--out", str(out), home=home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    b = {r["round"]: r for r in rows if r["target"] == "tiny-target-b"}
+    a = {r["round"]: r for r in rows if r["target"] == "tiny-target-a"}
+    assert sorted(b) == [0, 2, 3] and sorted(a) == [0, 1, 2, 3]  # b's probe measures round 0
+    assert a[1]["aggregated"] == 12 and a[2]["aggregated"] == b[2]["aggregated"] == 6
+    assert b[3]["version"] == 2 and b[3]["eval-speedup"] == 0.0  # --no-ar: no speedup measured
+    profile = json.loads((out / "devices" / "device-0000" / "profile.json").read_text())
+    assert profile["switch_target"] == "tiny-target-b"
+    history = [json.loads(line) for line in (out / "devices" / "device-0000" / "history.jsonl").read_text().splitlines()]
+    assert {h["round"] for h in history} == {1, 2, 3}
+    assert all(h["prompt"] in profile["drift_prompts"] for h in history if h["round"] == 3)
+    assert all(h["prompt"] in profile["prompts"] for h in history if h["round"] < 3)
+    assert (out / "devices" / "device-0000" / "local").is_dir()
