@@ -91,20 +91,30 @@ class DeviceSession:
 
     @torch.inference_mode(False)
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
-                 learn: bool | None = None, explore: bool = True) -> GenerationResult:
+                 learn: bool | None = None, explore: bool = True, observe: bool = True,
+                 on_tokens=None) -> GenerationResult:
         """Decode ``prompt``; when learning, feed the learner afterwards (``last_update`` says
-        whether that triggered a drafter update). ``explore`` lets the gamma tuner try
-        thresholds; without it the best one so far is used."""
+        whether that triggered a drafter update), unless ``observe`` is False: then the result
+        carries the training sample for a later ``learn_from``. ``explore`` lets the gamma tuner
+        try thresholds; without it the best one so far is used. ``on_tokens(ids)`` streams the
+        committed ids."""
         learn = self.learn if learn is None else learn
         head_on = self.head is not None and self.head.ready
         gamma = (self.tuner.choose() if explore else self.tuner.best()) if head_on else None
         text, ids = self.engine.prompt_ids(prompt, chat)
         recorder = SignalRecorder(self.inter) if learn else None
-        result = self.decoder(gamma).generate(text, ids, config, recorder=recorder)
+        result = self.decoder(gamma).generate(text, ids, config, recorder=recorder, on_tokens=on_tokens)
         if head_on and result.stats.tokens_per_s:
             self.tuner.record(gamma, result.stats.tokens_per_s)
-        self.last_update = self.learner.observe(result.training_sample) if learn else None
+        self.last_update = self.learn_from(result) if learn and observe else None
         return result
+
+    def learn_from(self, result: GenerationResult) -> UpdateReport | None:
+        """Feed a learning generation's sample to the learner (which updates the adapter every
+        ``interval`` samples); returns the update's report, if one ran."""
+        if result.training_sample is None:
+            return None
+        return self.learner.observe(result.training_sample)
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self) -> None:

@@ -6,6 +6,8 @@
     omnidraft adapt --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
     omnidraft profile --drafter NAME --target NAME [...]
     omnidraft fleet register-target NAME --model NAME|DIR [--root DIR] | fleet status [--root DIR]
+    omnidraft device serve --drafter NAME --target NAME --state-dir DIR [--listen ADDR]
+    omnidraft device ask "PROMPT" [--server ADDR] [--stream] | device health [--server ADDR]
 
 Every user error prints one line to stderr and exits with status 2.
 """
@@ -129,6 +131,33 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="target block sizes in tokens (default: the decoder's profile, 1..16)")
     prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
     prof.add_argument("--json", action="store_true")
+
+    device = sub.add_parser("device", help="the on-device generation service (gRPC) and its client")
+    dsub = device.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    serve = dsub.add_parser("serve", help="serve omnidraft.v1.Generation over gRPC, learning between requests")
+    pair(serve)
+    serve.add_argument("--listen", default="127.0.0.1:50051", help="host:port (default loopback only)")
+    serve.add_argument("--max-queue", type=int, default=8, help="requests waiting or running at once")
+    serve.add_argument("--max-prompt-tokens", type=int, default=4096)
+    serve.add_argument("--max-new-tokens-limit", type=int, default=1024, help="largest max_new_tokens a request may ask")
+    serve.add_argument("--no-learn", action="store_true", help="serve without online learning")
+    serve.add_argument("--interval", type=int, default=8, help="generations per adapter update")
+    serve.add_argument("--lr", type=float, default=1e-4, help="adapter learning rate")
+    ask = dsub.add_parser("ask", help="send one prompt to a running service")
+    ask.add_argument("prompt")
+    ask.add_argument("--max-new-tokens", type=int, default=0, help="0: the service's default")
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--top-p", type=float, default=1.0)
+    ask.add_argument("--seed", type=int, default=None)
+    ask.add_argument("--stop", action="append", default=[])
+    ask.add_argument("--chat", action="store_true")
+    ask.add_argument("--stream", action="store_true", help="print text as it is verified")
+    ask.add_argument("--json", action="store_true")
+    health = dsub.add_parser("health", help="a running service's status")
+    health.add_argument("--json", action="store_true")
+    for sp in (ask, health):
+        sp.add_argument("--server", default="127.0.0.1:50051")
+        sp.add_argument("--timeout", type=float, default=600.0, help="seconds")
 
     fleet = sub.add_parser("fleet", help="the coordinator's target registry")
     fsub = fleet.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -417,6 +446,92 @@ def _require_matplotlib(command: str) -> None:
         raise UsageError(f"omnidraft {command}: --plot needs matplotlib (pip install 'omnidraft-fleet[sim]')") from None
 
 
+def _device(args) -> int:
+    if args.action == "serve":
+        return _serve(args)
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from omnidraft.proto import generation_pb2 as pb
+    from omnidraft.proto import generation_pb2_grpc as pb_grpc
+
+    try:
+        with grpc.insecure_channel(args.server) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            if args.action == "health":
+                reply = stub.Health(pb.HealthRequest(), timeout=args.timeout)
+                if args.json:
+                    print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True)))
+                else:
+                    print(f"{reply.status}: {reply.drafter} -> {reply.target} ({reply.precision}), "
+                          f"{reply.requests} requests, {reply.updates} updates, {reply.queued} in flight")
+                return 0
+            request = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                                         temperature=args.temperature, top_p=args.top_p, stop=args.stop,
+                                         chat=args.chat, **({"seed": args.seed} if args.seed is not None else {}))
+            if args.stream:
+                stats = None
+                for chunk in stub.GenerateStream(request, timeout=args.timeout):
+                    if chunk.done:
+                        stats = chunk.stats
+                    elif not args.json:
+                        print(chunk.text, end="", flush=True)
+                if not args.json:
+                    print()
+                reply = pb.GenerateReply(stats=stats)
+            else:
+                reply = stub.Generate(request, timeout=args.timeout)
+                if not args.json:
+                    print(reply.text)
+    except grpc.RpcError as exc:
+        raise UsageError(f"omnidraft device {args.action}: {exc.code().name}: {exc.details()}") from None
+    if args.json:
+        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), ensure_ascii=False))
+    else:
+        s = reply.stats
+        print(f"[{s.new_tokens} tokens in {s.decode_s:.2f} s ({s.tokens_per_s:.1f} tok/s), acceptance "
+              f"{s.acceptance_rate:.2f}, {s.tokens_per_target_call:.2f} tokens/target call, queued "
+              f"{s.queue_s:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    import signal
+    import threading
+
+    from omnidraft.client.online_learner import OnlineConfig
+    from omnidraft.client.service import GenerationService, ServiceLimits, serve
+
+    if not args.state_dir:
+        raise UsageError("omnidraft device serve: --state-dir is required (the device's adapter, head and cache)")
+    if min(args.max_queue, args.max_prompt_tokens, args.max_new_tokens_limit, args.interval) < 1:
+        raise UsageError("omnidraft device serve: --max-queue, --max-prompt-tokens, --max-new-tokens-limit "
+                         "and --interval must be >= 1")
+    base = _config(args)
+    engine = _engine(args)
+    session = _session(args, engine, online=OnlineConfig(interval=args.interval, lr=args.lr))
+    limits = ServiceLimits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_limit,
+                           default_new_tokens=min(args.max_new_tokens, args.max_new_tokens_limit),
+                           max_queue=args.max_queue)
+    service = GenerationService(session, limits, base=base, precision=engine.precision, learn=not args.no_learn)
+    try:
+        server, port = serve(service, args.listen)
+    except (ValueError, RuntimeError) as exc:
+        service.close()
+        raise UsageError(f"omnidraft device serve: cannot listen on {args.listen}: {exc}") from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    host = args.listen.rsplit(":", 1)[0]
+    print(f"serving omnidraft.v1.Generation on {host}:{port} ({engine.drafter_name} -> {args.target}, "
+          f"{engine.precision}); state in {args.state_dir}", file=sys.stderr, flush=True)
+    stop.wait()
+    server.stop(grace=5).wait()
+    service.close()
+    print("stopped; device state saved", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from omnidraft.shared.catalog import CatalogError
 
@@ -424,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _build_parser().parse_args(argv)
         handler = {"models": _models, "generate": _generate, "bench": _bench,
                    "adapt": _adapt, "drift": _drift, "profile": _profile,
-                   "fleet": _fleet}[args.command]
+                   "fleet": _fleet, "device": _device}[args.command]
         return handler(args)
     except (UsageError, CatalogError, ValueError) as exc:
         # ValueError: input the engine rejects (e.g. a prompt with no drafter token)

@@ -52,7 +52,7 @@ class _TargetSide:
         logits = self.runner.forward(ids)
         return logits.masked_fill_(self.invalid[: logits.shape[-1]], float("-inf"))
 
-    def start(self, prompt_ids: list[int], config: GenerationConfig):
+    def start(self, prompt_ids: list[int], config: GenerationConfig, on_tokens=None):
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         config.validate()
@@ -61,7 +61,7 @@ class _TargetSide:
             self.runner.forward(prompt_ids[:-1])
         generator = torch.Generator()
         generator.manual_seed(config.seed if config.seed is not None else torch.seed())
-        return StopChecker(config, self.stop_ids, self.token_bytes), generator
+        return StopChecker(config, self.stop_ids, self.token_bytes, on_tokens), generator
 
     def finish(self, stop: StopChecker, stats: GenerationStats, t0: float) -> GenerationResult:
         stats.new_tokens = len(stop.generated)
@@ -77,9 +77,10 @@ class TargetOnlyDecoder:
         self.side = _TargetSide(target, bridge)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], config: GenerationConfig, on_tokens=None) -> GenerationResult:
+        """``on_tokens(ids)`` is called with each step's committed ids (see ``StopChecker``)."""
         t0 = time.perf_counter()
-        stop, generator = self.side.start(prompt_ids, config)
+        stop, generator = self.side.start(prompt_ids, config, on_tokens)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         pending = prompt_ids[-1]
         while not stop.done:
@@ -185,14 +186,15 @@ class CrossVocabDecoder:
     # -- the loop --------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompt_text: str, prompt_ids: list[int], config: GenerationConfig,
-                 recorder=None) -> GenerationResult:
+                 recorder=None, on_tokens=None) -> GenerationResult:
         """Generate a continuation of ``prompt_text`` (tokenized for the target as ``prompt_ids``).
 
         With a ``recorder`` (``training_signal.SignalRecorder``) the verification rows of every
-        committed token are kept and the result carries a ``training_sample``.
+        committed token are kept and the result carries a ``training_sample``. ``on_tokens(ids)``
+        is called with each round's committed ids (streaming; an exception it raises aborts).
         """
         t0 = time.perf_counter()
-        stop, generator = self.side.start(prompt_ids, config)
+        stop, generator = self.side.start(prompt_ids, config, on_tokens)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         context = DraftContext(self._encode, self.bridge.draft_bytes, prompt_text)
         if not context.ids:

@@ -6,6 +6,8 @@ both honour EOS, stop strings and ``max_new_tokens`` in exactly the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import asdict, dataclass, field
 
 
@@ -117,7 +119,9 @@ class StopChecker:
     never exceeds ``max_new_tokens``.
     """
 
-    def __init__(self, config: GenerationConfig, stop_ids: frozenset[int], token_bytes) -> None:
+    def __init__(self, config: GenerationConfig, stop_ids: frozenset[int], token_bytes,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> None:
+        self.on_tokens = on_tokens  # called with the kept ids of every commit (streaming); may raise to abort
         self.max_new_tokens = config.max_new_tokens
         self.stop_ids = stop_ids
         self.stop_bytes = [s.encode() for s in config.stop_strings]
@@ -146,6 +150,8 @@ class StopChecker:
             if len(self.generated) >= self.max_new_tokens:
                 self.finish_reason = "length"
                 break
+        if self.on_tokens is not None and kept:
+            self.on_tokens(kept)
         return kept
 
     @property

@@ -1,0 +1,231 @@
+"""The on-device generation service: ``omnidraft.v1.Generation`` over gRPC (``proto/generation.proto``).
+
+Apps on a device call ``Generate`` (one reply) or ``GenerateStream`` (text chunks as tokens are
+verified). Every request decodes with the device's ``DeviceSession`` (cross-vocabulary
+speculative decoding with the device's adapter, head and n-gram cache). The engine runs one
+decode at a time: requests wait their turn (at most ``max_queue`` waiting or running; more get
+``RESOURCE_EXHAUSTED``). Learning never blocks a running request: a generation's training
+sample is queued, and a learner thread feeds it to the online learner (which updates the adapter
+every ``interval`` samples) between requests, then saves the device state atomically. A client
+that cancels or disconnects mid-request stops its decode at the next verification step and
+frees the engine. Bad requests get ``INVALID_ARGUMENT`` with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, replace
+
+import grpc
+
+from omnidraft.client.session import DeviceSession
+from omnidraft.proto import generation_pb2 as pb
+from omnidraft.proto import generation_pb2_grpc as pb_grpc
+from omnidraft.shared.generation import GenerationConfig, GenerationResult
+
+log = logging.getLogger("omnidraft.service")
+DEFAULT_LISTEN = "127.0.0.1:50051"
+
+
+@dataclass
+class ServiceLimits:
+    """What one request may ask for, and how many may wait (counts of tokens and requests)."""
+
+    max_prompt_tokens: int = 4096  # target tokens
+    max_new_tokens: int = 1024
+    default_new_tokens: int = 128
+    max_queue: int = 8  # requests waiting or running
+    save_every: int = 1  # save the device state after this many learned samples
+
+
+class Cancelled(Exception):
+    """The client went away: stop decoding."""
+
+
+def _stats(result: GenerationResult, queue_s: float) -> pb.GenerationStats:
+    st = result.stats
+    return pb.GenerationStats(
+        prompt_tokens=st.prompt_tokens, new_tokens=st.new_tokens, target_calls=st.target_calls,
+        acceptance_rate=st.acceptance_rate or 0.0, tokens_per_target_call=st.tokens_per_target_call or 0.0,
+        decode_s=st.wall_s, queue_s=queue_s, tokens_per_s=st.tokens_per_s or 0.0,
+        finish_reason=result.finish_reason)
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    """The servicer (see the module docstring). ``close()`` stops the learner after it has
+    learned from what is queued, and saves the state."""
+
+    def __init__(self, session: DeviceSession, limits: ServiceLimits | None = None, *,
+                 base: GenerationConfig | None = None, precision: str = "", learn: bool = True) -> None:
+        self.session = session
+        self.limits = limits or ServiceLimits()
+        self.base = base or GenerationConfig()  # drafting settings; requests set the sampling ones
+        self.precision = precision
+        self.learn = learn
+        self._engine = threading.Lock()  # one decode or adapter update at a time
+        self._slots = threading.BoundedSemaphore(self.limits.max_queue)
+        self._count = threading.Lock()
+        self.in_flight = 0
+        self.requests = 0
+        self._samples: queue.Queue = queue.Queue()
+        self._learner = threading.Thread(target=self._learn_loop, name="omnidraft-learner", daemon=True)
+        self._learner.start()
+
+    # -- requests -----------------------------------------------------------------------------
+    def _config(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> GenerationConfig:
+        """The request's decoding settings; aborts with INVALID_ARGUMENT."""
+        lim = self.limits
+        reason = None
+        if not request.prompt:
+            reason = "the prompt is empty"
+        elif request.max_new_tokens > lim.max_new_tokens:
+            reason = f"max_new_tokens {request.max_new_tokens} exceeds this device's limit of {lim.max_new_tokens}"
+        config = replace(
+            self.base, max_new_tokens=request.max_new_tokens or min(lim.default_new_tokens, lim.max_new_tokens),
+            temperature=request.temperature, top_p=request.top_p or 1.0,
+            seed=request.seed if request.HasField("seed") else None, stop_strings=tuple(request.stop))
+        if reason is None:
+            try:
+                config.validate()
+            except ValueError as exc:
+                reason = str(exc)
+        if reason is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        return config
+
+    def _run(self, request: pb.GenerateRequest, context: grpc.ServicerContext, on_text=None) -> tuple[GenerationResult, float]:
+        """Decode one request in its turn; returns (result, seconds queued)."""
+        config = self._config(request, context)
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.limits.max_queue} requests are already waiting or running; retry later")
+        try:
+            with self._count:
+                self.in_flight += 1
+            t0 = time.perf_counter()
+            with self._engine:
+                queued = time.perf_counter() - t0
+                if not context.is_active():
+                    raise Cancelled()
+                _, ids = self.session.engine.prompt_ids(request.prompt, request.chat)  # tokenizers are not shared across threads
+                if len(ids) > self.limits.max_prompt_tokens:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {len(ids)} tokens; this "
+                                  f"device accepts at most {self.limits.max_prompt_tokens}")
+                decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                token_bytes = self.session.engine.bridge.target_bytes
+
+                def on_tokens(ids: list[int]) -> None:
+                    if not context.is_active():
+                        raise Cancelled()
+                    if on_text is not None:
+                        text = decoder.decode(b"".join(token_bytes[i] or b"" for i in ids))
+                        if text:
+                            on_text(text)
+
+                result = self.session.generate(request.prompt, config, chat=request.chat, learn=self.learn,
+                                               observe=False, on_tokens=on_tokens)
+                if on_text is not None:
+                    tail = decoder.decode(b"", final=True)
+                    if tail:
+                        on_text(tail)
+            if self.learn and result.training_sample is not None:
+                self._samples.put(result)
+            with self._count:
+                self.requests += 1
+            return result, queued
+        finally:
+            with self._count:
+                self.in_flight -= 1
+            self._slots.release()
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateReply:
+        try:
+            result, queued = self._run(request, context)
+        except Cancelled:
+            context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+        return pb.GenerateReply(text=result.text, stats=_stats(result, queued))
+
+    def GenerateStream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
+        chunks: queue.Queue = queue.Queue()
+        done = object()
+        outcome: dict = {}
+
+        def work() -> None:
+            try:
+                outcome["result"] = self._run(request, context, on_text=chunks.put)
+            except Exception as exc:  # Cancelled, an abort, or a failure: reported below
+                outcome["error"] = exc
+            finally:
+                chunks.put(done)
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        while (item := chunks.get()) is not done:
+            yield pb.GenerateChunk(text=item)
+        worker.join()
+        error = outcome.get("error")
+        if isinstance(error, Cancelled):
+            return
+        if error is not None:
+            if context.code() is not None:  # aborted with a status (bad input, queue full)
+                return
+            raise error
+        result, queued = outcome["result"]
+        yield pb.GenerateChunk(stats=_stats(result, queued), done=True)
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        s = self.session
+        return pb.HealthReply(status="SERVING", drafter=s.drafter_name, target=s.target,
+                              precision=self.precision, queued=self.in_flight, requests=self.requests,
+                              updates=s.learner.updates, pending_samples=self._samples.qsize())
+
+    # -- learning between requests ----------------------------------------------------------------
+    def _learn_loop(self) -> None:
+        learned = 0
+        while True:
+            result = self._samples.get()
+            if result is None:
+                break
+            with self._engine:
+                try:
+                    report = self.session.learn_from(result)
+                    learned += 1
+                    if self.session.state is not None and (report is not None or learned % self.limits.save_every == 0):
+                        self.session.save()
+                except Exception:  # learning must never take the service down
+                    log.exception("learning from a request failed; the service goes on")
+            self._samples.task_done()
+
+    def wait_learned(self, timeout: float | None = None) -> bool:
+        """Block until every queued sample was learned from (tests, shutdown)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._samples.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def close(self) -> None:
+        self._samples.put(None)
+        self._learner.join()
+        if self.session.state is not None:
+            with self._engine:
+                self.session.save()
+
+
+def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: int | None = None) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for ``service`` on ``listen`` (host:port; port 0 picks one); returns
+    (server, bound port). Plain-text transport: the default address is loopback only."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers or service.limits.max_queue + 2))
+    pb_grpc.add_GenerationServicer_to_server(service, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise ValueError(f"cannot listen on {listen!r}")
+    server.start()
+    return server, port

@@ -1,0 +1,162 @@
+"""The on-device generation service (gRPC, ``omnidraft device serve|ask|health``) with tiny
+models: greedy output equals the target alone, streaming, bad input, a full queue,
+cancellation freeing the engine, and learning between requests."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+
+from omnidraft.client.online_learner import OnlineConfig
+from omnidraft.client.service import GenerationService, ServiceLimits, serve
+from omnidraft.client.session import DeviceSession
+from omnidraft.proto import generation_pb2 as pb
+from omnidraft.proto import generation_pb2_grpc as pb_grpc
+from omnidraft.shared.engine import Engine
+from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.tiny_models import build_pair, corpus
+
+PROMPTS = [t[:30] for t in corpus(12, seed=21)]
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("svc_pair")
+    build_pair(d)
+    return d
+
+
+@pytest.fixture
+def running(pair_dir, tmp_path):
+    """A service on an ephemeral loopback port; yields (service, stub, port)."""
+    engine = Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64",
+                         drafter_weights="fp32", progress=False)
+    session = DeviceSession(engine, target_name="t", state_dir=tmp_path / "state",
+                            online=OnlineConfig(interval=2, lr=1e-2))
+    service = GenerationService(session, ServiceLimits(max_prompt_tokens=64, max_new_tokens=200, max_queue=2),
+                                base=GenerationConfig(draft_stop="confidence"), precision="fp64")
+    server, port = serve(service, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield service, pb_grpc.GenerationStub(channel), port
+    finally:
+        channel.close()
+        server.stop(grace=None).wait()
+        service.close()
+
+
+def test_generate_equals_the_target_alone_and_stream_matches(running):
+    service, stub, _ = running
+    engine = service.session.engine
+    for prompt in PROMPTS[:3]:
+        reply = stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=24), timeout=60)
+        alone = engine.generate(prompt, GenerationConfig(max_new_tokens=24), method="ar")
+        assert reply.text == alone.text
+        s = reply.stats
+        assert s.new_tokens == 24 and s.target_calls >= 1 and s.finish_reason == "length"
+        assert 0 <= s.acceptance_rate <= 1 and s.tokens_per_target_call >= 1 and s.decode_s > 0
+        chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=24), timeout=60))
+        assert chunks[-1].done and chunks[-1].stats.new_tokens == 24 and not any(c.done for c in chunks[:-1])
+        assert "".join(c.text for c in chunks) == reply.text and len(chunks) > 2
+
+
+@pytest.mark.parametrize("request_kw, reason", [
+    ({"prompt": ""}, "empty"),
+    ({"prompt": "def f(x):", "max_new_tokens": 500}, "limit of 200"),
+    ({"prompt": "def f(x):", "temperature": -1.0}, "temperature"),
+    ({"prompt": "def f(x):", "top_p": 2.0}, "top_p"),
+    ({"prompt": "def alpha(beta, gamma): " * 20}, "at most 64"),
+])
+def test_bad_requests_are_invalid_argument(running, request_kw, reason):
+    _, stub, _ = running
+    for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(pb.GenerateRequest(**request_kw), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
+
+
+def test_full_queue_is_resource_exhausted(running):
+    service, stub, _ = running
+    for _ in range(service.limits.max_queue):  # every slot taken
+        service._slots.acquire()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=4), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for _ in range(service.limits.max_queue):
+            service._slots.release()
+
+
+def test_cancelled_stream_frees_the_engine(running, monkeypatch):
+    """A client that goes away mid-stream: its decode stops at the next verification step and
+    the next request runs at once."""
+    service, stub, _ = running
+    session = service.session
+    generate = session.generate
+    seen = []
+
+    def slow_generate(*args, on_tokens=None, **kw):
+        def slow(ids):
+            seen.append(len(ids))
+            time.sleep(0.05)
+            on_tokens(ids)
+        return generate(*args, on_tokens=slow, **kw)
+
+    monkeypatch.setattr(session, "generate", slow_generate)
+    call = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=200), timeout=60)
+    first = next(call)
+    assert first.text and not first.done
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while service.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.in_flight == 0 and sum(seen) < 200  # stopped early
+    monkeypatch.setattr(session, "generate", generate)
+    reply = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=8), timeout=30)
+    assert reply.stats.new_tokens == 8 and reply.stats.queue_s < 5
+    assert service.requests == 1  # the cancelled request is not counted as answered
+
+
+def test_learning_between_requests_and_state_saved(running):
+    service, stub, _ = running
+    for prompt in PROMPTS[:4]:
+        stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=16), timeout=60)
+    assert service.wait_learned(timeout=120)
+    health = stub.Health(pb.HealthRequest(), timeout=10)
+    assert health.status == "SERVING" and health.requests == 4 and health.updates == 2
+    assert health.precision == "fp64" and health.pending_samples == 0
+    saved = json.loads((service.session.state.dir / "state.json").read_text())
+    assert saved["updates"] == 2 and saved["prompts_seen"] == 4
+
+
+def test_cli_ask_and_health_against_a_running_service(running, capsys):
+    from omnidraft.cli import main
+
+    service, stub, port = running
+    assert main(["device", "ask", PROMPTS[0], "--server", f"127.0.0.1:{port}", "--max-new-tokens", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["new_tokens"] == 12 and out["text"]
+    assert main(["device", "ask", PROMPTS[0], "--server", f"127.0.0.1:{port}", "--max-new-tokens", "12", "--stream"]) == 0
+    streamed = capsys.readouterr().out.rstrip("\n")
+    assert streamed == out["text"]
+    assert main(["device", "health", "--server", f"127.0.0.1:{port}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "SERVING"
+    assert main(["device", "ask", "x", "--server", f"127.0.0.1:{port}", "--max-new-tokens", "999"]) == 2
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    assert main(["device", "health", "--server", "127.0.0.1:1", "--timeout", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "UNAVAILABLE" in err and "Traceback" not in err
+
+
+def test_serve_refuses_bad_settings(tmp_path, capsys):
+    from omnidraft.cli import main
+
+    assert main(["device", "serve", "--drafter", "x", "--target", "y"]) == 2
+    assert "--state-dir is required" in capsys.readouterr().err
+    assert main(["device", "serve", "--drafter", "x", "--target", "y", "--state-dir", str(tmp_path),
+                 "--max-queue", "0"]) == 2
+    assert "--max-queue" in capsys.readouterr().err
