@@ -28,7 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from omnidraft.client.fleet_device import FleetDevice
-from omnidraft.coordinator.ngram_release import encode_stats
+from omnidraft.shared.fleet_wire import encode_stats
 from omnidraft.proto import fleet_pb2
 
 

@@ -73,7 +73,7 @@ class EnginePool:
 
     def tokenizer_digest(self, drafter: str, target: str) -> str:
         """The target vocabulary's digest (``registry.tokenizer_digest``), computed once."""
-        from omnidraft.coordinator.registry import tokenizer_digest
+        from omnidraft.shared.fleet_wire import tokenizer_digest
 
         if (drafter, target) not in self._digests:
             self._digests[(drafter, target)] = tokenizer_digest(self.engine(drafter, target).bridge)
@@ -268,7 +268,7 @@ class FleetDevice:
         manifest = self.held_manifest() if use_global else None
         if use_global and manifest is None:
             raise StateMismatch("this device holds no global state yet")
-        from omnidraft.coordinator.registry import lora_spec
+        from omnidraft.shared.fleet_wire import lora_spec
 
         lora = lora_spec(self._spec()) if manifest is not None else None
         engine = self.engine

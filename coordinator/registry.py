@@ -33,6 +33,7 @@ from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.atomic_io import write_bytes_atomic
 from omnidraft.shared.engine import seed_cache_from_bridge
 from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
+from omnidraft.shared.fleet_wire import lora_spec, tokenizer_digest  # noqa: F401 (re-exported)
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 SPEC_FILE = "spec.pb"
@@ -53,20 +54,6 @@ def sha256(data: bytes) -> str:
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-
-
-def tokenizer_digest(bridge: VocabBridge) -> str:
-    """sha256 over the target's token byte table: devices and coordinator compare it to agree
-    that they mean the same target vocabulary."""
-    h = hashlib.sha256()
-    for raw in bridge.target_bytes[: bridge.target_vocab_size]:
-        h.update(b"\xff" if raw is None else len(raw).to_bytes(2, "little") + raw)
-    return h.hexdigest()
-
-
-def lora_spec(spec: fleet_pb2.TargetSpec) -> LoraSpec:
-    return LoraSpec(rank=spec.lora_rank, alpha=spec.lora_alpha, modules=spec.lora_modules,
-                    ffa=spec.lora_ffa)
 
 
 @dataclass

@@ -160,3 +160,14 @@ def test_serve_refuses_bad_settings(tmp_path, capsys):
     assert main(["device", "serve", "--drafter", "x", "--target", "y", "--state-dir", str(tmp_path),
                  "--max-queue", "0"]) == 2
     assert "--max-queue" in capsys.readouterr().err
+
+
+def test_service_bench_reports_overhead_with_identical_texts(pair_dir, tmp_path, capsys):
+    from omnidraft.client import service_bench
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    assert service_bench.main(["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
+                               "--dtype", "fp64", "--dataset", str(data), "--max-new-tokens", "12", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["texts_equal"] and report["prompts"] == 2 and report["grpc-unary-mean-s"] > 0
