@@ -8,7 +8,8 @@ device's target and traffic may change with the round (``DeviceProfile.at_round`
 * ``query.status`` → reply ``"status"`` ConfigRecord: target, held global version and
   checksums, tokenizer digest. No local text.
 * ``train`` ← ``"fleet"`` ConfigRecord: ``round``, ``spec`` (TargetSpec), ``manifest``
-  (StateManifest), and ``adapter`` / ``cache`` bytes only when the device does not hold them.
+  (StateManifest), ``manifest-sig`` (Ed25519 over the manifest bytes), and ``adapter`` /
+  ``cache`` bytes only when the device does not hold them.
   → reply ``"adapter"`` ArrayRecord (the trained adapter), ``"metrics"`` MetricRecord (with
   ``trained-tokens``, the aggregation weight) and ``"fleet"`` ConfigRecord (``target``,
   ``state-version``, ``ngram-stats`` = NgramStats bytes).
@@ -33,12 +34,12 @@ from omnidraft.proto import fleet_pb2
 
 
 def receive_state(device: FleetDevice, fleet: ConfigRecord) -> fleet_pb2.StateManifest:
-    """Store the global state carried by a train/evaluate message; returns its manifest."""
-    spec, manifest = fleet_pb2.TargetSpec(), fleet_pb2.StateManifest()
+    """Check and store the global state carried by a train/evaluate message (``FleetDevice.receive``);
+    returns its manifest."""
+    spec = fleet_pb2.TargetSpec()
     spec.ParseFromString(fleet["spec"])
-    manifest.ParseFromString(fleet["manifest"])
-    device.receive(spec, manifest, fleet.get("adapter"), fleet.get("cache"))
-    return manifest
+    return device.receive(spec, fleet["manifest"], fleet.get("adapter"), fleet.get("cache"),
+                          fleet.get("manifest-sig", b""))
 
 
 def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence = ()) -> ClientApp:

@@ -137,6 +137,7 @@ class DeviceProfile:
     drift_round: int | None = None
     drift_prompts: list[str] = field(default_factory=list)
     drift_heldout: list[str] = field(default_factory=list)
+    fleet_key: str = ""  # the coordinator's Ed25519 public key(s), hex, comma-separated ("": no check)
 
     def at_round(self, round_: int) -> DeviceProfile:
         """The device as it is at ``round_`` (target rollout and domain drift applied)."""
@@ -234,15 +235,33 @@ class FleetDevice:
         return self.pool.engine(self.profile.drafter, self.profile.target_model)
 
     # -- taking the global state ----------------------------------------------------------------
-    def receive(self, spec: fleet_pb2.TargetSpec, manifest: fleet_pb2.StateManifest,
-                adapter_blob: bytes | None, cache_blob: bytes | None) -> None:
-        """Store the global state (the parts not sent must be the ones already held); raises
-        StateMismatch when it is not for this device's target or fails its checksums."""
+    def receive(self, spec: fleet_pb2.TargetSpec, manifest_blob: bytes, adapter_blob: bytes | None,
+                cache_blob: bytes | None, signature: bytes = b"") -> fleet_pb2.StateManifest:
+        """Check, then store, a global state (the parts not sent must be the ones already held);
+        returns its manifest. Raises StateMismatch, storing nothing (the device keeps its previous
+        state), when the manifest's signature does not verify with the pinned fleet key
+        (``profile.fleet_key``), the state is for another target or vocabulary, it is older than
+        the held one (a replay), or a part fails its manifest checksum."""
+        from omnidraft.shared.signing import SignatureError, pinned_keys, verify
+
+        if self.profile.fleet_key:
+            try:
+                verify(pinned_keys(self.profile.fleet_key), manifest_blob, signature or b"")
+            except SignatureError as exc:
+                raise StateMismatch(str(exc)) from None
+        manifest = fleet_pb2.StateManifest()
+        try:
+            manifest.ParseFromString(manifest_blob)
+        except Exception:  # protobuf's DecodeError
+            raise StateMismatch("the state manifest does not parse") from None
         if manifest.target != self.profile.target or spec.name != self.profile.target:
             raise StateMismatch(f"global state for {manifest.target!r}, this device serves {self.profile.target!r}")
         if spec.tokenizer_sha256 != self._tokenizer_digest:
             raise StateMismatch(f"target {spec.name!r}: the coordinator's tokenizer differs from this device's")
         held = self.held_manifest()
+        if held is not None and manifest.version < held.version:
+            raise StateMismatch(f"state version {manifest.version} is older than the held version {held.version} "
+                                f"(replayed or stale)")
         for kind, blob, digest in (("adapter", adapter_blob, manifest.adapter_sha256),
                                    ("cache", cache_blob, manifest.cache_sha256)):
             if blob is None:
@@ -255,7 +274,8 @@ class FleetDevice:
         if cache_blob is not None:
             write_bytes_atomic(self.global_dir / "cache.pb", cache_blob)
         write_bytes_atomic(self.global_dir / "spec.pb", spec.SerializeToString())
-        write_bytes_atomic(self.global_dir / "manifest.pb", manifest.SerializeToString())
+        write_bytes_atomic(self.global_dir / "manifest.pb", manifest_blob)
+        return manifest
 
     def _spec(self) -> fleet_pb2.TargetSpec:
         spec = fleet_pb2.TargetSpec()

@@ -8,8 +8,10 @@ Layout under the coordinator root::
                                            target ids are turned back into cache entries here
     targets/<slug>/adapter-v<N>.safetensors  the global LoRA adapter of version N
     targets/<slug>/cache-v<N>.pb           the global n-gram cache of version N
+    targets/<slug>/manifest-v<N>.sig       Ed25519 signature over manifest.pb's bytes of version N
     targets/<slug>/manifest.pb             omnidraft.v1.StateManifest naming version N, written last
     targets/<slug>/privacy.json            the n-gram release's accountant state
+    keys/manifest-ed25519.pem              the signing key (0600; devices pin its public key)
 
 Every file is written atomically, and a new version's files are complete before the manifest
 that names them replaces the old one, so a coordinator killed at any point restarts from the
@@ -38,6 +40,7 @@ from omnidraft.shared.vocab_bridge import VocabBridge
 
 SPEC_FILE = "spec.pb"
 MANIFEST_FILE = "manifest.pb"
+SIGNING_KEY = "keys/manifest-ed25519.pem"  # under the coordinator root
 CANDIDATES_FILE = "candidates.pb"
 PRIVACY_FILE = "privacy.json"
 GLOBAL_CACHE_ENTRIES = 65536  # capacity of a global cache (entries)
@@ -65,6 +68,8 @@ class GlobalState:
     manifest: fleet_pb2.StateManifest
     adapter_blob: bytes
     cache_blob: bytes
+    manifest_blob: bytes = b""  # the exact manifest bytes the signature covers
+    signature: bytes = b""  # Ed25519 over manifest_blob (empty for states committed before signing)
 
     @property
     def adapter(self) -> dict[str, torch.Tensor]:
@@ -92,6 +97,21 @@ class TargetRegistry:
         if not base.is_dir():
             return []
         return sorted(self.spec_of(d.name).name for d in base.iterdir() if (d / SPEC_FILE).is_file())
+
+    def signing_key(self):
+        """The coordinator's Ed25519 key (``<root>/keys/manifest-ed25519.pem``, created once)."""
+        from omnidraft.shared.signing import SignatureError, load_or_create_key
+
+        try:
+            return load_or_create_key(self.root / SIGNING_KEY)
+        except SignatureError as exc:
+            raise RegistryError(str(exc)) from None
+
+    def public_key(self) -> str:
+        """The public key devices pin (hex)."""
+        from omnidraft.shared.signing import public_key_hex
+
+        return public_key_hex(self.signing_key())
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and (self._dir(name) / MANIFEST_FILE).is_file()
@@ -145,17 +165,21 @@ class TargetRegistry:
         return self.spec_of(slug(name))
 
     def manifest(self, name: str) -> fleet_pb2.StateManifest:
+        return self._manifest(name)[0]
+
+    def _manifest(self, name: str) -> tuple[fleet_pb2.StateManifest, bytes]:
         self._require(name)
         m = fleet_pb2.StateManifest()
         try:
-            m.ParseFromString((self._dir(name) / MANIFEST_FILE).read_bytes())
+            blob = (self._dir(name) / MANIFEST_FILE).read_bytes()
+            m.ParseFromString(blob)
         except Exception as exc:  # protobuf raises DecodeError; OSError for unreadable files
             raise RegistryError(f"target {name!r}: unreadable manifest ({exc})") from None
-        return m
+        return m, blob
 
     def load(self, name: str) -> GlobalState:
         """The committed state of ``name``; RegistryError if a file fails its checksum."""
-        m = self.manifest(name)
+        m, manifest_blob = self._manifest(name)
         blobs = []
         for kind, digest in (("adapter", m.adapter_sha256), ("cache", m.cache_sha256)):
             path = self._dir(name) / self._file(kind, m.version)
@@ -166,7 +190,9 @@ class TargetRegistry:
             if sha256(data) != digest:
                 raise RegistryError(f"target {name!r}: {path.name} does not match its manifest checksum")
             blobs.append(data)
-        return GlobalState(self.spec(name), m, *blobs)
+        sig = self._dir(name) / self._file("signature", m.version)
+        signature = sig.read_bytes() if sig.is_file() else b""
+        return GlobalState(self.spec(name), m, *blobs, manifest_blob=manifest_blob, signature=signature)
 
     def candidates(self, name: str) -> dict[int, tuple[int, ...]]:
         """target id -> the drafter ids that spell it (from the tokenizers alone)."""
@@ -192,7 +218,7 @@ class TargetRegistry:
         """Write version N+1 of ``name``'s state (adapter, cache, then manifest)."""
         old = self.manifest(name)
         m = fleet_pb2.StateManifest(target=name, version=old.version + 1, round=round_,
-                                    devices_total=old.devices_total + devices,
+                                    parent_version=old.version, devices_total=old.devices_total + devices,
                                     tokens_total=old.tokens_total + tokens)
         return self._commit(name, m, adapter, cache)
 
@@ -205,16 +231,19 @@ class TargetRegistry:
         write_bytes_atomic(out / self._file("cache", m.version), cache_blob)
         m.adapter_sha256, m.adapter_bytes = sha256(adapter_blob), len(adapter_blob)
         m.cache_sha256, m.cache_bytes = sha256(cache_blob), len(cache_blob)
-        write_bytes_atomic(out / MANIFEST_FILE, m.SerializeToString())
-        keep = {self._file("adapter", m.version), self._file("cache", m.version)}
-        for old in list(out.glob("adapter-v*.safetensors")) + list(out.glob("cache-v*.pb")):
+        blob = m.SerializeToString()
+        write_bytes_atomic(out / self._file("signature", m.version), self.signing_key().sign(blob))
+        write_bytes_atomic(out / MANIFEST_FILE, blob)  # the commit point: everything it names exists
+        keep = {self._file(kind, m.version) for kind in ("adapter", "cache", "signature")}
+        for old in [*out.glob("adapter-v*.safetensors"), *out.glob("cache-v*.pb"), *out.glob("manifest-v*.sig")]:
             if old.name not in keep:
                 old.unlink(missing_ok=True)
         return m
 
     @staticmethod
     def _file(kind: str, version: int) -> str:
-        return f"adapter-v{version}.safetensors" if kind == "adapter" else f"cache-v{version}.pb"
+        return {"adapter": f"adapter-v{version}.safetensors", "cache": f"cache-v{version}.pb",
+                "signature": f"manifest-v{version}.sig"}[kind]
 
     def _require(self, name: str) -> None:
         if name not in self:

@@ -95,7 +95,8 @@ def state_record(state: GlobalState, status: ConfigRecord | None, round_: int, *
     """The ``fleet`` record carrying ``state`` to a device that reported ``status``: adapter and
     cache bytes only when the device does not hold them."""
     record = ConfigRecord({"round": round_, "spec": state.spec.SerializeToString(),
-                           "manifest": state.manifest.SerializeToString(), **extra})
+                           "manifest": state.manifest_blob or state.manifest.SerializeToString(),
+                           "manifest-sig": state.signature, **extra})
     if status is None or status.get("adapter-sha256") != state.manifest.adapter_sha256:
         record["adapter"] = state.adapter_blob
     if status is None or status.get("cache-sha256") != state.manifest.cache_sha256:

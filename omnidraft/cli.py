@@ -171,7 +171,9 @@ def _build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--ffa", action="store_true", help="FFA-LoRA: freeze A, train and average only B (exact)")
     status = fsub.add_parser("status", help="registered targets and their global state versions")
     status.add_argument("--json", action="store_true")
-    for sp in (reg, status):
+    pubkey = fsub.add_parser("public-key", help="the Ed25519 key that signs every published state (hex; "
+                                                "devices pin it), created on first use")
+    for sp in (reg, status, pubkey):
         sp.add_argument("--root", default=os.environ.get("OMNIDRAFT_FLEET_DIR", "fleet"),
                         help="coordinator directory (default: $OMNIDRAFT_FLEET_DIR or ./fleet)")
     return p
@@ -184,6 +186,9 @@ def _fleet(args) -> int:
 
     try:
         registry = TargetRegistry(args.root)
+        if args.action == "public-key":
+            print(registry.public_key())
+            return 0
         if args.action == "register-target":
             m = registry.register(args.name, args.model, args.drafter,
                                   LoraSpec(rank=args.lora_rank, modules=args.lora_modules, ffa=args.ffa),

@@ -313,6 +313,7 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
     for target, model in models.items():
         if target not in registry:
             registry.register(target, model, drafter, LoraSpec(rank=scenario.lora_rank), seed=scenario.seed)
+    fleet_key = registry.public_key()  # every device pins the coordinator's signing key
     shares = scenario.target_shares()
     members = assign_targets(shares, scenario.devices)
     roles = [(t, False) for t in members] + [(t, True) for t in shares for _ in range(scenario.probes)]
@@ -335,7 +336,7 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
             state_dir=out / "devices" / name, prompts_per_round=scenario.prompts_per_round,
             generation=GenerationConfig(max_new_tokens=scenario.max_new_tokens, draft_stop=scenario.draft_stop),
             online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr),
-            translate=scenario.translate, probe=probe,
+            translate=scenario.translate, probe=probe, fleet_key=fleet_key,
             joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1)
         if i in switching and not probe:
             r = scenario.rollout

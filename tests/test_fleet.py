@@ -212,7 +212,49 @@ def test_registry_versions_checksums_and_errors(tmp_path, tiny):
         reg.load("tiny-target-a")
 
 
-def test_fleet_cli_register_and_status(tmp_path, tiny):
+def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tiny):
+    """A device that pins the coordinator's Ed25519 key stores a state only if the manifest's
+    signature verifies, every part matches its hash and the version is not older than the one
+    it holds; otherwise it keeps what it had."""
+    from dataclasses import replace
+
+    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice, StateMismatch
+    from omnidraft.proto import fleet_pb2
+
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+    v0 = reg.load("tiny-target-a")
+    reg.commit("tiny-target-a", v0.adapter, v0.cache(), round_=1, devices=1, tokens=1)
+    v1 = reg.load("tiny-target-a")
+    assert v0.signature and v1.signature and v1.manifest.parent_version == 0
+    key_file = tmp_path / "coord" / "keys" / "manifest-ed25519.pem"
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600" and oct(key_file.parent.stat().st_mode & 0o777) == "0o700"
+    profile = DeviceProfile(device_id="d", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
+                            drafter=str(tiny["tiny-drafter"]), prompts=["x"], heldout=["y"],
+                            state_dir=tmp_path / "dev", fleet_key=reg.public_key())
+    pool = EnginePool("fp32", "fp32")
+    device = FleetDevice(profile, pool)
+    assert device.receive(v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature).version == 1
+    forged = fleet_pb2.StateManifest()
+    forged.ParseFromString(v1.manifest_blob)
+    forged.version = 9
+    bad = [((v1.spec, forged.SerializeToString(), v1.adapter_blob, v1.cache_blob, v1.signature), "signature"),
+           ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, b""), "signature"),
+           ((v1.spec, v1.manifest_blob, v1.adapter_blob[:-1] + b"!", v1.cache_blob, v1.signature), "checksum"),
+           ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob[:-1] + b"!", v1.signature), "checksum"),
+           ((v0.spec, v0.manifest_blob, v0.adapter_blob, v0.cache_blob, v0.signature), "older")]  # a replay
+    for args, reason in bad:
+        with pytest.raises(StateMismatch, match=reason):
+            device.receive(*args)
+        assert device.held_manifest().version == 1  # the previous state is kept, intact
+    stranger = FleetDevice(replace(profile, fleet_key=TargetRegistry(tmp_path / "other").public_key(),
+                                   state_dir=tmp_path / "dev2"), pool)
+    with pytest.raises(StateMismatch, match="signature"):
+        stranger.receive(v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature)
+    assert stranger.held_manifest() is None
+
+
+def test_fleet_cli_register_and_status(tmp_path, tiny, capsys):
     from omnidraft.cli import main
 
     root = str(tmp_path / "c")
@@ -222,6 +264,9 @@ def test_fleet_cli_register_and_status(tmp_path, tiny):
     assert main(args) == 2  # already registered: one-line error
     assert main(["fleet", "status", "--root", root, "--json"]) == 0
     assert main(["fleet", "register-target", "x y", "--model", "m", "--root", root]) == 2
+    capsys.readouterr()
+    assert main(["fleet", "public-key", "--root", root]) == 0
+    assert capsys.readouterr().out.strip() == TargetRegistry(root).public_key() and len(TargetRegistry(root).public_key()) == 64
 
 
 # -- end to end on Flower's Simulation Engine -------------------------------------------------------
