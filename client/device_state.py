@@ -61,12 +61,32 @@ class LoadedState:
 class DeviceState:
     """The state directory of one (drafter, target) pair under ``root``."""
 
-    def __init__(self, root: str | Path, drafter: str, target: str) -> None:
+    def __init__(self, root: str | Path, drafter: str, target: str, cipher=None) -> None:
+        """``cipher``: a ``state_key.StateCipher`` to keep every file encrypted (its key file
+        must live outside ``root``)."""
         root = Path(root)
         if root.exists() and not root.is_dir():
             raise ValueError(f"state directory {root} is not a directory")
+        if cipher is not None and cipher.path.resolve().is_relative_to(root.resolve()):
+            raise ValueError(f"the state key {cipher.path} must live outside the state directory {root}")
         self.drafter, self.target = drafter, target
         self.dir = root / f"{slug(drafter)}--{slug(target)}"
+        self.cipher = cipher
+
+    def _seal(self, name: str, data: bytes) -> bytes:
+        return self.cipher.encrypt(name, data) if self.cipher is not None else data
+
+    def _open(self, name: str, stored: bytes) -> bytes:
+        """The plaintext of a stored file; StateKeyError when it is encrypted and there is no
+        key or the key is wrong. A plaintext file with a key given is read as is (it is
+        encrypted at the next save)."""
+        from omnidraft.client.state_key import StateKeyError, is_encrypted
+
+        if not is_encrypted(stored):
+            return stored
+        if self.cipher is None:
+            raise StateKeyError(f"the device state in {self.dir} is encrypted: give its key (--state-key)")
+        return self.cipher.decrypt(name, stored)
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
@@ -77,12 +97,13 @@ class DeviceState:
             blobs[HEAD_FILE] = save_safetensors(head)
         files = {}
         for name, data in blobs.items():
+            data = self._seal(name, data)
             write_bytes_atomic(self.dir / name, data)
-            files[name] = {"sha256": sha256(data), "bytes": len(data)}
+            files[name] = {"sha256": sha256(data), "bytes": len(data)}  # of the bytes on disk
         manifest = {"format": FORMAT_VERSION, "omnidraft": omnidraft.__version__,
                     "drafter": self.drafter, "target": self.target, "saved_at": time.time(),
                     **meta, "files": files}
-        write_bytes_atomic(self.dir / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+        write_bytes_atomic(self.dir / MANIFEST_FILE, self._seal(MANIFEST_FILE, json.dumps(manifest, indent=1).encode()))
 
     # -- reading -----------------------------------------------------------------------------
     def load(self, **cache_kwargs) -> LoadedState:
@@ -92,7 +113,15 @@ class DeviceState:
             return out
         manifest_path = self.dir / MANIFEST_FILE
         try:
-            meta = json.loads(manifest_path.read_bytes())
+            raw = manifest_path.read_bytes()
+        except FileNotFoundError:
+            raw = None
+        if raw is not None:
+            raw = self._open(MANIFEST_FILE, raw)  # a wrong or missing key raises: nothing is set aside
+        try:
+            if raw is None:
+                raise FileNotFoundError(manifest_path)
+            meta = json.loads(raw)
             if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
                 raise ValueError(f"unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}")
             files = meta.get("files")
@@ -132,6 +161,7 @@ class DeviceState:
             self._problem(out, name, f"checksum mismatch ({len(data)} bytes, manifest says {record.get('bytes')})")
             self._set_aside(path)
             return None
+        data = self._open(name, data)
         try:
             return parse(data)
         except (NgramCacheError, ValueError, RuntimeError, OSError) as exc:

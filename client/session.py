@@ -30,13 +30,16 @@ class DeviceSession:
 
     ``learn``: train the adapter online; ``adaptive``: train and use the acceptance head (the
     draft-stopping rule of ``config.draft_stop`` drafts until the head has trained); ``translate``: the proposal translator;
-    ``grow_cache``: add committed n-grams to the cache (off: the cache stays as loaded).
+    ``grow_cache``: add committed n-grams to the cache (off: the cache stays as loaded);
+    ``state_key``: a key file (created if missing, outside ``state_dir``) that encrypts the
+    state at rest (``client.state_key``).
     """
 
     def __init__(self, engine: Engine, *, target_name: str | None = None, state_dir=None,
                  adapters: DrafterAdapters | None = None, lora: LoraSpec = LoraSpec(),
                  online: OnlineConfig | None = None, translate: str = "text",
-                 learn: bool = True, adaptive: bool = True, grow_cache: bool = True) -> None:
+                 learn: bool = True, adaptive: bool = True, grow_cache: bool = True,
+                 state_key=None) -> None:
         self.engine = engine
         self.target = target_name or str(engine.target.path)
         self.drafter_name = engine.drafter_name
@@ -55,7 +58,12 @@ class DeviceSession:
         if not adaptive:
             config = replace(config, head=False)
         self.learner = OnlineLearner(self.adapters, self.target, self.inter, self.head, config)
-        self.state = DeviceState(state_dir, self.drafter_name, self.target) if state_dir is not None else None
+        cipher = None
+        if state_key is not None and state_dir is not None:
+            from omnidraft.client.state_key import StateCipher
+
+            cipher = StateCipher(state_key)
+        self.state = DeviceState(state_dir, self.drafter_name, self.target, cipher) if state_dir is not None else None
         self.problems: list[str] = []
         self.last_update: UpdateReport | None = None  # set when a generation triggered an update
         self.stopper: CostAwareStop | None = None  # this device's cost-aware draft stopping

@@ -70,6 +70,9 @@ def _build_parser() -> argparse.ArgumentParser:
                              "text (default) or the paper's n-gram-cache merge with the direct map")
         sp.add_argument("--state-dir", default=None,
                         help="device state directory (adapter, head, n-gram cache per target)")
+        sp.add_argument("--state-key", default=os.environ.get("OMNIDRAFT_STATE_KEY"),
+                        help="key file that encrypts the device state at rest (AES-256-GCM; created "
+                             "0600 if missing; keep it outside --state-dir; default $OMNIDRAFT_STATE_KEY)")
         sp.add_argument("--seed-cache", action="store_true",
                         help="warm-start the n-gram cache from the two tokenizers")
 
@@ -310,7 +313,7 @@ def _session(args, engine, **kwargs):
     from omnidraft.client.session import DeviceSession
 
     session = DeviceSession(engine, target_name=args.target, state_dir=args.state_dir,
-                            translate=args.translate, **kwargs)
+                            translate=args.translate, state_key=getattr(args, "state_key", None), **kwargs)
     for problem in session.problems:
         print(f"warning: {problem}", file=sys.stderr)
     return session

@@ -344,3 +344,58 @@ def test_drift_stream_spec_errors():
     for bad in ("a:humaneval:3", "a:humaneval:x,b:pydoc:1", "a:humaneval:0,b:pydoc:1", "humaneval:3,b:pydoc:1"):
         with pytest.raises(ValueError):
             parse_stream(bad)
+
+
+def test_encrypted_state_round_trip_wrong_key_and_migration(pair_dir, tmp_path):
+    """With a key file the state is AES-GCM encrypted at rest; a wrong or missing key is a clear
+    error that leaves the files untouched; plaintext state is read and encrypted at the next save."""
+    from omnidraft.client.state_key import StateCipher, StateKeyError
+
+    state, key = tmp_path / "state", tmp_path / "keys" / "state.key"
+    s = DeviceSession(_engine(pair_dir), target_name="t", state_dir=state, state_key=key,
+                      online=OnlineConfig(interval=2, lr=1e-2))
+    for prompt in PROMPTS[:2]:
+        s.generate(prompt, CONFIG)
+    s.save()
+    assert oct(key.stat().st_mode & 0o777) == "0o600" and len(key.read_bytes()) == 32
+    on_disk = {p.name: p.read_bytes() for p in s.state.dir.iterdir()}
+    assert all(b.startswith(b"ODS1") for b in on_disk.values())
+    assert b'"updates"' not in on_disk[MANIFEST_FILE] and b"lora_A" not in on_disk[ADAPTER_FILE]
+    s2 = DeviceSession(_engine(pair_dir), target_name="t", state_dir=state, state_key=key)
+    assert s2.problems == [] and s2.learner.updates == 1
+    assert all(torch.equal(s.adapters.state_dict("t")[k], v) for k, v in s2.adapters.state_dict("t").items())
+    with pytest.raises(StateKeyError, match="wrong key"):
+        DeviceSession(_engine(pair_dir), target_name="t", state_dir=state, state_key=tmp_path / "other.key")
+    with pytest.raises(StateKeyError, match="encrypted: give its key"):
+        DeviceSession(_engine(pair_dir), target_name="t", state_dir=state)
+    assert {p.name: p.read_bytes() for p in s.state.dir.iterdir()} == on_disk  # nothing set aside
+    with pytest.raises(ValueError, match="outside the state directory"):
+        DeviceSession(_engine(pair_dir), target_name="t", state_dir=state, state_key=state / "k")
+    key.chmod(0o644)
+    with pytest.raises(StateKeyError, match="chmod 600"):
+        StateCipher(key)
+    key.chmod(0o600)
+    plain = tmp_path / "plain"
+    p = DeviceSession(_engine(pair_dir), target_name="t", state_dir=plain)
+    p.generate(PROMPTS[0], CONFIG)
+    p.save()
+    m = DeviceSession(_engine(pair_dir), target_name="t", state_dir=plain, state_key=key)
+    assert m.problems == []
+    m.save()
+    assert all(f.read_bytes().startswith(b"ODS1") for f in m.state.dir.iterdir())
+
+
+def test_cli_reports_a_wrong_state_key_in_one_line(pair_dir, tmp_path, capsys):
+    from omnidraft.cli import main
+
+    base = ["generate", "--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
+            "--dtype", "fp64", "--drafter-weights", "fp32", "--prompt", PROMPTS[0], "--max-new-tokens", "4",
+            "--state-dir", str(tmp_path / "s")]
+    s = DeviceSession(_engine(pair_dir), target_name=str(pair_dir / "target"), state_dir=tmp_path / "s",
+                      state_key=tmp_path / "k1")
+    s.save()
+    assert main(base + ["--state-key", str(tmp_path / "k1")]) == 0
+    capsys.readouterr()
+    assert main(base + ["--state-key", str(tmp_path / "k2")]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # after the weight-loading bars
+    assert err.startswith("error:") and "wrong key" in err
