@@ -8,6 +8,7 @@ Layout under the coordinator root::
                                            target ids are turned back into cache entries here
     targets/<slug>/adapter-v<N>.safetensors  the global LoRA adapter of version N
     targets/<slug>/cache-v<N>.pb           the global n-gram cache of version N
+    targets/<slug>/manifest-v<N>.pb        the manifest of version N (kept for rollback)
     targets/<slug>/manifest-v<N>.sig       Ed25519 signature over manifest.pb's bytes of version N
     targets/<slug>/manifest.pb             omnidraft.v1.StateManifest naming version N, written last
     targets/<slug>/privacy.json            the n-gram release's accountant state
@@ -15,7 +16,8 @@ Layout under the coordinator root::
 
 Every file is written atomically, and a new version's files are complete before the manifest
 that names them replaces the old one, so a coordinator killed at any point restarts from the
-last committed version. Superseded versions are deleted after the commit.
+last committed version. The last ``KEEP_VERSIONS`` versions are kept (``manifest-v<N>.pb`` with
+their files) so that ``rollback`` can publish an earlier state again as a new version.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ SIGNING_KEY = "keys/manifest-ed25519.pem"  # under the coordinator root
 CANDIDATES_FILE = "candidates.pb"
 PRIVACY_FILE = "privacy.json"
 GLOBAL_CACHE_ENTRIES = 65536  # capacity of a global cache (entries)
+KEEP_VERSIONS = 5  # versions kept on disk per target (what `rollback` can restore)
 _CANDIDATE_LIMIT = 1 << 22  # the candidates table keeps every pair
 
 
@@ -224,26 +227,56 @@ class TargetRegistry:
 
     def _commit(self, name: str, m: fleet_pb2.StateManifest, adapter: dict[str, torch.Tensor],
                 cache: NgramCache) -> fleet_pb2.StateManifest:
-        out = self._dir(name)
         adapter_blob = save_safetensors({k: v.contiguous() for k, v in adapter.items()})
-        cache_blob = cache.to_bytes()
+        return self._commit_blobs(name, m, adapter_blob, cache.to_bytes())
+
+    def _commit_blobs(self, name: str, m: fleet_pb2.StateManifest, adapter_blob: bytes,
+                      cache_blob: bytes) -> fleet_pb2.StateManifest:
+        out = self._dir(name)
         write_bytes_atomic(out / self._file("adapter", m.version), adapter_blob)
         write_bytes_atomic(out / self._file("cache", m.version), cache_blob)
         m.adapter_sha256, m.adapter_bytes = sha256(adapter_blob), len(adapter_blob)
         m.cache_sha256, m.cache_bytes = sha256(cache_blob), len(cache_blob)
         blob = m.SerializeToString()
+        write_bytes_atomic(out / self._file("manifest", m.version), blob)
         write_bytes_atomic(out / self._file("signature", m.version), self.signing_key().sign(blob))
         write_bytes_atomic(out / MANIFEST_FILE, blob)  # the commit point: everything it names exists
-        keep = {self._file(kind, m.version) for kind in ("adapter", "cache", "signature")}
-        for old in [*out.glob("adapter-v*.safetensors"), *out.glob("cache-v*.pb"), *out.glob("manifest-v*.sig")]:
-            if old.name not in keep:
-                old.unlink(missing_ok=True)
+        for path in [*out.glob("adapter-v*.safetensors"), *out.glob("cache-v*.pb"),
+                     *out.glob("manifest-v*.sig"), *out.glob("manifest-v*.pb")]:
+            version = int(path.name.split("-v", 1)[1].split(".", 1)[0])
+            if version <= m.version - KEEP_VERSIONS or version > m.version:
+                path.unlink(missing_ok=True)
         return m
+
+    def versions(self, name: str) -> list[int]:
+        """The versions of ``name`` still on disk (the last ``KEEP_VERSIONS``), oldest first."""
+        self._require(name)
+        return sorted(int(p.name[len("manifest-v"):-len(".pb")]) for p in self._dir(name).glob("manifest-v*.pb"))
+
+    def rollback(self, name: str, to: int | None = None) -> fleet_pb2.StateManifest:
+        """Publish version N+1 with the adapter and cache of version ``to`` (default N-1): devices
+        see a newer version (no replay), whose ``restored_from`` says what it restores."""
+        current = self.manifest(name)
+        to = current.version - 1 if to is None else to
+        if not 0 <= to < current.version:
+            raise RegistryError(f"target {name!r} is at version {current.version}: roll back to 0..{current.version - 1}")
+        if to not in self.versions(name):
+            raise RegistryError(f"target {name!r}: version {to} is no longer kept (kept: "
+                                f"{', '.join(map(str, self.versions(name)))})")
+        old = fleet_pb2.StateManifest()
+        old.ParseFromString((self._dir(name) / self._file("manifest", to)).read_bytes())
+        blobs = [(self._dir(name) / self._file(kind, to)).read_bytes() for kind in ("adapter", "cache")]
+        if sha256(blobs[0]) != old.adapter_sha256 or sha256(blobs[1]) != old.cache_sha256:
+            raise RegistryError(f"target {name!r}: the files of version {to} do not match its manifest")
+        m = fleet_pb2.StateManifest(target=name, version=current.version + 1, round=current.round,
+                                    parent_version=current.version, restored_from=to,
+                                    devices_total=old.devices_total, tokens_total=old.tokens_total)
+        return self._commit_blobs(name, m, *blobs)
 
     @staticmethod
     def _file(kind: str, version: int) -> str:
         return {"adapter": f"adapter-v{version}.safetensors", "cache": f"cache-v{version}.pb",
-                "signature": f"manifest-v{version}.sig"}[kind]
+                "signature": f"manifest-v{version}.sig", "manifest": f"manifest-v{version}.pb"}[kind]
 
     def _require(self, name: str) -> None:
         if name not in self:

@@ -176,7 +176,10 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     pubkey = fsub.add_parser("public-key", help="the Ed25519 key that signs every published state (hex; "
                                                 "devices pin it), created on first use")
-    for sp in (reg, status, pubkey):
+    rollback = fsub.add_parser("rollback", help="publish an earlier state of a target again, as a new version")
+    rollback.add_argument("name")
+    rollback.add_argument("--to", type=int, default=None, help="version to restore (default: the previous one)")
+    for sp in (reg, status, pubkey, rollback):
         sp.add_argument("--root", default=os.environ.get("OMNIDRAFT_FLEET_DIR", "fleet"),
                         help="coordinator directory (default: $OMNIDRAFT_FLEET_DIR or ./fleet)")
     return p
@@ -189,6 +192,10 @@ def _fleet(args) -> int:
 
     try:
         registry = TargetRegistry(args.root)
+        if args.action == "rollback":
+            m = registry.rollback(args.name, args.to)
+            print(f"{args.name}: version {m.version} restores version {m.restored_from} (was {m.parent_version})")
+            return 0
         if args.action == "public-key":
             print(registry.public_key())
             return 0

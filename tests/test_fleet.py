@@ -200,7 +200,7 @@ def test_registry_versions_checksums_and_errors(tmp_path, tiny):
     m1 = reg.commit("tiny-target-a", state.adapter, state.cache(), round_=1, devices=3, tokens=90)
     assert (m1.version, m1.devices_total, m1.tokens_total) == (1, 3, 90)
     files = sorted(p.name for p in (tmp_path / "coord" / "targets" / "tiny-target-a").iterdir())
-    assert "adapter-v0.safetensors" not in files and "adapter-v1.safetensors" in files
+    assert {"adapter-v0.safetensors", "adapter-v1.safetensors", "manifest-v1.pb", "manifest-v1.sig"} <= set(files)
     with pytest.raises(RegistryError, match="already registered"):
         reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]))
     with pytest.raises(RegistryError, match="unknown target"):
@@ -210,6 +210,30 @@ def test_registry_versions_checksums_and_errors(tmp_path, tiny):
     (tmp_path / "coord" / "targets" / "tiny-target-a" / "adapter-v1.safetensors").write_bytes(b"garbage")
     with pytest.raises(RegistryError, match="checksum"):
         reg.load("tiny-target-a")
+
+
+def test_rollback_republishes_an_earlier_state_as_a_new_version(tmp_path, tiny):
+    from omnidraft.cli import main
+    from omnidraft.coordinator.registry import KEEP_VERSIONS
+
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+    state = reg.load("tiny-target-a")
+    shas = [reg.manifest("tiny-target-a").adapter_sha256]
+    for v in range(1, 4):
+        adapter = {k: t + v for k, t in state.adapter.items()}
+        shas.append(reg.commit("tiny-target-a", adapter, state.cache(), round_=v, devices=1, tokens=10).adapter_sha256)
+    m = reg.rollback("tiny-target-a")  # to version 2
+    assert (m.version, m.parent_version, m.restored_from, m.adapter_sha256) == (4, 3, 2, shas[2])
+    assert reg.load("tiny-target-a").adapter_blob and reg.load("tiny-target-a").signature
+    root = str(tmp_path / "coord")
+    assert main(["fleet", "rollback", "tiny-target-a", "--to", "0", "--root", root]) == 0
+    assert reg.manifest("tiny-target-a").adapter_sha256 == shas[0] and reg.manifest("tiny-target-a").version == 5
+    assert reg.versions("tiny-target-a") == list(range(6 - KEEP_VERSIONS, 6))
+    assert main(["fleet", "rollback", "tiny-target-a", "--to", "0", "--root", root]) == 2  # no longer kept
+    assert main(["fleet", "rollback", "tiny-target-a", "--to", "9", "--root", root]) == 2
+    with pytest.raises(RegistryError, match="roll back to"):
+        reg.rollback("tiny-target-a", to=5)
 
 
 def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tiny):
