@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--drift", help="SOURCE@ROUND: from ROUND every device's traffic comes from SOURCE")
     a("--lora-rank", type=int)
     a("--lr", type=float)
+    a("--ffa", action="store_true", default=None, help="FFA-LoRA: freeze A, train and average only B (exact averaging)")
     a("--translate", choices=["ngram", "text"])
     a("--dtype", choices=["bf16", "fp32", "int8"],
       help="target precision (int8: the native int8 runtime where the CPU has AVX-512 VNNI)")

@@ -117,6 +117,7 @@ class Scenario:
     rollout: Rollout | None = None
     drift: Drift | None = None
     lora_rank: int = 8
+    ffa: bool = False  # FFA-LoRA: A frozen, only B trained, so averaging is exact
     lr: float = 1e-3
     translate: str = "ngram"
     dtype: str = "fp32"
@@ -312,7 +313,8 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
     registry = TargetRegistry(out / "coordinator")
     for target, model in models.items():
         if target not in registry:
-            registry.register(target, model, drafter, LoraSpec(rank=scenario.lora_rank), seed=scenario.seed)
+            registry.register(target, model, drafter, LoraSpec(rank=scenario.lora_rank, ffa=scenario.ffa),
+                              seed=scenario.seed)
     fleet_key = registry.public_key()  # every device pins the coordinator's signing key
     shares = scenario.target_shares()
     members = assign_targets(shares, scenario.devices)
