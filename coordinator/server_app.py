@@ -177,7 +177,14 @@ class Coordinator:
         probes: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
         skipped: list[str] = []
         states: dict[str, GlobalState] = {}
-        for node, reply in sorted(statuses.items()):
+        def device_order(item: tuple[int, Message]) -> tuple[str, int]:
+            """By the device's own id: aggregation sums and the release's random draws then
+            run in the same order every run (Flower's node ids change between runs)."""
+            reply = item[1]
+            ok = not reply.has_error() and "status" in reply.content.config_records
+            return (str(reply.content.config_records["status"].get("device", "")) if ok else "", item[0])
+
+        for node, reply in sorted(statuses.items(), key=device_order):
             if reply.has_error() or "status" not in reply.content.config_records:
                 skipped.append(f"node {node}: no status ({reply.error.reason if reply.has_error() else 'empty reply'})")
                 continue
@@ -302,8 +309,8 @@ class Coordinator:
         else:
             fleet = state_record(state, None, rnd, **{"use-global": True, "measure-ar": self.config.measure_ar})
         replies = self._send(grid, nodes, MessageType.EVALUATE, lambda node: RecordDict({FLEET_KEY: fleet}), rnd)
-        metrics = [m.content[METRICS_KEY] for m in replies.values()
-                   if not m.has_error() and METRICS_KEY in m.content.metric_records]
+        metrics = [replies[n].content[METRICS_KEY] for n in nodes  # in the order asked, not of arrival
+                   if n in replies and not replies[n].has_error() and METRICS_KEY in replies[n].content.metric_records]
         if not metrics:
             return {f"{prefix}devices": 0}
         keys = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup")
