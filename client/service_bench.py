@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from omnidraft.shared.catalog import CatalogError
+
     try:
         import grpc
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             texts_equal &= local.text == reply.text == streamed
         server.stop(grace=None)
         service.close()
-    except ValueError as exc:
+    except (ValueError, CatalogError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     base = statistics.mean(times["in-process"])

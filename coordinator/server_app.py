@@ -116,6 +116,7 @@ class Coordinator:
         self.config = config
         self.on_round = on_round or (lambda record: None)
         self.progress = progress or (lambda rnd, done, sent: None)  # (round, replies, messages sent)
+        self._progress = [0, 0, 0]  # the current round's (round, replies, messages sent)
 
     def run(self, grid: Grid) -> None:
         start = last_round(self.root) + 1
@@ -224,7 +225,7 @@ class Coordinator:
         passed (reporting progress as they come); returns the replies by node."""
         if not nodes:
             return {}
-        progress = getattr(self, "_progress", [rnd, 0, 0])
+        progress = self._progress
         progress[2] += len(nodes)
         self.progress(*progress)
         pending = set(grid.push_messages(

@@ -146,8 +146,9 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     names = list(per_target)
-    warm = [target_summary(per_target[t])["new-warm-acceptance"] or 0.0 for t in names]
-    cold = [target_summary(per_target[t])["new-cold-acceptance"] or 0.0 for t in names]
+    summaries = [target_summary(per_target[t]) for t in names]
+    warm = [s["new-warm-acceptance"] or 0.0 for s in summaries]
+    cold = [s["new-cold-acceptance"] or 0.0 for s in summaries]
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], cold, width=0.4, label="cold (no global state)")
     ax.bar([x + 0.2 for x in xs], warm, width=0.4, label="warm (global state)")

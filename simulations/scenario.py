@@ -278,10 +278,10 @@ def _corpora(scenario: Scenario, devices: int):
         if scenario.drift is None:
             main, drift = full, None
         else:
-            drift_set = set(data.load_corpus(scenario.drift.source).prompts)
+            drift = data.load_corpus(scenario.drift.source)
+            drift_set = set(drift.prompts)
             keep = [i for i, p in enumerate(full.prompts) if p not in drift_set]
             main = data.Corpus([full.prompts[i] for i in keep], [full.labels[i] for i in keep])
-            drift = data.load_corpus(scenario.drift.source)
     main_parts = data.split(main, devices, per, alpha=scenario.alpha, seed=scenario.seed)
     drift_parts = data.split(drift, devices, per, alpha=scenario.alpha, seed=scenario.seed + 1) if drift else None
     return main, main_parts, drift, drift_parts
