@@ -5,8 +5,10 @@ Messages and their records (``omnidraft.v1`` payloads ride as bytes in ConfigRec
 Every message carries the round (``"fleet"`` or ``"query"`` ConfigRecord, key ``round``): a
 device's target and traffic may change with the round (``DeviceProfile.at_round``).
 
-* ``query.status`` → reply ``"status"`` ConfigRecord: target, held global version and
-  checksums, tokenizer digest. No local text.
+* ``query.status`` → reply ``"status"`` ConfigRecord: target, the targets it can switch to
+  (``can-serve``), held global version and checksums, tokenizer digest. No local text.
+* ``query.switch`` ← ``"query"`` ConfigRecord with ``target``: serve that target from now on (a
+  staged rollout chose this device) → reply the new status.
 * ``train`` ← ``"fleet"`` ConfigRecord: ``round``, ``spec`` (TargetSpec), ``manifest``
   (StateManifest), ``manifest-sig`` (Ed25519 over the manifest bytes), and ``adapter`` /
   ``cache`` bytes only when the device does not hold them.
@@ -55,6 +57,11 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
     def status(msg: Message, context: Context) -> Message:
         return Message(RecordDict({"status": ConfigRecord(device_at(msg, context).status())}), reply_to=msg)
 
+    @app.query("switch")
+    def switch(msg: Message, context: Context) -> Message:
+        device = device_at(msg, context).switch(str(msg.content["query"]["target"]))
+        return Message(RecordDict({"status": ConfigRecord(device.status())}), reply_to=msg)
+
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         device = device_at(msg, context)
@@ -65,6 +72,7 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
                              manifest.version)
         adapter = ArrayRecord({k: v.float() for k, v in tensors.items()})
         metrics["uplink-bytes"] = adapter.count_bytes() + len(stats)
+        device.record_uplink(int(metrics["uplink-bytes"]))
         return Message(RecordDict({
             "adapter": adapter,
             "metrics": MetricRecord(metrics),

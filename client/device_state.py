@@ -12,6 +12,11 @@ Every file is written atomically (temporary file, fsync, rename). On load, a fil
 missing from the manifest's record, fails its checksum, or does not parse is moved aside as
 ``<name>.corrupt-<unix time>`` and that part starts fresh, with a warning; loading never raises
 on bad state. Bad input *paths* (a state directory that is a file) are the caller's error.
+
+Several processes may share the directory (``device serve`` and a SuperNode's ClientApp):
+saves hold an exclusive lock on ``<root>/.<drafter>--<target>.lock`` and loads a shared one, so a reader never sees a
+half-written set; ``changed_on_disk`` tells a process that another one saved since it last
+loaded or saved (``save(if_unchanged=True)`` then refuses to overwrite that state).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from safetensors.torch import load as load_safetensors, save as save_safetensors
 
 import omnidraft
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
 from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
 
 FORMAT_VERSION = 1
@@ -71,7 +76,22 @@ class DeviceState:
             raise ValueError(f"the state key {cipher.path} must live outside the state directory {root}")
         self.drafter, self.target = drafter, target
         self.dir = root / f"{slug(drafter)}--{slug(target)}"
+        self.lock = root / f".{self.dir.name}.lock"  # beside the directory: it holds state files only
         self.cipher = cipher
+        self.seen: str | None = None  # sha256 of the manifest last loaded or saved by this process
+
+    def _manifest_digest(self) -> str | None:
+        try:
+            return sha256((self.dir / MANIFEST_FILE).read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def changed_on_disk(self) -> bool:
+        """True when another process saved this state since this one last loaded or saved it."""
+        if not self.dir.exists():
+            return False
+        with file_lock(self.lock, exclusive=False):
+            return self._manifest_digest() != self.seen
 
     def _seal(self, name: str, data: bytes) -> bytes:
         return self.cipher.encrypt(name, data) if self.cipher is not None else data
@@ -90,8 +110,20 @@ class DeviceState:
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
-             cache: NgramCache, meta: dict) -> None:
-        """Write every part atomically, then the manifest naming their checksums."""
+             cache: NgramCache, meta: dict, *, if_unchanged: bool = False) -> bool:
+        """Write every part atomically, then the manifest naming their checksums; with
+        ``if_unchanged``, write nothing and return False when another process saved since this
+        one last loaded or saved (``changed_on_disk``)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.lock):
+            if if_unchanged and self._manifest_digest() != self.seen:
+                return False
+            self._write(adapter, head, cache, meta)
+            self.seen = self._manifest_digest()
+        return True
+
+    def _write(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
+               cache: NgramCache, meta: dict) -> None:
         blobs = {ADAPTER_FILE: save_safetensors(adapter), CACHE_FILE: cache.to_bytes()}
         if head is not None:
             blobs[HEAD_FILE] = save_safetensors(head)
@@ -108,9 +140,15 @@ class DeviceState:
     # -- reading -----------------------------------------------------------------------------
     def load(self, **cache_kwargs) -> LoadedState:
         """Read what is valid; set aside and report (warning + ``problems``) what is not."""
-        out = LoadedState()
         if not self.dir.exists():
-            return out
+            self.seen = None
+            return LoadedState()
+        with file_lock(self.lock, exclusive=False):
+            self.seen = self._manifest_digest()
+            return self._load(**cache_kwargs)
+
+    def _load(self, **cache_kwargs) -> LoadedState:
+        out = LoadedState()
         manifest_path = self.dir / MANIFEST_FILE
         try:
             raw = manifest_path.read_bytes()

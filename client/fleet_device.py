@@ -2,9 +2,13 @@
 how it runs a round of local sessions, and what it reports.
 
 A device serves one target with the shared drafter. It owns its local prompts (they never leave
-it), its device state (``DeviceState``: local adapter, acceptance head, n-gram cache) and the last
-global state it received (``<state_dir>/global/``: manifest, adapter, cache), so the coordinator
-sends a state only when the device does not hold it yet.
+it), its device state (``DeviceState``: local adapter, acceptance head, n-gram cache, in
+``<state_dir>/<drafter>--<target>/``, the directory ``omnidraft device serve --state-dir`` uses
+too) and the last global state it received (``<state_dir>/global/``: manifest, adapter, cache),
+so the coordinator sends a state only when the device does not hold it yet.
+
+A simulated device's prompts are listed in its profile; a deployed device (no prompt list)
+trains on the prompts its generation service logged since its previous round (``RequestLog``).
 
 A training round (FedAvg semantics): the local adapter restarts from the global one, global cache
 entries are merged into the local cache once per global version, the device decodes its next
@@ -22,8 +26,9 @@ one after the other in the same process swap only their adapters, caches and dat
 from __future__ import annotations
 
 import json
+import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +37,8 @@ from safetensors.torch import load as load_safetensors
 from omnidraft.client.adapt_run import Phase
 from omnidraft.client.device_state import sha256 as _sha256, slug
 from omnidraft.client.online_learner import OnlineConfig
+from omnidraft.client.resource_policy import (
+    DeviceConditions, ResourcePolicy, SystemConditions, UplinkLedger, busy_reason)
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
@@ -45,6 +52,7 @@ GLOBAL_DIR = "global"
 FLEET_FILE = "fleet.json"
 HISTORY_FILE = "history.jsonl"
 PROFILE_FILE = "profile.json"
+EVAL_PROMPTS = 2  # a deployed device evaluates global states on its latest served prompts
 
 
 class StateMismatch(ValueError):
@@ -113,9 +121,10 @@ def shared_pool(dtype: str = "fp32", drafter_weights: str = "int8") -> EnginePoo
 class DeviceProfile:
     """Who a device is and what it holds locally (``prompts``/``heldout`` never leave it).
 
-    A device may change over the run: from ``switch_round`` on it serves ``switch_target``
-    (a target rolled out to it) and from ``drift_round`` on its traffic comes from
-    ``drift_prompts`` / ``drift_heldout`` (a domain drift). A ``probe`` device never trains:
+    ``offers``: other targets the device can run ({registry name: model}); the coordinator
+    may move it to one of them during a staged rollout (``FleetDevice.switch``). From
+    ``drift_round`` on its traffic comes from ``drift_prompts`` / ``drift_heldout`` (a domain
+    drift). A ``probe`` device never trains:
     it only evaluates global states (a fixed panel that makes rounds comparable)."""
 
     device_id: str
@@ -131,19 +140,17 @@ class DeviceProfile:
     translate: str = "ngram"
     joins_at_round: int = 1  # the device is not part of the fleet before this round
     probe: bool = False
-    switch_round: int | None = None
-    switch_target: str | None = None
-    switch_model: str | None = None
+    offers: dict[str, str] = field(default_factory=dict)
     drift_round: int | None = None
     drift_prompts: list[str] = field(default_factory=list)
     drift_heldout: list[str] = field(default_factory=list)
     fleet_key: str = ""  # the coordinator's Ed25519 public key(s), hex, comma-separated ("": no check)
+    state_key: str = ""  # key file that encrypts the device state at rest ("": not encrypted)
+    policy: ResourcePolicy = field(default_factory=ResourcePolicy)  # the owner's limits
 
     def at_round(self, round_: int) -> DeviceProfile:
-        """The device as it is at ``round_`` (target rollout and domain drift applied)."""
+        """The device as it is at ``round_`` (domain drift applied)."""
         out = self
-        if self.switch_round is not None and round_ >= self.switch_round:
-            out = replace(out, target=self.switch_target, target_model=self.switch_model)
         if self.drift_round is not None and round_ >= self.drift_round and self.drift_prompts:
             out = replace(out, prompts=self.drift_prompts, heldout=self.drift_heldout or self.heldout)
         return out
@@ -159,38 +166,74 @@ class DeviceProfile:
 
     @classmethod
     def load(cls, state_dir: str | Path) -> DeviceProfile:
+        """The saved profile; keys this version does not know (written by another version) are
+        ignored."""
         data = json.loads((Path(state_dir) / PROFILE_FILE).read_text())
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
         gen = data.pop("generation")
         gen["stop_strings"] = tuple(gen.get("stop_strings", ()))
         online = data.pop("online")
         online["loss"] = LossConfig(**online.get("loss", {}))
+        data["policy"] = ResourcePolicy(**data.get("policy", {}))
         return cls(**{**data, "state_dir": Path(data["state_dir"]),
                       "generation": GenerationConfig(**gen), "online": OnlineConfig(**online)})
 
 
-_PROFILES: dict[str, DeviceProfile] = {}
+_PROFILES: dict[str, tuple[int, DeviceProfile]] = {}
 
 
 def cached_profile(state_dir: str | Path) -> DeviceProfile:
-    """``DeviceProfile.load(state_dir)``, read once per process."""
-    key = str(state_dir)
-    if key not in _PROFILES:
-        _PROFILES[key] = DeviceProfile.load(state_dir)
-    return _PROFILES[key]
+    """``DeviceProfile.load(state_dir)``, read again only when the file changed (a switch in
+    another worker process rewrites it)."""
+    key = os.path.abspath(state_dir)
+    stamp = os.stat(os.path.join(key, PROFILE_FILE)).st_mtime_ns
+    held = _PROFILES.get(key)
+    if held is None or held[0] != stamp:
+        held = _PROFILES[key] = (stamp, DeviceProfile.load(state_dir))
+    return held[1]
 
 
 class FleetDevice:
     """A device's fleet-facing operations (see the module docstring)."""
 
-    def __init__(self, profile: DeviceProfile, pool: EnginePool) -> None:
+    def __init__(self, profile: DeviceProfile, pool: EnginePool, conditions: DeviceConditions | None = None) -> None:
+        """``conditions``: what the device is doing now, for its ``policy`` (default: this
+        machine's power supply and request log)."""
         self.profile = profile
         self.pool = pool
         self.dir = Path(profile.state_dir)
         self.global_dir = self.dir / GLOBAL_DIR / slug(profile.target)
+        self.conditions = conditions or SystemConditions(self.dir)
 
     def at_round(self, round_: int) -> FleetDevice:
         """This device as it is at ``round_`` (see ``DeviceProfile.at_round``)."""
-        return FleetDevice(self.profile.at_round(round_), self.pool)
+        return FleetDevice(self.profile.at_round(round_), self.pool, self.conditions)
+
+    def busy(self) -> str:
+        """Why the owner's policy forbids a federated round now ("" when it allows one)."""
+        expected = int(self._fleet_meta().get("last-uplink-bytes", 0))
+        return busy_reason(self.profile.policy, self.conditions, UplinkLedger(self.dir), expected)
+
+    def record_uplink(self, sent: int) -> None:
+        """Count ``sent`` bytes of a round's reply against the daily uplink budget."""
+        UplinkLedger(self.dir).add(sent)
+        self._save_fleet_meta({**self._fleet_meta(), "last-uplink-bytes": int(sent)})
+
+    def switch(self, target: str) -> FleetDevice:
+        """Serve ``target`` (one this device offers) from now on, as a staged rollout asks; the
+        old target stays on offer. Saved in the profile; returns the device as it is now."""
+        p = self.profile
+        if target == p.target:
+            return self
+        if target not in p.offers:
+            raise StateMismatch(f"this device cannot serve {target!r} (it offers {', '.join(p.offers) or 'nothing'})")
+        saved = DeviceProfile.load(p.state_dir)  # the stored profile (``p`` may carry a drift view)
+        offers = {**{k: v for k, v in saved.offers.items() if k != target}, saved.target: saved.target_model}
+        saved = replace(saved, target=target, target_model=saved.offers[target], offers=offers)
+        saved.save()
+        return FleetDevice(replace(p, target=target, target_model=saved.target_model, offers=offers), self.pool,
+                           self.conditions)
 
     # -- what the device holds ----------------------------------------------------------------
     def _fleet_meta(self) -> dict:
@@ -219,6 +262,7 @@ class FleetDevice:
         """What the coordinator needs to decide what to send (no local text)."""
         m = self.held_manifest()
         return {"device": self.profile.device_id, "target": self.profile.target,
+                "can-serve": ",".join(sorted(self.profile.offers)), "busy": self.busy(),
                 "joins-at": self.profile.joins_at_round,
                 "probe": self.profile.probe,
                 "trained": self.profile.target in self._fleet_meta().get("trained", []), "state-version": int(m.version) if m else -1,
@@ -227,7 +271,16 @@ class FleetDevice:
 
     @property
     def _tokenizer_digest(self) -> str:
-        return self.pool.tokenizer_digest(self.profile.drafter, self.profile.target_model)
+        """The target vocabulary's digest, kept in ``fleet.json`` so a status query does not load
+        the models (a deployed device answers each message in a fresh process)."""
+        key = f"{self.profile.drafter}|{self.profile.target_model}"
+        meta = self._fleet_meta()
+        digest = meta.get("tokenizer-sha256", {}).get(key)
+        if digest is None:
+            digest = self.pool.tokenizer_digest(self.profile.drafter, self.profile.target_model)
+            meta = self._fleet_meta()
+            self._save_fleet_meta({**meta, "tokenizer-sha256": {**meta.get("tokenizer-sha256", {}), key: digest}})
+        return digest
 
     @property
     def engine(self) -> Engine:
@@ -293,14 +346,15 @@ class FleetDevice:
         lora = lora_spec(self._spec()) if manifest is not None else None
         engine = self.engine
         adapters = self.pool.adapters(self.profile.drafter, lora)
-        engine.cache = NgramCache(drafter=self.profile.drafter, target=self.profile.target)
-        adapters.add(self.profile.target)
-        adapters.reset(self.profile.target)  # nothing of the previous device in this process
-        session = DeviceSession(engine, target_name=self.profile.target, state_dir=self.dir / "local",
+        local = self.profile.target_model  # the name `device serve --target` gives the same state
+        engine.cache = NgramCache(max_bytes=self.profile.policy.cache_bytes, drafter=self.profile.drafter, target=local)
+        adapters.add(local)
+        adapters.reset(local)  # nothing of the previous device in this process
+        session = DeviceSession(engine, target_name=local, state_dir=self.dir,
                                 adapters=adapters, lora=adapters.spec, online=self.profile.online,
-                                translate=self.profile.translate)
+                                translate=self.profile.translate, state_key=self.profile.state_key or None)
         if manifest is not None:
-            adapters.load_state_dict(self.profile.target,
+            adapters.load_state_dict(local,
                                      load_safetensors((self.global_dir / "adapter.safetensors").read_bytes()))
             meta = self._fleet_meta()
             if meta.get("cache-merged") != manifest.cache_sha256:
@@ -315,10 +369,19 @@ class FleetDevice:
         """Run this round's local sessions with online learning; returns (adapter tensors,
         target ids learned as n-gram entries, metrics)."""
         p = self.profile
+        reason = self.busy()
+        if reason:
+            raise StateMismatch(f"busy: {reason}")
         session = self.session()
         cache_before = {e.draft_ids: e.count for e in session.cache.entries()}
         start = self._fleet_meta().get("next-prompt", 0)
-        prompts = [p.prompts[(start + i) % len(p.prompts)] for i in range(p.prompts_per_round)]
+        if p.prompts:
+            prompts = [p.prompts[(start + i) % len(p.prompts)] for i in range(p.prompts_per_round)]
+            next_prompt = start + len(prompts)
+        else:  # a deployed device: the requests it served since its previous round
+            served = self.request_log().since(start)[: p.prompts_per_round]
+            prompts = [prompt for _, prompt in served]
+            next_prompt = served[-1][0] + 1 if served else start
         first, whole = Phase(), Phase()
         outputs = []
         trained_tokens, update_s = 0, 0.0
@@ -334,9 +397,10 @@ class FleetDevice:
             update_s += session.learner.update().seconds
         learned = {e.target_id for e in session.cache.entries() if e.count > cache_before.get(e.draft_ids, 0)}
         session.save()
-        self._append_history(round_, prompts, outputs)
+        if p.prompts:  # a deployed device's text stays in its request log only
+            self._append_history(round_, prompts, outputs)
         meta = self._fleet_meta()
-        self._save_fleet_meta({**meta, "next-prompt": start + len(prompts), "round": round_,
+        self._save_fleet_meta({**meta, "next-prompt": next_prompt, "round": round_,
                                "trained": sorted({*meta.get("trained", []), p.target})})
         f, w = first.summary(), whole.summary()
         metrics = {"trained-tokens": trained_tokens, "acceptance-first": f["acceptance_rate"],
@@ -344,7 +408,15 @@ class FleetDevice:
                    "acceptance": w["acceptance_rate"], "tokens-per-call": w["tokens_per_target_call"],
                    "tokens-per-s": w["tokens_per_s"], "generated-tokens": w["new_tokens"],
                    "update-s": update_s, "cache-entries": len(session.cache)}
-        return session.adapters.state_dict(p.target), learned, metrics
+        return session.adapters.state_dict(p.target_model), learned, metrics
+
+    def request_log(self):
+        """The prompts this device's generation service logged (``RequestLog``)."""
+        from omnidraft.client.request_log import RequestLog
+        from omnidraft.client.state_key import StateCipher
+
+        cipher = StateCipher(self.profile.state_key, create=False) if self.profile.state_key else None
+        return RequestLog(self.dir, cipher)
 
     def _append_history(self, round_: int, prompts: list[str], outputs: list[str]) -> None:
         """Keep this round's prompts and outputs in the device's own ``history.jsonl`` (the only
@@ -367,6 +439,8 @@ class FleetDevice:
         session = self.session(use_global=use_global)
         session.learn = False
         p = self.profile
+        if not p.heldout:  # a deployed device: its latest served prompts
+            p = replace(p, heldout=[prompt for _, prompt in self.request_log().since(0)[-EVAL_PROMPTS:]])
         ar_tps = None
         if measure_ar:
             key = _sha256(json.dumps([p.target, p.heldout, p.generation.max_new_tokens]).encode())[:16]

@@ -78,9 +78,7 @@ class OnlineLearner:
         self.target = target
         self.inter = intersection
         self.head = head if self.config.head else None
-        adapters.activate(target)
-        self.optimizer = torch.optim.AdamW(adapters.trainable_parameters(), lr=self.config.lr,
-                                           betas=(0.9, 0.999), weight_decay=self.config.weight_decay)
+        self.new_optimizer()
         self.head_optimizer = (torch.optim.AdamW(self.head.parameters(), lr=self.config.head_lr)
                                if self.head is not None else None)
         self.replay = ReplayBuffer(self.config.replay_rows)
@@ -90,6 +88,13 @@ class OnlineLearner:
         self.reports: list[UpdateReport] = []
         autocast = self.config.bf16_autocast
         self.autocast = cpu_has_native_bf16() if autocast is None else autocast
+
+    def new_optimizer(self) -> None:
+        """A fresh AdamW over the target adapter's trainable parameters (also after the
+        adapter was rebuilt with other LoRA settings)."""
+        self.adapters.activate(self.target)
+        self.optimizer = torch.optim.AdamW(self.adapters.trainable_parameters(), lr=self.config.lr,
+                                           betas=(0.9, 0.999), weight_decay=self.config.weight_decay)
 
     # -- the stream ----------------------------------------------------------------------------
     def observe(self, sample: TrainingSample) -> UpdateReport | None:

@@ -9,6 +9,11 @@ sample is queued, and a learner thread feeds it to the online learner (which upd
 every ``interval`` samples) between requests, then saves the device state atomically. A client
 that cancels or disconnects mid-request stops its decode at the next verification step and
 frees the engine. Bad requests get ``INVALID_ARGUMENT`` with a one-line reason.
+
+The state directory may be shared with the device's SuperNode (``omnidraft device join``): each
+served prompt goes to the device's ``RequestLog`` (its federated rounds train on them), and when
+a federated round saved a new state, the service loads it before the next request; its own
+saves never overwrite a state saved by the round.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from omnidraft.client.request_log import RequestLog
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import generation_pb2 as pb
 from omnidraft.proto import generation_pb2_grpc as pb_grpc
@@ -62,8 +68,10 @@ class GenerationService(pb_grpc.GenerationServicer):
     learned from what is queued, and saves the state."""
 
     def __init__(self, session: DeviceSession, limits: ServiceLimits | None = None, *,
-                 base: GenerationConfig | None = None, precision: str = "", learn: bool = True) -> None:
+                 base: GenerationConfig | None = None, precision: str = "", learn: bool = True,
+                 request_log: RequestLog | None = None) -> None:
         self.session = session
+        self.request_log = request_log
         self.limits = limits or ServiceLimits()
         self.base = base or GenerationConfig()  # drafting settings; requests set the sampling ones
         self.precision = precision
@@ -113,6 +121,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 queued = time.perf_counter() - t0
                 if not context.is_active():
                     raise Cancelled()
+                self._adopt_saved_state()
                 _, ids = self.session.engine.prompt_ids(request.prompt, request.chat)  # tokenizers are not shared across threads
                 if len(ids) > self.limits.max_prompt_tokens:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {len(ids)} tokens; this "
@@ -134,8 +143,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                     tail = decoder.decode(b"", final=True)
                     if tail:
                         on_text(tail)
-            if self.learn and result.training_sample is not None:
-                self._samples.put(result)
+            if self.request_log is not None or (self.learn and result.training_sample is not None):
+                self._samples.put((request.prompt, result))
             with self._count:
                 self.requests += 1
             return result, queued
@@ -186,20 +195,37 @@ class GenerationService(pb_grpc.GenerationServicer):
                               updates=s.learner.updates, pending_samples=self._samples.qsize())
 
     # -- learning between requests ----------------------------------------------------------------
+    def _adopt_saved_state(self) -> None:
+        """Load the device state if another process (a federated round) saved it (engine held)."""
+        try:
+            if self.session.refresh():
+                log.info("the device state was updated on disk (a federated round): loaded")
+        except Exception:  # a state that cannot be read now is read at the next request
+            log.exception("reloading the device state failed; serving with the one in memory")
+
+    def _save(self) -> None:
+        """Save the learned state unless a federated round saved a newer one (then adopt it)."""
+        if self.session.state is not None and not self.session.save(if_unchanged=True):
+            self._adopt_saved_state()
+
     def _learn_loop(self) -> None:
         learned = 0
         while True:
-            result = self._samples.get()
-            if result is None:
+            item = self._samples.get()
+            if item is None:
                 break
-            with self._engine:
-                try:
-                    report = self.session.learn_from(result)
-                    learned += 1
-                    if self.session.state is not None and (report is not None or learned % self.limits.save_every == 0):
-                        self.session.save()
-                except Exception:  # learning must never take the service down
-                    log.exception("learning from a request failed; the service goes on")
+            prompt, result = item
+            try:
+                if self.request_log is not None:
+                    self.request_log.append(prompt)
+                if self.learn and result.training_sample is not None:
+                    with self._engine:
+                        report = self.session.learn_from(result)
+                        learned += 1
+                        if report is not None or learned % self.limits.save_every == 0:
+                            self._save()
+            except Exception:  # learning must never take the service down
+                log.exception("learning from a request failed; the service goes on")
             self._samples.task_done()
 
     def wait_learned(self, timeout: float | None = None) -> bool:
@@ -214,9 +240,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     def close(self) -> None:
         self._samples.put(None)
         self._learner.join()
-        if self.session.state is not None:
-            with self._engine:
-                self.session.save()
+        with self._engine:
+            self._save()
 
 
 def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: int | None = None) -> tuple[grpc.Server, int]:

@@ -47,6 +47,7 @@ class DeviceSession:
         self.learn = learn
         self.adaptive = adaptive
         self.grow_cache = grow_cache
+        self._owns_adapters = adapters is None  # its own: it may rebuild them with saved LoRA settings
         self.adapters = adapters or DrafterAdapters(engine.drafter.model, lora,
                                                     drafter_weights=engine.drafter_weights)
         self.adapters.add(self.target)
@@ -125,7 +126,9 @@ class DeviceSession:
         return self.learner.observe(result.training_sample)
 
     # -- persistence ----------------------------------------------------------------------------
-    def save(self) -> None:
+    def save(self, *, if_unchanged: bool = False) -> bool:
+        """Write the state; with ``if_unchanged``, only if no other process saved it since this
+        session loaded or saved (returns False then, writing nothing: ``refresh`` adopts it)."""
         if self.state is None:
             raise ValueError("this session has no state directory")
         head = self.head.state_dict() if self.head is not None and self.head.ready else None
@@ -134,7 +137,16 @@ class DeviceSession:
                 "head_steps": self.head.trained_steps if self.head is not None else 0,
                 "gamma_history": self.tuner.state(),
                 "draft_stop": self.stopper.calibration() if self.stopper is not None else self._saved_stop}
-        self.state.save(self.adapters.state_dict(self.target), head, self.engine.cache, meta)
+        return self.state.save(self.adapters.state_dict(self.target), head, self.engine.cache, meta,
+                               if_unchanged=if_unchanged)
+
+    def refresh(self) -> bool:
+        """Load the state again if another process (a federated round on this device) saved it
+        since this session last loaded or saved; True when it did."""
+        if self.state is None or not self.state.changed_on_disk():
+            return False
+        self.load()
+        return True
 
     def load(self) -> None:
         """Restore the saved parts that are valid; fresh ones replace the rest."""
@@ -143,9 +155,17 @@ class DeviceSession:
         self.problems = loaded.problems
         meta = loaded.meta
         if meta and meta.get("lora") not in (None, self.adapters.spec.as_dict()):
-            self.problems.append(f"saved adapter has LoRA settings {meta['lora']}, this session "
-                                 f"{self.adapters.spec.as_dict()}: the adapter starts fresh")
-            loaded.adapter = None
+            if self._owns_adapters:  # adopt the saved shape (e.g. the one a federated round chose)
+                try:
+                    self.adapters.respec(LoraSpec(**meta["lora"]))
+                    self.learner.new_optimizer()
+                except (TypeError, ValueError) as exc:
+                    self.problems.append(f"saved LoRA settings {meta['lora']} unusable ({exc}): the adapter starts fresh")
+                    loaded.adapter = None
+            else:
+                self.problems.append(f"saved adapter has LoRA settings {meta['lora']}, this session "
+                                     f"{self.adapters.spec.as_dict()}: the adapter starts fresh")
+                loaded.adapter = None
         if loaded.adapter is not None:
             try:
                 self.adapters.load_state_dict(self.target, loaded.adapter)

@@ -12,6 +12,7 @@ Layout under the coordinator root::
     targets/<slug>/manifest-v<N>.sig       Ed25519 signature over manifest.pb's bytes of version N
     targets/<slug>/manifest.pb             omnidraft.v1.StateManifest naming version N, written last
     targets/<slug>/privacy.json            the n-gram release's accountant state
+    targets/<slug>/rollout.json            the share of capable devices moved to this target
     keys/manifest-ed25519.pem              the signing key (0600; devices pin its public key)
 
 Every file is written atomically, and a new version's files are complete before the manifest
@@ -23,6 +24,7 @@ their files) so that ``rollback`` can publish an earlier state again as a new ve
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,7 @@ MANIFEST_FILE = "manifest.pb"
 SIGNING_KEY = "keys/manifest-ed25519.pem"  # under the coordinator root
 CANDIDATES_FILE = "candidates.pb"
 PRIVACY_FILE = "privacy.json"
+ROLLOUT_FILE = "rollout.json"
 GLOBAL_CACHE_ENTRIES = 65536  # capacity of a global cache (entries)
 KEEP_VERSIONS = 5  # versions kept on disk per target (what `rollback` can restore)
 _CANDIDATE_LIMIT = 1 << 22  # the candidates table keeps every pair
@@ -273,6 +276,27 @@ class TargetRegistry:
                                     devices_total=old.devices_total, tokens_total=old.tokens_total)
         return self._commit_blobs(name, m, *blobs)
 
+    # -- staged rollout ---------------------------------------------------------------------------
+    def rollout(self, name: str, fraction: float) -> None:
+        """Move ``fraction`` of the devices that can serve ``name`` (they offer it in their
+        status) to it, from the next round on; the devices are chosen by ``rollout_rank``, so
+        raising the fraction adds devices and keeps the ones already moved. Devices already
+        moved stay when the fraction is lowered."""
+        self._require(name)
+        if not 0 <= fraction <= 1:
+            raise RegistryError(f"rollout fraction {fraction} must be in [0, 1]")
+        write_bytes_atomic(self._dir(name) / ROLLOUT_FILE, json.dumps({"fraction": fraction, "time": time.time()}).encode())
+
+    def rollouts(self) -> dict[str, float]:
+        """{target: fraction} of the targets being rolled out."""
+        out = {}
+        for name in self.names():
+            try:
+                out[name] = float(json.loads((self._dir(name) / ROLLOUT_FILE).read_text())["fraction"])
+            except (OSError, ValueError, KeyError):
+                continue
+        return out
+
     @staticmethod
     def _file(kind: str, version: int) -> str:
         return {"adapter": f"adapter-v{version}.safetensors", "cache": f"cache-v{version}.pb",
@@ -282,3 +306,9 @@ class TargetRegistry:
         if name not in self:
             known = ", ".join(self.names()) or "none"
             raise RegistryError(f"unknown target {name!r} (registered: {known})")
+
+
+def rollout_rank(target: str, device_id: str) -> str:
+    """A device's place in ``target``'s rollout order (lowest first): a hash, so the order is
+    fixed, unrelated across targets, and needs no coordination."""
+    return hashlib.sha256(f"{target}\n{device_id}".encode()).hexdigest()

@@ -6,7 +6,8 @@ One round:
 2. ask every connected device which target it serves, whether it has joined, whether it is a
    probe (evaluates only) and which global state it holds (``query.status``, a few hundred
    bytes); a device with an unknown target or a different tokenizer is skipped with a logged
-   reason; a seeded ``fraction`` of the devices that joined is sampled to train;
+   reason; staged rollouts move their share of capable devices to a new target
+   (``query.switch``); a seeded ``fraction`` of the devices that joined is sampled to train;
 3. send each device its target's global state (only the parts it lacks) in a ``train``
    message; wait at most ``round_timeout_s``: devices that drop out or time out are left out;
 4. per target: check every reply (``aggregation.check_reply``), aggregate the adapters with the
@@ -16,8 +17,9 @@ One round:
    with the new global state; in round 1 the probes also measure the starting state (round 0);
    up to ``newcomer_evals`` sampled devices that never trained for the target get a first
    session with and without the global state (the fleet's benefit to a new device);
-6. record the round (``coordinator.json`` holds the last finished round, so a restarted
-   coordinator resumes after it) and report one metrics dict per target to ``on_round``.
+6. record the round (``rounds.jsonl`` gets one metrics line per target; ``coordinator.json``
+   holds the last finished round, so a restarted coordinator resumes after it) and report one
+   metrics dict per target to ``on_round``.
 
 Configuration is passed to ``make_server_app`` (``run_config`` is empty under
 ``run_simulation``).
@@ -42,11 +44,12 @@ from flwr.serverapp import Grid, ServerApp
 from omnidraft.coordinator.aggregation import (
     FLEET_KEY, METRICS_KEY, AggregationConfig, aggregate_target, check_reply, payload_bytes)
 from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats
-from omnidraft.coordinator.registry import GlobalState, TargetRegistry
+from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
 from omnidraft.shared.atomic_io import write_bytes_atomic
 
 log = logging.getLogger("omnidraft.coordinator")
 STATE_FILE = "coordinator.json"
+ROUNDS_FILE = "rounds.jsonl"  # one line per finished round and target (``fleet status`` reads it)
 
 
 @dataclass
@@ -83,6 +86,14 @@ def last_round(root: Path) -> int:
         return 0
 
 
+def round_history(root: Path) -> list[dict]:
+    """Every recorded round (``rounds.jsonl``), oldest first; [] when none."""
+    try:
+        return [json.loads(line) for line in (Path(root) / ROUNDS_FILE).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
 def wait_for_devices(grid: Grid, minimum: int, wait_s: float) -> list[int]:
     """Connected node ids once ``minimum`` are connected; after ``wait_s`` whatever is there."""
     deadline = time.monotonic() + wait_s
@@ -109,13 +120,17 @@ class Coordinator:
 
     def __init__(self, root: str | Path, config: FleetConfig,
                  on_round: Callable[[dict], None] | None = None,
-                 progress: Callable[[int, int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int, int], None] | None = None,
+                 before_round: Callable[[int, TargetRegistry], None] | None = None) -> None:
+        """``before_round(round, registry)``: operator actions scheduled by a simulation
+        (a rollout or a rollback at a round), run before the round starts."""
         config.validate()
         self.root = Path(root)
         self.registry = TargetRegistry(self.root)
         self.config = config
         self.on_round = on_round or (lambda record: None)
         self.progress = progress or (lambda rnd, done, sent: None)  # (round, replies, messages sent)
+        self.before_round = before_round or (lambda rnd, registry: None)
         self._progress = [0, 0, 0]  # the current round's (round, replies, messages sent)
 
     def run(self, grid: Grid) -> None:
@@ -132,7 +147,9 @@ class Coordinator:
             log.warning("round %d: no device connected after %.0f s; round skipped", rnd, cfg.wait_s)
             return []
         self._progress = [rnd, 0, 0]
+        self.before_round(rnd, self.registry)
         members, probes, skipped, states = self._census(grid, rnd, nodes)
+        switched = self._roll_out(grid, rnd, members, states, skipped)
         records = []
         if rnd == 1 and cfg.evaluate:  # the starting point: every target's state before any round
             for target in sorted(probes):
@@ -156,6 +173,7 @@ class Coordinator:
 
         for target, group in sorted(by_target.items()):
             record = self._aggregate(rnd, target, states[target], group, replies, downlink)
+            record.update({"devices": len(members[target]), "switched": switched.get(target, 0)})
             record.update(newcomers.get(target, {}))
             if cfg.evaluate and record["aggregated"]:
                 panel = list(probes.get(target) or group)  # the probe panel, else the round's devices
@@ -163,6 +181,9 @@ class Coordinator:
             record["round-s"] = time.perf_counter() - t0
             record["skipped"] = [r for r in skipped if target in r]
             records.append(record)
+        history = self.root / ROUNDS_FILE
+        lines = "".join(json.dumps(r, default=float) + "\n" for r in records).encode()
+        write_bytes_atomic(history, (history.read_bytes() if history.exists() else b"") + lines)
         write_bytes_atomic(self.root / STATE_FILE, json.dumps({"round": rnd, "time": time.time()}).encode())
         for record in records:
             self.on_round(record)
@@ -201,10 +222,49 @@ class Coordinator:
             if status.get("tokenizer-sha256") != states[target].spec.tokenizer_sha256:
                 skipped.append(f"node {node}: tokenizer of {target!r} differs from the registered one")
                 continue
+            if status.get("busy") and not status.get("probe"):
+                skipped.append(f"node {node} ({target}): busy: {status['busy']}")
+                continue
             (probes if status.get("probe") else members)[target][node] = status
         for reason in skipped:
             log.warning("round %d: %s", rnd, reason)
         return members, probes, skipped, states
+
+    def _roll_out(self, grid: Grid, rnd: int, members: dict[str, dict[int, ConfigRecord]],
+                  states: dict[str, GlobalState], skipped: list[str]) -> dict[str, int]:
+        """Staged rollouts (``registry.rollout``): of the devices that serve or offer a target
+        being rolled out, the first ``fraction`` in ``rollout_rank`` order serve it; the ones
+        not there yet are told to switch (``query.switch``) and count as its members from this
+        round on. Returns the number switched per target."""
+        switched: dict[str, int] = {}
+        for target, fraction in sorted(self.registry.rollouts().items()):
+            capable = [(node, status) for group in members.values() for node, status in group.items()
+                       if status.get("target") == target or target in str(status.get("can-serve", "")).split(",")]
+            capable.sort(key=lambda item: rollout_rank(target, str(item[1].get("device", item[0]))))
+            chosen = [node for node, status in capable[: round(fraction * len(capable))]
+                      if status.get("target") != target]
+            if not chosen:
+                continue
+            replies = self._send(grid, chosen, "query.switch",
+                                 lambda node: RecordDict({"query": ConfigRecord({"round": rnd, "target": target})}), rnd)
+            if target not in states:
+                states[target] = self.registry.load(target)
+            for node in chosen:
+                reply = replies.get(node)
+                if reply is None or reply.has_error() or "status" not in reply.content.config_records:
+                    skipped.append(f"node {node}: did not switch to {target!r}")
+                    continue
+                status = reply.content.config_records["status"]
+                for group in members.values():
+                    group.pop(node, None)
+                if status.get("tokenizer-sha256") != states[target].spec.tokenizer_sha256:
+                    skipped.append(f"node {node}: tokenizer of {target!r} differs from the registered one")
+                    continue
+                members[target][node] = status
+                switched[target] = switched.get(target, 0) + 1
+            log.info("round %d: %d device(s) switched to %s (rollout %.0f%%)", rnd, switched.get(target, 0),
+                     target, 100 * fraction)
+        return switched
 
     def _first_sessions(self, grid: Grid, rnd: int, state: GlobalState, group: dict[int, ConfigRecord]) -> dict:
         """Devices that never trained for this target and meet a trained global state (at most
@@ -228,9 +288,9 @@ class Coordinator:
         progress = self._progress
         progress[2] += len(nodes)
         self.progress(*progress)
-        pending = set(grid.push_messages(
+        pending = set(grid.push_messages([  # a list: the deployed grid iterates it twice
             Message(content(node), dst_node_id=node, message_type=message_type, group_id=str(rnd))
-            for node in nodes))
+            for node in nodes]))
         by_node: dict[int, Message] = {}
         deadline = time.monotonic() + self.config.round_timeout_s
         while pending and time.monotonic() < deadline:
@@ -323,13 +383,14 @@ class Coordinator:
 
 def make_server_app(root: str | Path, config: FleetConfig,
                     on_round: Callable[[dict], None] | None = None,
-                    progress: Callable[[int, int, int], None] | None = None) -> ServerApp:
-    """A ServerApp running ``Coordinator(root, config, on_round, progress)`` (targets must be
-    registered)."""
+                    progress: Callable[[int, int, int], None] | None = None,
+                    before_round: Callable[[int, TargetRegistry], None] | None = None) -> ServerApp:
+    """A ServerApp running ``Coordinator(root, config, on_round, progress, before_round)``
+    (targets must be registered)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        Coordinator(root, config, on_round, progress).run(grid)
+        Coordinator(root, config, on_round, progress, before_round).run(grid)
 
     return app

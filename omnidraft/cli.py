@@ -6,7 +6,10 @@
     omnidraft adapt --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
     omnidraft profile --drafter NAME --target NAME [...]
     omnidraft fleet register-target NAME --model NAME|DIR [--root DIR] | fleet status [--root DIR]
+    omnidraft fleet init --superlink HOST:PORT --node NAME ... | fleet superlink | fleet register-node NAME
+    omnidraft fleet run [--rounds N ...] | fleet rollback NAME [--to V] | fleet public-key
     omnidraft device serve --drafter NAME --target NAME --state-dir DIR [--listen ADDR]
+    omnidraft device join --superlink HOST:PORT --cert CA.crt --key NODE_KEY --drafter NAME --target NAME --state-dir DIR
     omnidraft device ask "PROMPT" [--server ADDR] [--stream] | device health [--server ADDR]
 
 Every user error prints one line to stderr and exits with status 2.
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 
 class UsageError(Exception):
@@ -146,6 +150,36 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-learn", action="store_true", help="serve without online learning")
     serve.add_argument("--interval", type=int, default=8, help="generations per adapter update")
     serve.add_argument("--lr", type=float, default=1e-4, help="adapter learning rate")
+    serve.add_argument("--keep-prompts", type=int, default=256,
+                       help="served prompts kept in the state directory for this device's federated "
+                            "rounds (never sent; encrypted with --state-key); 0: keep none")
+    join = dsub.add_parser("join", help="run this device as a Flower SuperNode of a fleet (TLS + node key)")
+    pair(join)
+    join.add_argument("--superlink", required=True, help="the SuperLink's host:port")
+    join.add_argument("--cert", default=None, help="the fleet's CA certificate (ca.crt from omnidraft fleet init)")
+    join.add_argument("--key", default=None, help="this device's private key (nodes/NAME from omnidraft fleet init)")
+    join.add_argument("--insecure", action="store_true", help="no TLS and no node key (a test network only)")
+    join.add_argument("--fleet-key", default=None,
+                      help="the coordinator's public key (omnidraft fleet public-key); every global state "
+                           "must carry its signature")
+    join.add_argument("--target-name", default=None, help="the target's registry name (default: --target)")
+    join.add_argument("--device-id", default=None, help="this device's id in the fleet (default: the key's name)")
+    join.add_argument("--offer", action="append", default=[], metavar="NAME=MODEL",
+                      help="another target this device can run (registry name = catalog name or directory); "
+                           "a staged rollout (omnidraft fleet rollout NAME) may move the device to it")
+    join.add_argument("--prompts-per-round", type=int, default=8, help="served prompts one round trains on")
+    join.add_argument("--interval", type=int, default=4, help="generations per adapter update in a round")
+    join.add_argument("--runtime-port", type=int, default=9094,
+                      help="the SuperNode's local Runtime API port (one per SuperNode on a host)")
+    join.add_argument("--max-retries", type=int, default=None, help="reconnection attempts before giving up")
+    join.add_argument("--cache-mb", type=float, default=0.0, help="n-gram cache memory budget in MB (0: no byte limit)")
+    join.add_argument("--train-when", default="always", choices=["always", "idle", "power", "idle+power"],
+                      help="when federated rounds may train: idle = no request for --idle-s, power = on mains")
+    join.add_argument("--idle-s", type=float, default=300.0, help="seconds without a request that count as idle")
+    join.add_argument("--uplink-mb-per-day", type=float, default=0.0,
+                      help="most MB federated rounds may send per UTC day (0: no limit)")
+    for sp in (serve, join):
+        sp.add_argument("--max-threads", type=int, default=0, help="torch threads (0: every core)")
     ask = dsub.add_parser("ask", help="send one prompt to a running service")
     ask.add_argument("prompt")
     ask.add_argument("--max-new-tokens", type=int, default=0, help="0: the service's default")
@@ -176,17 +210,81 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     pubkey = fsub.add_parser("public-key", help="the Ed25519 key that signs every published state (hex; "
                                                 "devices pin it), created on first use")
+    rollout = fsub.add_parser("rollout", help="move a share of the devices that can run a target to it "
+                                              "(staged; from the next round)")
+    rollout.add_argument("name")
+    rollout.add_argument("--fraction", type=float, required=True,
+                         help="share of the capable devices that serve it (raising it keeps those already moved)")
     rollback = fsub.add_parser("rollback", help="publish an earlier state of a target again, as a new version")
     rollback.add_argument("name")
     rollback.add_argument("--to", type=int, default=None, help="version to restore (default: the previous one)")
-    for sp in (reg, status, pubkey, rollback):
+    init = fsub.add_parser("init", help="TLS certificates and device key pairs for a SuperLink deployment")
+    init.add_argument("--superlink", required=True, help="host:port the devices will connect to")
+    init.add_argument("--node", action="append", default=[], help="a device name to create a key pair for (repeat)")
+    init.add_argument("--nodes", type=int, default=0, help="create key pairs node0 .. node<N-1>")
+    init.add_argument("--san", action="append", default=[], help="another host name or IP the certificate is valid for")
+    superlink = fsub.add_parser("superlink", help="run flower-superlink with TLS and SuperNode authentication")
+    superlink.add_argument("--listen-host", default=None, help="interface to listen on (default: the init address's host)")
+    regnode = fsub.add_parser("register-node", help="let a device's key in (flwr supernode register)")
+    regnode.add_argument("name")
+    frun = fsub.add_parser("run", help="run federated rounds on the SuperLink's connected devices (flwr run)")
+    frun.add_argument("--rounds", type=int, default=1, help="rounds to run now")
+    frun.add_argument("--fraction", type=float, default=1.0, help="share of joined devices sampled per round")
+    frun.add_argument("--min-devices", type=int, default=1, help="devices connected before a round starts")
+    frun.add_argument("--wait-s", type=float, default=120.0, help="longest wait for them (seconds)")
+    frun.add_argument("--round-timeout-s", type=float, default=1800.0)
+    frun.add_argument("--k", type=int, default=5, help="devices that must hold an n-gram before it is released")
+    frun.add_argument("--noise", type=float, default=0.0, help="Gaussian noise multiplier on n-gram counts")
+    frun.add_argument("--aggregation", default="fedavg", choices=["fedavg", "median", "trimmed"])
+    frun.add_argument("--no-evaluate", action="store_true", help="skip evaluating each new global state")
+    for sp in (reg, status, pubkey, rollback, rollout, init, superlink, regnode, frun):
         sp.add_argument("--root", default=os.environ.get("OMNIDRAFT_FLEET_DIR", "fleet"),
                         help="coordinator directory (default: $OMNIDRAFT_FLEET_DIR or ./fleet)")
     return p
 
 
+def _deployment(args) -> int:
+    """``fleet init | superlink | register-node | run``: Flower's executables on this coordinator
+    directory (``coordinator.deployment``)."""
+    from omnidraft.coordinator import deployment
+    from omnidraft.shared.processes import run_foreground
+
+    if args.action == "init":
+        if args.nodes < 0:
+            raise UsageError("omnidraft fleet init: --nodes must be >= 0")
+        nodes = list(dict.fromkeys(args.node + [f"node{i}" for i in range(args.nodes)]))
+        dep, created = deployment.init(args.root, args.superlink, nodes, args.san)
+        print(f"{dep.root}: SuperLink {args.superlink}; created {', '.join(created) or 'nothing (all present)'}")
+        print(f"devices: copy {dep.pki.ca_cert} and their own key from {dep.pki.root / 'nodes'}; "
+              f"register each with: omnidraft fleet register-node NAME --root {dep.root}")
+        return 0
+    dep = deployment.Deployment(Path(args.root))
+    if args.action == "superlink":
+        cmd = dep.superlink_command(args.listen_host)
+    elif args.action == "register-node":
+        cmd = dep.register_node_command(args.name)
+    else:
+        if min(args.rounds, args.min_devices) < 1 or not 0 < args.fraction <= 1:
+            raise UsageError("omnidraft fleet run: --rounds and --min-devices must be >= 1, --fraction in (0, 1]")
+        cmd = dep.run_command({"rounds": args.rounds, "fraction": args.fraction, "min-devices": args.min_devices,
+                               "wait-s": args.wait_s, "round-timeout-s": args.round_timeout_s, "k": args.k,
+                               "noise": args.noise, "aggregation": args.aggregation,
+                               "evaluate": not args.no_evaluate})
+    code = run_foreground(cmd, dep.env())
+    if code:
+        raise UsageError(f"omnidraft fleet {args.action}: {cmd[0]} exited with status {code}")
+    return 0
+
+
 def _fleet(args) -> int:
+    from omnidraft.coordinator.fleet_pki import PkiError
     from omnidraft.coordinator.registry import RegistryError, TargetRegistry
+
+    if args.action in ("init", "superlink", "register-node", "run"):
+        try:
+            return _deployment(args)
+        except (PkiError, FileNotFoundError) as exc:
+            raise UsageError(str(exc)) from None
     from omnidraft.coordinator.server_app import last_round
     from omnidraft.shared.adapters import LoraSpec
 
@@ -206,12 +304,11 @@ def _fleet(args) -> int:
             print(f"registered {args.name}: version {m.version}, adapter {m.adapter_bytes} bytes, "
                   f"cache {m.cache_bytes} bytes ({registry.root})")
             return 0
-        rows = []
-        for name in registry.names():
-            spec, m = registry.spec(name), registry.manifest(name)
-            rows.append({"target": name, "model": spec.model, "drafter": spec.drafter, "version": m.version,
-                         "round": m.round, "devices_total": m.devices_total, "tokens_total": m.tokens_total,
-                         "adapter_bytes": m.adapter_bytes, "cache_bytes": m.cache_bytes})
+        if args.action == "rollout":
+            registry.rollout(args.name, args.fraction)
+            print(f"{args.name}: {args.fraction:.0%} of the devices that can run it serve it from the next round")
+            return 0
+        rows = fleet_status(registry)
     except RegistryError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
@@ -220,10 +317,41 @@ def _fleet(args) -> int:
         print(f"no targets registered in {registry.root}")
     else:
         print(f"last finished round: {last_round(registry.root)}")
+        print(f"{'target':<22} {'version':>9} {'rollout':>7} {'devices':>7} {'rounds':>6}  {'acceptance (last rounds)':<28}"
+              f" {'cache':>7} {'moved':>9}")
         for r in rows:
-            print(f"{r['target']:<24} v{r['version']:<4} round {r['round']:<4} devices {r['devices_total']:<6} "
-                  f"tokens {r['tokens_total']:<8} model {r['model']}")
+            version = f"v{r['version']}" + (f"<-v{r['restored_from']}" if r["restored_from"] is not None else "")
+            trend = " ".join(f"{a:.2f}" for a in r["acceptance_trend"]) or "-"
+            rollout = f"{r['rollout_fraction']:.0%}" if r["rollout_fraction"] is not None else "-"
+            print(f"{r['target']:<22} {version:>9} {rollout:>7} {r['devices'] if r['devices'] is not None else '-':>7} "
+                  f"{r['rounds']:>6}  {trend:<28} {r['cache_entries'] if r['cache_entries'] is not None else '-':>7} "
+                  f"{r['bytes_moved'] / 1e6:>7.2f}MB")
     return 0
+
+
+def fleet_status(registry) -> list[dict]:
+    """Per target: the published state and what its rounds recorded (``rounds.jsonl``):
+    devices serving it, evaluation acceptance of the last rounds, cache size, bytes moved."""
+    from omnidraft.coordinator.server_app import round_history
+
+    history = round_history(registry.root)
+    rollouts = registry.rollouts()
+    rows = []
+    for name in registry.names():
+        spec, m = registry.spec(name), registry.manifest(name)
+        rounds = [r for r in history if r.get("target") == name and r.get("round", 0) > 0]
+        trend = [r["eval-acceptance"] for r in history if r.get("target") == name and "eval-acceptance" in r]
+        moved = sum(r.get("uplink-bytes-per-device", 0) * r.get("aggregated", 0)
+                    + r.get("downlink-bytes-per-device", 0) * r.get("sampled", 0) for r in rounds)
+        last = rounds[-1] if rounds else {}
+        rows.append({"target": name, "model": spec.model, "drafter": spec.drafter, "version": m.version,
+                     "restored_from": m.restored_from if m.HasField("restored_from") else None,
+                     "rollout_fraction": rollouts.get(name), "round": m.round, "rounds": len(rounds),
+                     "devices": last.get("devices", last.get("sampled")), "devices_total": m.devices_total,
+                     "tokens_total": m.tokens_total, "acceptance_trend": [round(a, 4) for a in trend[-5:]],
+                     "cache_entries": last.get("cache-entries"), "adapter_bytes": m.adapter_bytes,
+                     "cache_bytes": m.cache_bytes, "bytes_moved": int(moved)})
+    return rows
 
 
 def _profile(args) -> int:
@@ -464,6 +592,8 @@ def _require_matplotlib(command: str) -> None:
 def _device(args) -> int:
     if args.action == "serve":
         return _serve(args)
+    if args.action == "join":
+        return _join(args)
     import grpc
     from google.protobuf.json_format import MessageToDict
 
@@ -510,7 +640,75 @@ def _device(args) -> int:
     return 0
 
 
+def _join(args) -> int:
+    from omnidraft.client.fleet_device import DeviceProfile
+    from omnidraft.client.online_learner import OnlineConfig
+    from omnidraft.client.supernode import REFUSED_LOG, JoinSettings, write_profile
+    from omnidraft.shared.processes import run_foreground
+
+    if not args.state_dir:
+        raise UsageError("omnidraft device join: --state-dir is required (shared with omnidraft device serve)")
+    if not args.insecure and not (args.cert and args.key):
+        raise UsageError("omnidraft device join: give --cert (the fleet's CA) and --key (this device's key), or --insecure")
+    for flag, path in (("--cert", args.cert), ("--key", args.key)):
+        if path and not args.insecure and not os.path.isfile(path):
+            raise UsageError(f"omnidraft device join: {flag} {path} is not a file")
+    if min(args.prompts_per_round, args.interval) < 1:
+        raise UsageError("omnidraft device join: --prompts-per-round and --interval must be >= 1")
+    if args.fleet_key:
+        from omnidraft.shared.signing import SignatureError, pinned_keys
+
+        try:
+            pinned_keys(args.fleet_key)
+        except SignatureError as exc:
+            raise UsageError(f"omnidraft device join: --fleet-key: {exc}") from None
+    from omnidraft.client.resource_policy import ResourcePolicy
+
+    policy = ResourcePolicy(max_threads=args.max_threads, cache_mb=args.cache_mb, train_when=args.train_when,
+                            idle_s=args.idle_s, uplink_mb_per_day=args.uplink_mb_per_day)
+    try:
+        policy.validate()
+    except ValueError as exc:
+        raise UsageError(f"omnidraft device join: {exc}") from None
+    if args.max_threads:
+        os.environ["OMNIDRAFT_THREADS"] = str(args.max_threads)  # inherited by the ClientApp processes
+    offers = {}
+    for offer in args.offer:
+        name, sep, model = offer.partition("=")
+        if not sep or not name or not model:
+            raise UsageError(f"omnidraft device join: --offer {offer!r}: expected NAME=MODEL")
+        offers[name] = model
+    config = _config(args)
+    device_id = args.device_id or (Path(args.key).name if args.key else os.uname().nodename)
+    write_profile(DeviceProfile(
+        device_id=device_id, target=args.target_name or args.target, target_model=args.target,
+        drafter=args.drafter, prompts=[], heldout=[], state_dir=Path(args.state_dir).resolve(),
+        prompts_per_round=args.prompts_per_round, generation=config,
+        online=OnlineConfig(interval=args.interval), translate=args.translate,
+        offers=offers, policy=policy, fleet_key=args.fleet_key or "", state_key=str(Path(args.state_key).resolve()) if args.state_key else ""))
+    settings = JoinSettings(superlink=args.superlink, state_dir=Path(args.state_dir),
+                            root_certificates=None if args.insecure else Path(args.cert).resolve(),
+                            private_key=None if args.insecure else Path(args.key).resolve(),
+                            runtime_port=args.runtime_port, dtype=args.dtype,
+                            drafter_weights=args.drafter_weights, max_retries=args.max_retries)
+    print(f"device {device_id}: joining {args.superlink} as a SuperNode ({args.drafter} -> {args.target}); "
+          f"state in {args.state_dir}", file=sys.stderr, flush=True)
+    refused = []
+    try:
+        code = run_foreground(settings.command(), settings.env(),
+                              on_line=lambda line: refused.append(line) if REFUSED_LOG in line else None)
+    except FileNotFoundError as exc:
+        raise UsageError(f"omnidraft device join: {exc}") from None
+    if code and refused:
+        raise UsageError(f"omnidraft device join: the SuperLink refused this device's key "
+                         f"(register it: omnidraft fleet register-node {device_id})")
+    if code:
+        raise UsageError(f"omnidraft device join: flower-supernode exited with status {code}")
+    return 0
+
+
 def _serve(args) -> int:
+    import logging
     import signal
     import threading
 
@@ -519,16 +717,32 @@ def _serve(args) -> int:
 
     if not args.state_dir:
         raise UsageError("omnidraft device serve: --state-dir is required (the device's adapter, head and cache)")
+    if args.keep_prompts < 0 or args.max_threads < 0:
+        raise UsageError("omnidraft device serve: --keep-prompts and --max-threads must be >= 0")
+    if args.max_threads:
+        os.environ["OMNIDRAFT_THREADS"] = str(args.max_threads)
     if min(args.max_queue, args.max_prompt_tokens, args.max_new_tokens_limit, args.interval) < 1:
         raise UsageError("omnidraft device serve: --max-queue, --max-prompt-tokens, --max-new-tokens-limit "
                          "and --interval must be >= 1")
     base = _config(args)
+    handler = logging.StreamHandler()  # the service's own notes (state reloads, learning failures)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger("omnidraft").addHandler(handler)
+    logging.getLogger("omnidraft").setLevel(logging.INFO)
     engine = _engine(args)
     session = _session(args, engine, online=OnlineConfig(interval=args.interval, lr=args.lr))
     limits = ServiceLimits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_limit,
                            default_new_tokens=min(args.max_new_tokens, args.max_new_tokens_limit),
                            max_queue=args.max_queue)
-    service = GenerationService(session, limits, base=base, precision=engine.precision, learn=not args.no_learn)
+    request_log = None
+    if args.keep_prompts > 0:
+        from omnidraft.client.request_log import RequestLog
+        from omnidraft.client.state_key import StateCipher
+
+        request_log = RequestLog(args.state_dir, StateCipher(args.state_key) if args.state_key else None,
+                                 keep=args.keep_prompts)
+    service = GenerationService(session, limits, base=base, precision=engine.precision, learn=not args.no_learn,
+                                request_log=request_log)
     try:
         server, port = serve(service, args.listen)
     except (ValueError, RuntimeError) as exc:

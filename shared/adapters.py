@@ -101,6 +101,9 @@ class DrafterAdapters:
         if name not in self.names:
             raise KeyError(f"no adapter for target {target!r}")
         self.peft.set_adapter(name)
+        self._activate_name(name)
+
+    def _activate_name(self, name: str) -> None:
         trained = ("lora_B",) if self.spec.ffa else ("lora_A", "lora_B")
         for n, p in self.peft.named_parameters():
             p.requires_grad_(f".{name}." in n and any(part in n for part in trained))
@@ -127,6 +130,28 @@ class DrafterAdapters:
         if getattr(result, "unexpected_keys", None):
             raise ValueError("adapter tensors do not match the LoRA configuration")
         self.invalidate(target)
+
+    def respec(self, spec: LoraSpec) -> None:
+        """Rebuild every adapter with the LoRA settings ``spec`` (each starts untrained): a
+        device adopting the shape its fleet chose. Optimizers over the old parameters must be
+        rebuilt by their owners."""
+        spec.validate()
+        if spec == self.spec:
+            return
+        targets = {name: self.active == name for name in self.names}
+        self.spec = spec
+        if not targets:
+            return
+        self.peft.add_adapter("respec_swap", spec.peft_config())  # peft keeps one adapter at least
+        self.peft.set_adapter("respec_swap")
+        for name in targets:
+            self.peft.delete_adapter(name)
+            self.peft.add_adapter(name, spec.peft_config())
+        active = next((n for n, was in targets.items() if was), next(iter(targets)))
+        self.peft.set_adapter(active)
+        self.peft.delete_adapter("respec_swap")
+        self._runners.clear()
+        self._activate_name(active)
 
     @torch.no_grad()
     def reset(self, target: str) -> None:

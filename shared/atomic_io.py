@@ -1,9 +1,13 @@
-"""Atomic file writes: state on disk is either the old file or the new one, never half of it."""
+"""Atomic file writes (state on disk is either the old file or the new one, never half of it) and
+the advisory lock that serialises processes sharing a directory."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -21,3 +25,18 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str], *, exclusive: bool = True) -> Iterator[None]:
+    """Hold an advisory lock (``flock``) on ``path`` (created if missing) for the ``with`` block:
+    exclusive for writers, shared for readers. It serialises processes that share a state
+    directory (``device serve`` and a SuperNode's ClientApp) around multi-file writes and reads."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock

@@ -162,12 +162,15 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
 
 
 def round_table(rows: list[dict]) -> str:
-    head = "| round | devices trained | acceptance | tokens/call | tok/s | speedup | new warm / cold | cache entries | released | ε |"
+    head = ("| round | devices serving (switched) | devices trained | state version | acceptance | tokens/call "
+            "| tok/s | speedup | new warm / cold | cache entries | released | ε |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ngrams = r.get("ngrams", {})
+        serving = f"{r['devices']} ({r.get('switched', 0)})" if "devices" in r else "–"
         lines.append(
-            f"| {r['round']} | {r.get('aggregated', '–')} | {_fmt(r.get('eval-acceptance'))} "
+            f"| {r['round']} | {serving} | {r.get('aggregated', '–')} | {r.get('version', '–')} "
+            f"| {_fmt(r.get('eval-acceptance'))} "
             f"| {_fmt(r.get('eval-tokens-per-call'), '.2f')} | {_fmt(r.get('eval-tokens-per-s'), '.1f')} "
             f"| {_fmt(r.get('eval-speedup'), '.2f')} "
             f"| {_fmt(r.get('new-warm-acceptance'))} / {_fmt(r.get('new-cold-acceptance'))} "
@@ -202,7 +205,7 @@ def write_report(run_dir: str | Path) -> Path:
         parts += [f"![{PLOTS[name]}]({name})", "", f"*{PLOTS[name]}.*", ""]
     for t, rows in per_target.items():
         parts += [f"## {t} by round", "", round_table(rows), ""]
-    events = [f"{k}: {cfg[k]}" for k in ("rollout", "drift") if cfg.get(k)]
+    events = [f"{k}: {cfg[k]}" for k in ("rollout", "rollback", "drift") if cfg.get(k)]
     if cfg.get("late_joiners"):
         events.append(f"{cfg['late_joiners']} devices join at round {cfg.get('join_round') or cfg['rounds']}")
     if events:

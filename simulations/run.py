@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--newcomer-evals", type=int, help="new devices per target and round measured warm and cold")
     a("--late-joiners", type=int, help="devices that join late (at --join-round, default the last round)")
     a("--join-round", type=int)
-    a("--rollout", help="TARGET@ROUND:SHARE: from ROUND a share of the devices serve a new TARGET")
+    a("--rollout", help="TARGET@ROUND:SHARE: before ROUND the operator rolls a new TARGET out to a "
+                        "SHARE of the devices (omnidraft fleet rollout)")
+    a("--rollback", help="TARGET@ROUND: before ROUND the operator restores TARGET's previous state "
+                         "(omnidraft fleet rollback)")
     a("--drift", help="SOURCE@ROUND: from ROUND every device's traffic comes from SOURCE")
     a("--lora-rank", type=int)
     a("--lr", type=float)
@@ -80,18 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
 def scenario_from_args(args: argparse.Namespace):
     """The scenario: ``scenarios/default.toml`` (``tiny.toml`` for tiny models), then the
     ``--scenario`` file, then the flags."""
-    from omnidraft.simulations.scenario import Drift, Rollout, Scenario, load_toml, parse_targets
+    from omnidraft.simulations.scenario import Drift, Rollback, Rollout, Scenario, load_toml, parse_targets
 
     from_file = load_toml(args.scenario) if args.scenario is not None else {}
     tiny = (args.models or from_file.get("models")) == "tiny"
     raw: dict = load_toml(TINY_SCENARIO if tiny else DEFAULT_SCENARIO)
     raw.update(from_file)
-    skip = {"scenario", "out", "targets", "rollout", "drift", "no_ar", "aggregation", "clip_norm", "k", "noise"}
+    skip = {"scenario", "out", "targets", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "k", "noise"}
     raw.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
     if args.targets:
         raw["targets"] = parse_targets(args.targets)
     if args.rollout:
         raw["rollout"] = Rollout.parse(args.rollout)
+    if args.rollback:
+        raw["rollback"] = Rollback.parse(args.rollback)
     if args.drift:
         raw["drift"] = Drift.parse(args.drift)
     if args.no_ar:

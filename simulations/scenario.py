@@ -11,9 +11,11 @@ Flower apps that connect them, run on Flower's Simulation Engine.
   Dirichlet(``alpha``) (``simulations.data``).
 * ``probes`` devices per target never train: they evaluate every round's global state on the
   same held-out prompts (and the starting state as round 0), so rounds are comparable.
-* Events: ``late_joiners`` devices join at ``join_round``; ``rollout`` moves a share of the
-  devices to a newly registered target from a round on; ``drift`` moves every device's traffic
-  (and the probes' held-out prompts) to another source from a round on.
+* Events: ``late_joiners`` devices join at ``join_round``; ``rollout`` is the operator's
+  ``omnidraft fleet rollout TARGET --fraction SHARE`` before a round (every device can run the
+  new target; the coordinator moves that share of them); ``rollback`` is ``omnidraft fleet
+  rollback TARGET`` before a round; ``drift`` moves every device's traffic (and the probes'
+  held-out prompts) to another source from a round on.
 
 Workers never receive the devices' data through Ray: a device's profile is read from its own
 directory in the worker process (``cached_profile``), and base models are loaded once per
@@ -59,7 +61,8 @@ def parse_targets(text: str) -> dict[str, float]:
 
 @dataclass
 class Rollout:
-    """From ``round`` on, a ``share`` of the devices serve ``target`` (registered up front)."""
+    """Before ``round``, the operator rolls ``target`` (registered up front) out to a ``share``
+    of the devices (``TargetRegistry.rollout``)."""
 
     target: str
     round: int
@@ -74,6 +77,24 @@ class Rollout:
             return cls(target, int(rnd), float(share))
         except ValueError:
             raise ValueError(f"--rollout {text!r}: expected TARGET@ROUND:SHARE, e.g. qwen2.5-coder-1.5b@3:0.3") from None
+
+
+@dataclass
+class Rollback:
+    """Before ``round``, the operator restores ``target``'s previous global state
+    (``TargetRegistry.rollback``)."""
+
+    target: str
+    round: int
+
+    @classmethod
+    def parse(cls, text: str) -> Rollback:
+        """``TARGET@ROUND``, e.g. ``qwen2.5-coder-1.5b@5``."""
+        target, _, rnd = text.partition("@")
+        try:
+            return cls(target, int(rnd))
+        except ValueError:
+            raise ValueError(f"--rollback {text!r}: expected TARGET@ROUND, e.g. qwen2.5-coder-1.5b@5") from None
 
 
 @dataclass
@@ -115,6 +136,7 @@ class Scenario:
     late_joiners: int = 0
     join_round: int | None = None  # the late joiners' round (None: the last round)
     rollout: Rollout | None = None
+    rollback: Rollback | None = None
     drift: Drift | None = None
     lora_rank: int = 8
     ffa: bool = False  # FFA-LoRA: A frozen, only B trained, so averaging is exact
@@ -162,6 +184,11 @@ class Scenario:
                 raise ValueError("the rollout share must be in (0, 1]")
             if self.rollout.target in shares:
                 raise ValueError(f"rollout target {self.rollout.target!r} is already one of the targets")
+        if self.rollback is not None:
+            if not 2 <= self.rollback.round <= self.rounds:
+                raise ValueError(f"the rollback round must be in 2..{self.rounds}")
+            if self.rollback.target not in self.all_targets():
+                raise ValueError(f"rollback target {self.rollback.target!r} is not one of the targets")
         if self.drift is not None and not 2 <= self.drift.round <= self.rounds:
             raise ValueError(f"the drift round must be in 2..{self.rounds}")
         self.aggregation.validate()
@@ -185,7 +212,7 @@ class Scenario:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "scenario") -> Scenario:
-        """Keys as the fields; ``rollout``, ``drift`` and ``aggregation`` may be tables, and
+        """Keys as the fields; ``rollout``, ``rollback``, ``drift`` and ``aggregation`` may be tables, and
         ``privacy`` a table of ``ReleaseConfig`` fields (``noise`` for ``noise_multiplier``)."""
         raw = dict(raw)
         names = {f.name for f in fields(cls)} | {"privacy"}
@@ -198,6 +225,9 @@ class Scenario:
             if isinstance(raw.get("rollout"), (dict, str)):
                 r = raw["rollout"]
                 raw["rollout"] = Rollout.parse(r) if isinstance(r, str) else Rollout(**r)
+            if isinstance(raw.get("rollback"), (dict, str)):
+                b = raw["rollback"]
+                raw["rollback"] = Rollback.parse(b) if isinstance(b, str) else Rollback(**b)
             if isinstance(raw.get("drift"), (dict, str)):
                 d = raw["drift"]
                 raw["drift"] = Drift.parse(d) if isinstance(d, str) else Drift(**d)
@@ -322,11 +352,6 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
     main, parts, drift, drift_parts = _corpora(scenario, len(roles))
     n = scenario.prompts_per_device
     join_round = scenario.join_round or scenario.rounds
-    switching = set()
-    if scenario.rollout is not None:  # every k-th member, so the rollout spans the old targets
-        count = round(scenario.devices * scenario.rollout.share)
-        step = scenario.devices / max(1, count)
-        switching = {int(i * step) for i in range(count)}
     profiles = []
     for i, (target, probe) in enumerate(roles):
         local = [main.prompts[j] for j in parts[i]]
@@ -340,9 +365,8 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
             online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr),
             translate=scenario.translate, probe=probe, fleet_key=fleet_key,
             joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1)
-        if i in switching and not probe:
-            r = scenario.rollout
-            p.switch_round, p.switch_target, p.switch_model = r.round, r.target, models[r.target]
+        if scenario.rollout is not None and not probe:  # every member can run the new target
+            p.offers = {scenario.rollout.target: models[scenario.rollout.target]}
         if drift is not None:
             moved = [drift.prompts[j] for j in drift_parts[i]]
             p.drift_round = scenario.drift.round
@@ -373,6 +397,18 @@ def device_factory(devices_dir: Path, dtype: str, drafter_weights: str):
     return device_for
 
 
+def operator_actions(scenario: Scenario):
+    """``before_round(round, registry)`` for the coordinator: the scenario's rollout and
+    rollback, done as ``omnidraft fleet rollout|rollback`` would do them."""
+    def before_round(rnd: int, registry: TargetRegistry) -> None:
+        if scenario.rollout is not None and rnd == scenario.rollout.round:
+            registry.rollout(scenario.rollout.target, scenario.rollout.share)
+        if scenario.rollback is not None and rnd == scenario.rollback.round:
+            registry.rollback(scenario.rollback.target)
+
+    return before_round
+
+
 def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
     return FleetConfig(rounds=scenario.rounds, fraction=scenario.fraction, min_devices=nodes, wait_s=300,
                        seed=scenario.seed, measure_ar=scenario.measure_ar, newcomer_evals=scenario.newcomer_evals,
@@ -387,7 +423,8 @@ def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None) ->
     weights = "fp32" if scenario.models == "tiny" else "int8"
     client = make_client_app(device_factory(out / "devices", scenario.dtype, weights), mods=mods)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    server = make_server_app(out / "coordinator", fleet_config(scenario, len(profiles)), on_round, progress)
+    server = make_server_app(out / "coordinator", fleet_config(scenario, len(profiles)), on_round, progress,
+                             operator_actions(scenario))
     run_federation(server, client, len(profiles), cpus_per_device=scenario.cpus_per_device,
                    ray_address=scenario.ray_address)
     return profiles

@@ -19,6 +19,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from omnidraft.client.device_state import slug
 from omnidraft.coordinator.aggregation import AggregationConfig, aggregate_target, check_reply
 from omnidraft.coordinator.ngram_release import (
     NgramRelease, ReleaseConfig, StatsError, decode_stats, encode_stats)
@@ -396,7 +397,8 @@ def test_device_state_stays_on_the_device(federation):
     for p in profiles[2:5]:
         d = Path(p.state_dir)
         assert (d / "history.jsonl").is_file() and (d / "global").is_dir()
-        assert (d / "local").is_dir()
+        pair = d / f"{slug(p.drafter)}--{slug(p.target_model)}"  # where `device serve` keeps it too
+        assert (pair / "state.json").is_file() and (pair / "adapter.safetensors").is_file()
 
 
 def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):

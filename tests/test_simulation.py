@@ -116,13 +116,22 @@ def test_profiles_apply_rollout_and_drift(tmp_path, home, monkeypatch):
                  drift=Drift("tiny", 4), late_joiners=2)
     profiles = prepare(s, tmp_path / "run")
     members = [p for p in profiles if not p.probe]
-    assert len(members) == 8 and sum(p.switch_target == "tiny-target-b" for p in members) == 4
+    assert len(members) == 8 and all(p.offers == {"tiny-target-b": p2.target_model}
+                                     for p in members for p2 in profiles[-1:])  # all can run the new target
     assert [p.target for p in profiles if p.probe] == ["tiny-target-a", "tiny-target-b"]
     assert [p.joins_at_round for p in members][-2:] == [4, 4]
-    p = next(p for p in members if p.switch_target)
-    assert p.at_round(2).target == "tiny-target-a" and p.at_round(3).target == "tiny-target-b"
+    p = members[0]
     assert p.at_round(4).prompts == p.drift_prompts != p.prompts and p.at_round(3).prompts == p.prompts
     assert DeviceProfile.load(p.state_dir) == p  # what a worker reads from the device's directory
+    from omnidraft.client.fleet_device import FleetDevice, StateMismatch, cached_profile
+
+    moved = FleetDevice(p.at_round(4), pool=None).switch("tiny-target-b")  # a rollout chose it
+    assert moved.profile.target == "tiny-target-b" and moved.profile.prompts == p.drift_prompts
+    stored = DeviceProfile.load(p.state_dir)
+    assert stored.target == "tiny-target-b" and stored.offers == {"tiny-target-a": p.target_model}
+    assert stored.prompts == p.prompts and cached_profile(p.state_dir) == stored
+    with pytest.raises(StateMismatch, match="cannot serve"):
+        FleetDevice(stored, pool=None).switch("tiny-target-c")
 
 
 # -- the smoke run ---------------------------------------------------------------------------------
@@ -178,12 +187,24 @@ def test_same_seed_same_learning(smoke, tmp_path, home):
         assert a.exists() == b.exists() and (not a.exists() or a.read_text() == b.read_text())
 
 
+def fleet_manifest(root: Path, target: str, version: int):
+    from omnidraft.proto import fleet_pb2
+
+    m = fleet_pb2.StateManifest()
+    m.ParseFromString((root / "targets" / target / f"manifest-v{version}.pb").read_bytes())
+    return m
+
+
 def test_rollout_and_drift_events_in_a_run(tmp_path, home):
-    """From round 2 half the devices serve tiny-target-b (registered up front, no device before);
-    from round 3 every device's traffic is the drift corpus."""
+    """Before round 2 the operator rolls tiny-target-b (registered up front, no device on it)
+    out to half the devices; before round 3 they roll its state back; from round 3 every
+    device's traffic is the drift corpus."""
+    from omnidraft.coordinator.registry import TargetRegistry, rollout_rank
+
     out = tmp_path / "run"
     res = _run("--models", "tiny", "--devices", "12", "--rounds", "3", "--fraction", "1",
                "--targets", "tiny-target-a:1", "--rollout", "tiny-target-b@2:0.5", "--drift", "tiny@3",
+               "--rollback", "tiny-target-b@3",
                "--probes", "1", "--late-joiners", "0", "--no-ar", "--out", str(out), home=home)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -191,11 +212,20 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     a = {r["round"]: r for r in rows if r["target"] == "tiny-target-a"}
     assert sorted(b) == [0, 2, 3] and sorted(a) == [0, 1, 2, 3]  # b's probe measures round 0
     assert a[1]["aggregated"] == 12 and a[2]["aggregated"] == b[2]["aggregated"] == 6
-    assert b[3]["version"] == 2 and b[3]["eval-speedup"] == 0.0  # --no-ar: no speedup measured
+    assert b[2]["switched"] == 6 and b[2]["devices"] == a[2]["devices"] == 6 and b[3]["switched"] == 0
+    # exactly the half first in the rollout order moved, and only they
+    profiles = {d.name: json.loads((d / "profile.json").read_text()) for d in (out / "devices").iterdir()
+                if not json.loads((d / "profile.json").read_text())["probe"]}
+    order = sorted(profiles, key=lambda n: rollout_rank("tiny-target-b", n))
+    assert {n for n, p in profiles.items() if p["target"] == "tiny-target-b"} == set(order[:6])
+    # round 2 published v1; the rollback published v2 = v0's state; round 3 trained v3 from it
+    registry = TargetRegistry(out / "coordinator")
+    assert b[3]["version"] == 3 and b[3]["eval-speedup"] == 0.0  # --no-ar: no speedup measured
+    restored = fleet_manifest(out / "coordinator", "tiny-target-b", 2)
+    assert restored.restored_from == 0 and restored.parent_version == 1 and registry.manifest("tiny-target-b").version == 3
     profile = json.loads((out / "devices" / "device-0000" / "profile.json").read_text())
-    assert profile["switch_target"] == "tiny-target-b"
     history = [json.loads(line) for line in (out / "devices" / "device-0000" / "history.jsonl").read_text().splitlines()]
     assert {h["round"] for h in history} == {1, 2, 3}
     assert all(h["prompt"] in profile["drift_prompts"] for h in history if h["round"] == 3)
     assert all(h["prompt"] in profile["prompts"] for h in history if h["round"] < 3)
-    assert (out / "devices" / "device-0000" / "local").is_dir()
+    assert list((out / "devices" / "device-0000").glob("*--tiny-target-*/state.json"))  # the device's own state

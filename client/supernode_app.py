@@ -1,0 +1,29 @@
+"""The device's ``ClientApp`` on a real SuperNode (``omnidraft device join`` starts one).
+
+The same handlers as in the simulation (``client_app.make_client_app``); the device is the one
+described by ``<state-dir>/profile.json``, where ``state-dir`` comes from the SuperNode's node
+config (``--node-config 'state-dir="/var/lib/omnidraft"'``), with the models loaded at the
+precision named there (``dtype``, ``drafter-weights``). Flower starts a fresh process for every
+message, so the models load per message (from the converted safetensors cache) and everything
+that must last is on disk.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context
+
+from omnidraft.client.client_app import make_client_app
+from omnidraft.client.fleet_device import FleetDevice, cached_profile, shared_pool
+
+
+def device_from_node_config(context: Context) -> FleetDevice:
+    """The device a SuperNode's node config points at."""
+    config = context.node_config
+    if "state-dir" not in config:
+        raise ValueError("node config: set state-dir to the device's state directory (omnidraft device join)")
+    profile = cached_profile(str(config["state-dir"]))
+    return FleetDevice(profile, shared_pool(str(config.get("dtype", "fp32")),
+                                            str(config.get("drafter-weights", "int8"))))
+
+
+app = make_client_app(device_from_node_config)

@@ -1,0 +1,111 @@
+"""The coordinator side of a real deployment, run by Flower's own executables.
+
+``omnidraft fleet init`` prepares a coordinator directory for a SuperLink at ``address``:
+
+    <root>/pki/               CA, SuperLink certificate, one key pair per device (``fleet_pki``)
+    <root>/flwr/config.toml   Flower's CLI connection ``fleet`` (TLS, trusting the fleet's CA)
+    <root>/deployment.json    the SuperLink address and the certificate's host names
+    <root>/superlink.db       the SuperLink's database (nodes, runs, messages)
+
+The other commands build the command lines of Flower's executables from it:
+``fleet superlink`` (``flower-superlink`` with TLS and ``--enable-supernode-auth``),
+``fleet register-node`` (``flwr supernode register``) and ``fleet run`` (``flwr run`` of the
+app in ``flower_app/`` with the run config). ``FLWR_HOME`` points at ``<root>/flwr`` so the
+operator's own Flower configuration is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from omnidraft.coordinator.fleet_pki import FleetPki, PkiError, init as init_pki
+from omnidraft.shared.atomic_io import write_bytes_atomic
+
+CONNECTION = "fleet"
+APP_DIR = Path(__file__).resolve().parent / "flower_app"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` → (host, port); PkiError for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PkiError(f"address {address!r}: give host:port")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A coordinator directory prepared by ``init`` (see the module docstring)."""
+
+    root: Path
+
+    @property
+    def pki(self) -> FleetPki:
+        return FleetPki(self.root / "pki")
+
+    @property
+    def flwr_home(self) -> Path:
+        return self.root / "flwr"
+
+    @property
+    def address(self) -> str:
+        try:
+            return json.loads((self.root / "deployment.json").read_text())["superlink"]
+        except (OSError, ValueError, KeyError):
+            raise PkiError(f"{self.root} is not prepared for a deployment: run omnidraft fleet init first") from None
+
+    def env(self) -> dict[str, str]:
+        """The environment for Flower's CLI: this directory's connection, no runtime installs."""
+        return {**os.environ, "FLWR_HOME": str(self.flwr_home),
+                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+
+    def superlink_command(self, listen_host: str | None = None) -> list[str]:
+        """``flower-superlink`` with TLS and SuperNode authentication on this deployment's port
+        (``listen_host``: the interface; default the address's host)."""
+        host, port = split_address(self.address)
+        pki = self.pki
+        return ["flower-superlink", "--host", listen_host or host, "--port", str(port),
+                "--ssl-ca-certfile", str(pki.ca_cert), "--ssl-certfile", str(pki.server_cert),
+                "--ssl-keyfile", str(pki.server_key), "--enable-supernode-auth",
+                "--database", str(self.root / "superlink.db"), "--disable-runtime-dependency-installation"]
+
+    def register_node_command(self, name: str) -> list[str]:
+        """``flwr supernode register`` of device ``name``'s public key."""
+        key = self.pki.node_public_key(name)
+        if not key.exists():
+            raise PkiError(f"no key pair for node {name!r} in {self.pki.root} (omnidraft fleet init --node {name})")
+        return ["flwr", "supernode", "register", str(key), CONNECTION, "--name", name]
+
+    def run_command(self, run_config: dict[str, object]) -> list[str]:
+        """``flwr run`` of the fleet app with ``run_config`` (keys of ``superlink_app``)."""
+        config = {"fleet-dir": str(self.root.resolve()), **run_config}
+        return ["flwr", "run", str(APP_DIR), CONNECTION, "--stream", "--run-config", toml_pairs(config)]
+
+
+def toml_pairs(values: dict[str, object]) -> str:
+    """``key=value ...`` with TOML values, as Flower's ``--run-config``/``--node-config`` take them."""
+    def value(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return json.dumps(str(v))  # a TOML basic string
+
+    return " ".join(f"{k}={value(v)}" for k, v in values.items())
+
+
+def init(root: str | os.PathLike[str], address: str, nodes: list[str], hosts: list[str] | None = None) -> tuple[Deployment, list[str]]:
+    """Prepare ``root`` for a SuperLink at ``address`` (see the module docstring); the
+    certificate is valid for ``hosts`` (default: the address's host, 127.0.0.1, localhost).
+    Returns the deployment and the files created."""
+    host, _ = split_address(address)
+    dep = Deployment(Path(root))
+    _, created = init_pki(dep.pki.root, nodes, list(dict.fromkeys([host, *(hosts or []), "127.0.0.1", "localhost"])))
+    write_bytes_atomic(dep.root / "deployment.json", json.dumps({"superlink": address}).encode())
+    config = (f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+              f'address = "{address}"\nroot-certificates = "{dep.pki.ca_cert.resolve()}"\n')
+    write_bytes_atomic(dep.flwr_home / "config.toml", config.encode())
+    return dep, [f"pki/{name}" for name in created]
