@@ -5,7 +5,6 @@
     <root>/pki/               CA, SuperLink certificate, one key pair per device (``fleet_pki``)
     <root>/flwr/config.toml   Flower's CLI connection ``fleet`` (TLS, trusting the fleet's CA)
     <root>/deployment.json    the SuperLink address and the certificate's host names
-    <root>/superlink.db       the SuperLink's database (nodes, runs, messages)
 
 The other commands build the command lines of Flower's executables from it:
 ``fleet superlink`` (``flower-superlink`` with TLS and ``--enable-supernode-auth``),
@@ -62,15 +61,19 @@ class Deployment:
         return {**os.environ, "FLWR_HOME": str(self.flwr_home),
                 "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 
-    def superlink_command(self, listen_host: str | None = None) -> list[str]:
+    def superlink_command(self, listen_host: str | None = None, database: str | None = None) -> list[str]:
         """``flower-superlink`` with TLS and SuperNode authentication on this deployment's port
-        (``listen_host``: the interface; default the address's host)."""
+        (``listen_host``: the interface; default the address's host). ``database``: a SQLite
+        file that keeps registered nodes across restarts; default Flower's in-memory state (a
+        file database locked up under multi-MB messages on a loaded 2-core machine, ending the
+        ServerApp; measured)."""
         host, port = split_address(self.address)
         pki = self.pki
-        return ["flower-superlink", "--host", listen_host or host, "--port", str(port),
-                "--ssl-ca-certfile", str(pki.ca_cert), "--ssl-certfile", str(pki.server_cert),
-                "--ssl-keyfile", str(pki.server_key), "--enable-supernode-auth",
-                "--database", str(self.root / "superlink.db"), "--disable-runtime-dependency-installation"]
+        cmd = ["flower-superlink", "--host", listen_host or host, "--port", str(port),
+               "--ssl-ca-certfile", str(pki.ca_cert), "--ssl-certfile", str(pki.server_cert),
+               "--ssl-keyfile", str(pki.server_key), "--enable-supernode-auth",
+               "--disable-runtime-dependency-installation"]
+        return cmd + (["--database", database] if database else [])
 
     def register_node_command(self, name: str) -> list[str]:
         """``flwr supernode register`` of device ``name``'s public key."""

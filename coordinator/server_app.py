@@ -49,6 +49,7 @@ from omnidraft.shared.atomic_io import write_bytes_atomic
 
 log = logging.getLogger("omnidraft.coordinator")
 STATE_FILE = "coordinator.json"
+POLL_S = (0.05, 1.0)  # first and longest pause between polls for replies (seconds)
 ROUNDS_FILE = "rounds.jsonl"  # one line per finished round and target (``fleet status`` reads it)
 
 
@@ -174,6 +175,9 @@ class Coordinator:
         for target, group in sorted(by_target.items()):
             record = self._aggregate(rnd, target, states[target], group, replies, downlink)
             record.update({"devices": len(members[target]), "switched": switched.get(target, 0)})
+            start = states[target].manifest
+            if start.HasField("restored_from"):  # the round trained from a rolled-back state
+                record["started-from"] = {"version": int(start.version), "restores": int(start.restored_from)}
             record.update(newcomers.get(target, {}))
             if cfg.evaluate and record["aggregated"]:
                 panel = list(probes.get(target) or group)  # the probe panel, else the round's devices
@@ -293,6 +297,7 @@ class Coordinator:
             for node in nodes]))
         by_node: dict[int, Message] = {}
         deadline = time.monotonic() + self.config.round_timeout_s
+        wait = POLL_S[0]
         while pending and time.monotonic() < deadline:
             got = list(grid.pull_messages(pending))
             for m in got:
@@ -301,8 +306,10 @@ class Coordinator:
             if got:
                 progress[1] += len(got)
                 self.progress(*progress)
-            else:
-                time.sleep(0.05)
+                wait = POLL_S[0]
+            else:  # back off: each pull is a database query on a deployed SuperLink
+                time.sleep(wait)
+                wait = min(POLL_S[1], wait * 2)
         missing = set(nodes) - set(by_node)
         if missing:
             log.warning("round %d: %d device(s) did not answer %s in time", rnd, len(missing), message_type)

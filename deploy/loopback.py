@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["rounds-s"] = round(time.perf_counter() - t1, 1)
         summary["version-after"] = json.loads(checked(omnidraft("fleet", "status", "--json", env=env)))["targets"][0]["version"]
         summary["rounds"] = [json.loads(line) for line in (coord / "rounds.jsonl").read_text().splitlines()]
+        if summary["version-after"] != summary["version-before"] + args.rounds:
+            raise RuntimeError(f"{args.rounds} rounds asked, the registry went from version "
+                               f"{summary['version-before']} to {summary['version-after']} (see {logs})")
         after = {}
         for i, (grpc_port, _) in services.items():  # the services answer with the rounds' state
             reply = json.loads(checked(omnidraft("device", "ask", PROMPTS[4], "--server", f"127.0.0.1:{grpc_port}",

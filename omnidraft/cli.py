@@ -225,6 +225,9 @@ def _build_parser() -> argparse.ArgumentParser:
     init.add_argument("--san", action="append", default=[], help="another host name or IP the certificate is valid for")
     superlink = fsub.add_parser("superlink", help="run flower-superlink with TLS and SuperNode authentication")
     superlink.add_argument("--listen-host", default=None, help="interface to listen on (default: the init address's host)")
+    superlink.add_argument("--database", default=None,
+                           help="SQLite file for the SuperLink's state (registered nodes survive a restart); "
+                                "default in memory: nodes must be registered again after a restart")
     regnode = fsub.add_parser("register-node", help="let a device's key in (flwr supernode register)")
     regnode.add_argument("name")
     frun = fsub.add_parser("run", help="run federated rounds on the SuperLink's connected devices (flwr run)")
@@ -260,7 +263,7 @@ def _deployment(args) -> int:
         return 0
     dep = deployment.Deployment(Path(args.root))
     if args.action == "superlink":
-        cmd = dep.superlink_command(args.listen_host)
+        cmd = dep.superlink_command(args.listen_host, args.database)
     elif args.action == "register-node":
         cmd = dep.register_node_command(args.name)
     else:
@@ -270,9 +273,16 @@ def _deployment(args) -> int:
                                "wait-s": args.wait_s, "round-timeout-s": args.round_timeout_s, "k": args.k,
                                "noise": args.noise, "aggregation": args.aggregation,
                                "evaluate": not args.no_evaluate})
+    from omnidraft.coordinator.server_app import last_round
+
+    before = last_round(dep.root)
     code = run_foreground(cmd, dep.env())
     if code:
         raise UsageError(f"omnidraft fleet {args.action}: {cmd[0]} exited with status {code}")
+    if args.action == "run" and last_round(dep.root) < before + args.rounds:
+        # `flwr run --stream` returns 0 even when the ServerApp died
+        raise UsageError(f"omnidraft fleet run: the federation stopped after round {last_round(dep.root)} of "
+                         f"{before + args.rounds} (the SuperLink's log says why)")
     return 0
 
 

@@ -168,8 +168,11 @@ def round_table(rows: list[dict]) -> str:
     for r in rows:
         ngrams = r.get("ngrams", {})
         serving = f"{r['devices']} ({r.get('switched', 0)})" if "devices" in r else "–"
+        version = str(r.get("version", "–"))
+        if "started-from" in r:  # a rollback before the round
+            version += " (from v{version}, a rollback to v{restores})".format(**r["started-from"])
         lines.append(
-            f"| {r['round']} | {serving} | {r.get('aggregated', '–')} | {r.get('version', '–')} "
+            f"| {r['round']} | {serving} | {r.get('aggregated', '–')} | {version} "
             f"| {_fmt(r.get('eval-acceptance'))} "
             f"| {_fmt(r.get('eval-tokens-per-call'), '.2f')} | {_fmt(r.get('eval-tokens-per-s'), '.1f')} "
             f"| {_fmt(r.get('eval-speedup'), '.2f')} "

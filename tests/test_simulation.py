@@ -221,6 +221,7 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     # round 2 published v1; the rollback published v2 = v0's state; round 3 trained v3 from it
     registry = TargetRegistry(out / "coordinator")
     assert b[3]["version"] == 3 and b[3]["eval-speedup"] == 0.0  # --no-ar: no speedup measured
+    assert b[3]["started-from"] == {"version": 2, "restores": 0} and "started-from" not in b[2]
     restored = fleet_manifest(out / "coordinator", "tiny-target-b", 2)
     assert restored.restored_from == 0 and restored.parent_version == 1 and registry.manifest("tiny-target-b").version == 3
     profile = json.loads((out / "devices" / "device-0000" / "profile.json").read_text())
