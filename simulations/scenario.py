@@ -79,6 +79,15 @@ class Rollout:
             raise ValueError(f"--rollout {text!r}: expected TARGET@ROUND:SHARE, e.g. qwen2.5-coder-1.5b@3:0.3") from None
 
 
+def _name_at_round(text: str, option: str, expected: str) -> tuple[str, int]:
+    """``NAME@ROUND`` → (name, round); one-line ValueError naming ``option`` otherwise."""
+    name, _, rnd = text.partition("@")
+    try:
+        return name, int(rnd)
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected {expected}") from None
+
+
 @dataclass
 class Rollback:
     """Before ``round``, the operator restores ``target``'s previous global state
@@ -90,11 +99,7 @@ class Rollback:
     @classmethod
     def parse(cls, text: str) -> Rollback:
         """``TARGET@ROUND``, e.g. ``qwen2.5-coder-1.5b@5``."""
-        target, _, rnd = text.partition("@")
-        try:
-            return cls(target, int(rnd))
-        except ValueError:
-            raise ValueError(f"--rollback {text!r}: expected TARGET@ROUND, e.g. qwen2.5-coder-1.5b@5") from None
+        return cls(*_name_at_round(text, "--rollback", "TARGET@ROUND, e.g. qwen2.5-coder-1.5b@5"))
 
 
 @dataclass
@@ -108,11 +113,7 @@ class Drift:
     @classmethod
     def parse(cls, text: str) -> Drift:
         """``SOURCE@ROUND``, e.g. ``pydoc@4``."""
-        source, _, rnd = text.partition("@")
-        try:
-            return cls(source, int(rnd))
-        except ValueError:
-            raise ValueError(f"--drift {text!r}: expected SOURCE@ROUND, e.g. pydoc@4") from None
+        return cls(*_name_at_round(text, "--drift", "SOURCE@ROUND, e.g. pydoc@4"))
 
 
 @dataclass

@@ -24,7 +24,6 @@ from omnidraft.client.request_log import RequestLog
 from omnidraft.client.session import DeviceSession
 from omnidraft.client.state_key import StateCipher
 from omnidraft.coordinator import deployment
-from omnidraft.coordinator.fleet_pki import PkiError
 from omnidraft.coordinator.superlink_app import config_from_run
 from omnidraft.shared.adapters import LoraSpec
 from omnidraft.shared.engine import Engine
