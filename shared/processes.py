@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -12,11 +13,18 @@ from collections.abc import Callable
 
 def run_foreground(cmd: list[str], env: dict[str, str] | None = None,
                    on_line: Callable[[str], None] | None = None) -> int:
-    """Run ``cmd`` until it exits, passing SIGINT/SIGTERM on to it; returns its exit code.
+    """Run ``cmd`` (found first beside this Python, then on PATH) until it exits, passing
+    SIGINT/SIGTERM on to it; returns its exit code.
     ``on_line``: also see each line it prints (its output then goes to our stderr).
     FileNotFoundError (one line) when the executable is not installed."""
-    if shutil.which(cmd[0], path=(env or {}).get("PATH")) is None:
+    # the executables installed beside this interpreter come first (a virtualenv that is not
+    # activated); Flower's processes start their children through PATH too
+    env = dict(os.environ if env is None else env)
+    env["PATH"] = os.pathsep.join(filter(None, [os.path.dirname(sys.executable), env.get("PATH")]))
+    found = shutil.which(cmd[0], path=env["PATH"])
+    if found is None:
         raise FileNotFoundError(f"{cmd[0]} is not installed (it comes with flwr: pip install 'omnidraft-fleet')")
+    cmd = [found, *cmd[1:]]
     piped = on_line is not None
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if piped else None,
                             stderr=subprocess.STDOUT if piped else None, text=piped, bufsize=1 if piped else -1)

@@ -292,6 +292,32 @@ def test_fleet_cli_register_and_status(tmp_path, tiny, capsys):
     capsys.readouterr()
     assert main(["fleet", "public-key", "--root", root]) == 0
     assert capsys.readouterr().out.strip() == TargetRegistry(root).public_key() and len(TargetRegistry(root).public_key()) == 64
+    # an operator's view after two rounds, a staged rollout and a rollback
+    registry = TargetRegistry(root)
+    state = registry.load("tiny-target-b")
+    for rnd in (1, 2):
+        registry.commit("tiny-target-b", state.adapter, state.cache(), round_=rnd, devices=3, tokens=100)
+    rounds = [{"round": 0, "target": "tiny-target-b", "eval-acceptance": 0.2},
+              {"round": 1, "target": "tiny-target-b", "sampled": 3, "aggregated": 2, "devices": 7,
+               "uplink-bytes-per-device": 1000.0, "downlink-bytes-per-device": 500.0, "eval-acceptance": 0.25,
+               "cache-entries": 40},
+              {"round": 2, "target": "tiny-target-b", "sampled": 3, "aggregated": 3, "devices": 8,
+               "uplink-bytes-per-device": 1000.0, "downlink-bytes-per-device": 100.0, "eval-acceptance": 0.3,
+               "cache-entries": 44}]
+    (tmp_path / "c" / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    assert main(["fleet", "rollout", "tiny-target-b", "--fraction", "0.25", "--root", root]) == 0
+    assert main(["fleet", "rollback", "tiny-target-b", "--root", root]) == 0
+    assert main(["fleet", "rollout", "tiny-target-b", "--fraction", "1.5", "--root", root]) == 2
+    capsys.readouterr()
+    assert main(["fleet", "status", "--root", root, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["targets"][0]
+    assert row["version"] == 3 and row["restored_from"] == 1 and row["rollout_fraction"] == 0.25
+    assert row["rounds"] == 2 and row["devices"] == 8 and row["cache_entries"] == 44
+    assert row["acceptance_trend"] == [0.2, 0.25, 0.3]
+    assert row["bytes_moved"] == 2 * 1000 + 3 * 500 + 3 * 1000 + 3 * 100
+    assert main(["fleet", "status", "--root", root]) == 0
+    table = capsys.readouterr().out
+    assert "v3<-v1" in table and "25%" in table and "0.20 0.25 0.30" in table
 
 
 # -- end to end on Flower's Simulation Engine -------------------------------------------------------
