@@ -155,7 +155,7 @@ class Coordinator:
         if rnd == 1 and cfg.evaluate:  # the starting point: every target's state before any round
             for target in sorted(probes):
                 record = {"round": 0, "target": target, "version": int(states[target].manifest.version)}
-                record.update(self.evaluate(grid, 0, list(probes[target]), states[target]))
+                record.update(self.evaluate(grid, 0, list(probes[target]), states[target], held=probes[target]))
                 records.append(record)
         # sampled in the order of the devices' own ids (Flower's node ids change between runs)
         eligible = sorted((node for group in members.values() for node in group),
@@ -181,7 +181,7 @@ class Coordinator:
             record.update(newcomers.get(target, {}))
             if cfg.evaluate and record["aggregated"]:
                 panel = list(probes.get(target) or group)  # the probe panel, else the round's devices
-                record.update(self.evaluate(grid, rnd, panel, self.registry.load(target)))
+                record.update(self.evaluate(grid, rnd, panel, self.registry.load(target), held=probes.get(target)))
             record["round-s"] = time.perf_counter() - t0
             record["skipped"] = [r for r in skipped if target in r]
             records.append(record)
@@ -281,7 +281,7 @@ class Coordinator:
         if not new or state.manifest.version == 0:
             return {}
         return {**self.evaluate(grid, rnd, new, None, prefix="new-cold-"),
-                **self.evaluate(grid, rnd, new, state, prefix="new-warm-")}
+                **self.evaluate(grid, rnd, new, state, prefix="new-warm-", held=group)}
 
     def _send(self, grid: Grid, nodes: list[int], message_type: str,
               content: Callable[[int], RecordDict], rnd: int) -> dict[int, Message]:
@@ -369,22 +369,23 @@ class Coordinator:
         return record
 
     def evaluate(self, grid: Grid, rnd: int, nodes: list[int], state: GlobalState | None,
-                 prefix: str = "eval-") -> dict:
+                 prefix: str = "eval-", held: dict[int, ConfigRecord] | None = None) -> dict:
         """``nodes`` decode their held-out prompts without learning: with ``state`` (a global
-        state, sent to them), or with their local state alone (``state=None``)."""
-        if state is None:
-            fleet = ConfigRecord({"round": rnd, "use-global": False, "measure-ar": self.config.measure_ar})
-        else:
-            fleet = state_record(state, None, rnd, **{"use-global": True, "measure-ar": self.config.measure_ar})
-        replies = self._send(grid, nodes, MessageType.EVALUATE, lambda node: RecordDict({FLEET_KEY: fleet}), rnd)
+        state, sent to them without the parts their status in ``held`` says they hold), or with
+        their local state alone (``state=None``)."""
+        held = held or {}
+        extra = {"use-global": state is not None, "measure-ar": self.config.measure_ar}
+        records = {node: (ConfigRecord({"round": rnd, **extra}) if state is None
+                          else state_record(state, held.get(node), rnd, **extra)) for node in nodes}
+        replies = self._send(grid, nodes, MessageType.EVALUATE, lambda node: RecordDict({FLEET_KEY: records[node]}), rnd)
         metrics = [replies[n].content[METRICS_KEY] for n in nodes  # in the order asked, not of arrival
                    if n in replies and not replies[n].has_error() and METRICS_KEY in replies[n].content.metric_records]
         if not metrics:
             return {f"{prefix}devices": 0}
         keys = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup")
         weights = np.array([float(m["generated-tokens"]) for m in metrics]) + 1e-9
-        return {f"{prefix}devices": len(metrics),
-                f"{prefix}downlink-bytes-per-device": float(sum(len(v) for v in fleet.values() if isinstance(v, bytes))),
+        sent = [sum(len(v) for v in rec.values() if isinstance(v, bytes)) for rec in records.values()]
+        return {f"{prefix}devices": len(metrics), f"{prefix}downlink-bytes-per-device": float(np.mean(sent)),
                 **{f"{prefix}{k}": float(np.average([float(m[k]) for m in metrics], weights=weights)) for k in keys}}
 
 
