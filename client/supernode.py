@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omnidraft.client.fleet_device import PROFILE_FILE, DeviceProfile
+from omnidraft.shared.processes import toml_pairs
 
 REFUSED_LOG = "Exit Code: 305"  # what flower-supernode logs when the SuperLink does not accept its key
 
@@ -33,8 +34,6 @@ class JoinSettings:
     max_retries: int | None = None
 
     def node_config(self) -> str:
-        from omnidraft.coordinator.deployment import toml_pairs
-
         return toml_pairs({"state-dir": str(self.state_dir.resolve()), "dtype": self.dtype,
                            "drafter-weights": self.drafter_weights})
 

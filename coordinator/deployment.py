@@ -22,6 +22,7 @@ from pathlib import Path
 
 from omnidraft.coordinator.fleet_pki import FleetPki, PkiError, init as init_pki
 from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.processes import toml_pairs
 
 CONNECTION = "fleet"
 APP_DIR = Path(__file__).resolve().parent / "flower_app"
@@ -86,18 +87,6 @@ class Deployment:
         """``flwr run`` of the fleet app with ``run_config`` (keys of ``superlink_app``)."""
         config = {"fleet-dir": str(self.root.resolve()), **run_config}
         return ["flwr", "run", str(APP_DIR), CONNECTION, "--stream", "--run-config", toml_pairs(config)]
-
-
-def toml_pairs(values: dict[str, object]) -> str:
-    """``key=value ...`` with TOML values, as Flower's ``--run-config``/``--node-config`` take them."""
-    def value(v: object) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        return json.dumps(str(v))  # a TOML basic string
-
-    return " ".join(f"{k}={value(v)}" for k, v in values.items())
 
 
 def init(root: str | os.PathLike[str], address: str, nodes: list[str], hosts: list[str] | None = None) -> tuple[Deployment, list[str]]:

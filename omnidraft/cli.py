@@ -262,6 +262,7 @@ def _deployment(args) -> int:
               f"register each with: omnidraft fleet register-node NAME --root {dep.root}")
         return 0
     dep = deployment.Deployment(Path(args.root))
+    dep.address  # PkiError (one line) when `fleet init` has not prepared the directory
     if args.action == "superlink":
         cmd = dep.superlink_command(args.listen_host, args.database)
     elif args.action == "register-node":

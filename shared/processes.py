@@ -1,7 +1,9 @@
-"""Running Flower's executables in the foreground from our commands."""
+"""Running Flower's executables in the foreground from our commands, and the ``key=value``
+config strings they take."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -45,3 +47,15 @@ def run_foreground(cmd: list[str], env: dict[str, str] | None = None,
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def toml_pairs(values: dict[str, object]) -> str:
+    """``key=value ...`` with TOML values, as Flower's ``--run-config``/``--node-config`` take them."""
+    def value(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return json.dumps(str(v))  # a TOML basic string
+
+    return " ".join(f"{k}={value(v)}" for k, v in values.items())
