@@ -138,6 +138,7 @@ class DeviceProfile:
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=32))
     online: OnlineConfig = field(default_factory=lambda: OnlineConfig(interval=4))
     translate: str = "ngram"
+    gamma: float | None = None  # the acceptance head's fixed stop threshold (None: tuned online)
     joins_at_round: int = 1  # the device is not part of the fleet before this round
     probe: bool = False
     offers: dict[str, str] = field(default_factory=dict)
@@ -352,7 +353,8 @@ class FleetDevice:
         adapters.reset(local)  # nothing of the previous device in this process
         session = DeviceSession(engine, target_name=local, state_dir=self.dir,
                                 adapters=adapters, lora=adapters.spec, online=self.profile.online,
-                                translate=self.profile.translate, state_key=self.profile.state_key or None)
+                                translate=self.profile.translate, state_key=self.profile.state_key or None,
+                                gamma=self.profile.gamma)
         if manifest is not None:
             adapters.load_state_dict(local,
                                      load_safetensors((self.global_dir / "adapter.safetensors").read_bytes()))

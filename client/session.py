@@ -32,14 +32,15 @@ class DeviceSession:
     draft-stopping rule of ``config.draft_stop`` drafts until the head has trained); ``translate``: the proposal translator;
     ``grow_cache``: add committed n-grams to the cache (off: the cache stays as loaded);
     ``state_key``: a key file (created if missing, outside ``state_dir``) that encrypts the
-    state at rest (``client.state_key``).
+    state at rest (``client.state_key``). ``gamma``: a fixed stop threshold for the acceptance
+    head (None: the ``GammaTuner`` picks it online from measured tokens per second).
     """
 
     def __init__(self, engine: Engine, *, target_name: str | None = None, state_dir=None,
                  adapters: DrafterAdapters | None = None, lora: LoraSpec = LoraSpec(),
                  online: OnlineConfig | None = None, translate: str = "text",
                  learn: bool = True, adaptive: bool = True, grow_cache: bool = True,
-                 state_key=None) -> None:
+                 state_key=None, gamma: float | None = None) -> None:
         self.engine = engine
         self.target = target_name or str(engine.target.path)
         self.drafter_name = engine.drafter_name
@@ -54,7 +55,9 @@ class DeviceSession:
         self.inter = Intersection(engine.bridge, engine.drafter.logit_rows)
         hidden = engine.drafter.model.config.hidden_size
         self.head = AcceptanceHead(hidden) if adaptive else None
-        self.tuner = GammaTuner()
+        # the acceptance head's stop threshold: tuned online from measured tokens per second, or
+        # fixed (a run that must be reproducible cannot depend on wall-clock time)
+        self.tuner = GammaTuner() if gamma is None else GammaTuner(candidates=(float(gamma),))
         config = online or OnlineConfig()
         if not adaptive:
             config = replace(config, head=False)

@@ -4,14 +4,14 @@
 
 - ``fp32`` / ``bf16``: the transformers model in that dtype, run by ``ModelRunner``.
 - ``int8``: the Linear layers, LM head included, with int8 weights. Llama and Qwen2 targets run
-  on ``FastLlamaRunner``'s native int8 kernels (AVX-512 VNNI): weights with one scale per output
+  on ``FastLlamaRunner``'s native int8 kernels (AVX-512 VNNI or AVX2): weights with one scale per output
   row and 64 inputs, activations quantized to 8 bits with one scale per token and 64 inputs
   (like llama.cpp's Q8 activations; half the arithmetic of the drafter's 16-bit activations,
   which matters for prompt prefill and multi-token verification), exact int32 sums. Every
   token's row is computed independently of the others in its block, so a block verification
   gives bit-identical logits to one-token steps and greedy speculative decoding equals ``ar``
   exactly. Where the native
-  kernels are unavailable (no VNNI, no compiler) those targets run torch's fbgemm dynamic
+  kernels are unavailable (not x86-64 with AVX2, no compiler) those targets run torch's fbgemm dynamic
   quantization inside the same runner, and other architectures (e.g. Gemma-3) get
   ``torch.ao.quantization.quantize_dynamic`` on the transformers model. fbgemm quantizes
   activations per tensor, so there a block's rows depend on each other slightly, as bf16 rounding

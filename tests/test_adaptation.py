@@ -132,7 +132,8 @@ def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
     a = DeviceSession(engine, target_name="target-a", adapters=adapters,
                       online=OnlineConfig(interval=2, lr=1e-2))
-    b = DeviceSession(engine, target_name="target-b", adapters=adapters)
+    b = DeviceSession(engine, target_name="target-b", adapters=adapters, gamma=0.6)
+    assert b.tuner.candidates == (0.6,) and a.tuner.candidates == GammaTuner().candidates  # fixed vs tuned
     b_before = adapters.state_dict("target-b")
     for prompt in PROMPTS[:4]:
         a.generate(prompt, CONFIG)

@@ -14,20 +14,21 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from omnidraft.shared.fast_drafter import FastLlamaRunner, native_library
+from omnidraft.shared.fast_drafter import NATIVE_ISAS, FastLlamaRunner, native_error, native_library
 from omnidraft.shared.model_runner import ModelRunner
 
 VOCAB = 300
-HAS_NATIVE = native_library() is not None
-needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="native int8 kernels need AVX-512 VNNI and gcc")
 
-# label -> (weights, native); the int8 fbgemm path runs everywhere
-KINDS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8-fbgemm": ("int8", False), "int8-native": ("int8", True)}
+# label -> (weights, native, native instruction set); the int8 fbgemm path runs everywhere, each
+# native instruction set wherever the CPU has it (an AVX-512 machine also runs the AVX2 kernels)
+KINDS = {"fp32": ("fp32", None, None), "bf16": ("bf16", None, None), "int8-fbgemm": ("int8", False, None),
+         **{f"int8-native-{isa}": ("int8", True, isa) for isa in NATIVE_ISAS}}
 
 
-def kind_of(label: str) -> tuple[str, bool | None]:
-    if label == "int8-native" and not HAS_NATIVE:
-        pytest.skip("native int8 kernels need AVX-512 VNNI and gcc")
+def kind_of(label: str) -> tuple[str, bool | None, str | None]:
+    weights, native, isa = KINDS[label]
+    if native and native_library(isa) is None:
+        pytest.skip(f"native {isa} kernels unavailable: {native_error(isa)}")
     return KINDS[label]
 
 
@@ -77,8 +78,8 @@ def script(runner) -> list[torch.Tensor]:
 
 
 def make(model, kind, **kw) -> FastLlamaRunner:
-    weights, native = kind
-    return FastLlamaRunner(model, weights=weights, native=native, max_positions=128, **kw)
+    weights, native, isa = kind
+    return FastLlamaRunner(model, weights=weights, native=native, native_isa=isa, max_positions=128, **kw)
 
 
 def test_fp32_matches_hf(model):
@@ -91,7 +92,7 @@ def test_fp32_matches_hf(model):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8-fbgemm", "int8-native"])
+@pytest.mark.parametrize("kind", ["bf16", "int8-fbgemm", *(f"int8-native-{isa}" for isa in NATIVE_ISAS)])
 def test_quantized_close_to_hf(model, kind):
     kind = kind_of(kind)
     ref = torch.cat(script(ModelRunner(model)))
@@ -101,7 +102,7 @@ def test_quantized_close_to_hf(model, kind):
     scale = ref.abs().max().item()
     # random tiny models have nearly flat logits (many near-ties), hence the modest agreement floors
     max_err, min_agree = {("bf16", None): (0.03, 0.9), ("int8", False): (0.15, 0.75),
-                          ("int8", True): (0.04, 0.85)}[kind]
+                          ("int8", True): (0.04, 0.85)}[kind[:2]]
     assert err <= max_err * scale, (kind, err, scale)
     assert agree >= min_agree, (kind, agree)
 
@@ -144,10 +145,12 @@ def test_vocab_rows_pruning(kind):
         assert p.argmax(-1).tolist() == [int(keep.unique()[i]) for i in f[:, kept].argmax(-1)]
 
 
-@needs_native
-def test_native_kernels_match_dequantized_weights():
+@pytest.mark.parametrize("isa", list(NATIVE_ISAS))
+def test_native_kernels_match_dequantized_weights(isa):
     """The native int8 path equals HF run on the same group-quantized weights (its 16-bit
-    activations are nearly lossless), which checks the kernels' arithmetic itself."""
+    activations are nearly lossless), which checks the kernels' arithmetic itself, on every
+    instruction set this CPU runs."""
+    kind = kind_of(f"int8-native-{isa}")
     model = tiny_llama(tied=False, seed=8, unit_norms=True)
     deq = copy.deepcopy(model)
     with torch.no_grad():
@@ -158,7 +161,7 @@ def test_native_kernels_match_dequantized_weights():
                 s = g.abs().amax(-1, keepdim=True) / 127
                 w.copy_((torch.round(g / s) * s).view_as(w))
     ref = torch.cat(script(ModelRunner(deq)))
-    got = torch.cat(script(make(model, ("int8", True), prefill_weights=None)))
+    got = torch.cat(script(make(model, kind, prefill_weights=None)))
     torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=0)
 
 

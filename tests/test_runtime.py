@@ -14,7 +14,7 @@ from omnidraft.shared import fast_drafter, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.draft_policy import CostAwareStop
 from omnidraft.shared.engine import Engine
-from omnidraft.shared.fast_drafter import FastLlamaRunner, native_library
+from omnidraft.shared.fast_drafter import NATIVE_ISAS, FastLlamaRunner, native_error, native_library
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.model_runner import ModelRunner
 from omnidraft.shared.ngram_cache import NgramCache
@@ -24,6 +24,11 @@ from omnidraft.shared.tiny_models import build_pair
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 HAS_NATIVE = native_library() is not None
+
+
+def needs_isa(isa: str) -> None:
+    if native_library(isa) is None:
+        pytest.skip(f"native {isa} kernels unavailable: {native_error(isa)}")
 PROMPTS = [
     "def alpha_3(beta, gamma):\n",
     "def items_9(count, result):\n    items = count // result\n",
@@ -73,13 +78,17 @@ def test_qwen2_runs_on_the_fast_runner_and_matches_transformers():
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not HAS_NATIVE, reason="native int8 kernels need AVX-512 VNNI and gcc")
+@pytest.mark.parametrize("isa", list(NATIVE_ISAS))
 @pytest.mark.parametrize("make", [tiny_qwen2, lambda: copy.deepcopy(build_pair().target)], ids=["qwen2", "llama"])
-def test_native_int8_block_verification_is_bit_identical_to_single_steps(make):
+def test_native_int8_block_verification_is_bit_identical_to_single_steps(make, isa, monkeypatch):
     """Each row of a block is computed alone (per-token scales, exact int32 sums): a k-token
-    verification gives exactly the logits of k one-token steps, whatever k."""
+    verification gives exactly the logits of k one-token steps, whatever k, on every
+    instruction set (``OMNIDRAFT_NATIVE_ISA`` picks one)."""
+    needs_isa(isa)
+    monkeypatch.setenv("OMNIDRAFT_NATIVE_ISA", isa)
     runner = build_target_runner(make(), "int8")
     assert runner.backend.startswith("native-int8") and runner.prefill_weights is None
+    assert runner.native_isa == isa and ("avx2" in runner.backend) == (isa == "avx2")
     ids = [5 + (7 * i) % 250 for i in range(60)]
     runner.reset()
     runner.forward(ids[:40])
@@ -91,15 +100,17 @@ def test_native_int8_block_verification_is_bit_identical_to_single_steps(make):
         assert torch.equal(together, alone), block
 
 
-@pytest.mark.skipif(not HAS_NATIVE, reason="native int8 kernels need AVX-512 VNNI and gcc")
+@pytest.mark.parametrize("isa", list(NATIVE_ISAS))
 @pytest.mark.parametrize("bits,tol", [(16, 0.1), (8, 0.15)])
-def test_native_int8_activation_modes_stay_close_to_fp32(bits, tol):
+def test_native_int8_activation_modes_stay_close_to_fp32(bits, tol, isa):
+    needs_isa(isa)
     model = tiny_qwen2(seed=1)
     ids = [5 + (11 * i) % 290 for i in range(48)]
     ref = ModelRunner(model)
     ref.reset()
     expected = ref.forward(ids)
-    runner = FastLlamaRunner(model, weights="int8", prefill_weights=None, activation_bits=bits, max_positions=128)
+    runner = FastLlamaRunner(model, weights="int8", prefill_weights=None, activation_bits=bits, max_positions=128,
+                             native_isa=isa)
     runner.reset()
     got = torch.cat([runner.forward(ids[:40]), runner.forward(ids[40:])])
     assert (got - expected).abs().max() < tol
@@ -122,7 +133,7 @@ def test_greedy_identity_per_precision(pair, bridge, precision, draft_stop):
     exact-arithmetic reference; int8 is exact where the native kernels run (fbgemm's per-tensor
     activation scales make a block's rows depend on each other, as bf16 rounding does)."""
     if precision == "int8" and not HAS_NATIVE:
-        pytest.skip("exact int8 identity needs the native kernels (AVX-512 VNNI)")
+        pytest.skip(f"exact int8 identity needs the native kernels: {native_error()}")
     model = copy.deepcopy(pair.target)
     runner = build_target_runner(model.double() if precision == "fp64" else model, precision)
     stopper = CostAwareStop(CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0)) if draft_stop == "cost" else None
@@ -236,11 +247,11 @@ def test_native_kernels_build_once_for_a_stream_of_prompts(pair, bridge, monkeyp
     """The native step is compiled once (a shared object cached on disk) and then serves every
     shape: no rebuild or recompilation across prompts of different lengths."""
     if not HAS_NATIVE:
-        pytest.skip("native int8 kernels need AVX-512 VNNI and gcc")
+        pytest.skip(f"native int8 kernels unavailable: {native_error()}")
     builds = []
     real_build = fast_drafter._build_native
     monkeypatch.setattr(fast_drafter, "_native_state", {})
-    monkeypatch.setattr(fast_drafter, "_build_native", lambda: builds.append(1) or real_build())
+    monkeypatch.setattr(fast_drafter, "_build_native", lambda isa: builds.append(isa) or real_build(isa))
     runner = build_target_runner(copy.deepcopy(pair.target), "int8")
     spd, ar = _decoders(pair, bridge, runner)
     tt = pair.target_tokenizer
@@ -248,7 +259,7 @@ def test_native_kernels_build_once_for_a_stream_of_prompts(pair, bridge, monkeyp
         ids = tt.encode(prompt)
         spd.generate(prompt, ids, GenerationConfig(max_new_tokens=12))
         ar.generate(ids, GenerationConfig(max_new_tokens=5))
-    assert builds == [1]
+    assert builds == [runner.native_isa]
 
 
 def test_int8_on_an_architecture_without_a_fast_runner_quantizes_transformers_linears(pair):
@@ -306,3 +317,17 @@ def test_device_state_keeps_the_draft_stop_calibration(tmp_path, monkeypatch):
     again._saved_stop, again.stopper = {"accepted": [1.0]}, None
     again.decoder()
     assert again.problems and again.stopper.seen == CostAwareStop(engine.cost_profile()).seen
+
+
+def test_instruction_set_overrides(monkeypatch):
+    """``OMNIDRAFT_NATIVE_ISA`` picks the native kernels' instruction set and an unknown one is
+    refused with its reason; ``ONEDNN_MAX_CPU_ISA`` below bf16 turns the bf16 paths off."""
+    monkeypatch.setenv("OMNIDRAFT_NATIVE_ISA", "avx2")
+    assert fast_drafter.default_native_isa() == "avx2"
+    monkeypatch.setenv("OMNIDRAFT_NATIVE_ISA", "sse2")
+    assert native_library() is None and "unknown instruction set 'sse2'" in native_error()
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        FastLlamaRunner(tiny_qwen2(), weights="int8", native=True, max_positions=32)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not fast_drafter.cpu_has_native_bf16()
+    assert FastLlamaRunner(tiny_qwen2(), weights="int8", native=False, max_positions=32).prefill_weights is None

@@ -1,0 +1,134 @@
+// Instruction-set independent parts: thread splits, attention over heads, the layer loop.
+
+static void gemm(int nthreads, int M, int N, int K, const qact* a, const int64_t* p, float* y, int ldy,
+                 int accumulate) {
+    const uint8_t* w = (const uint8_t*)p[0];
+    const float* sc = (const float*)p[1];
+    const float* b = (const float*)p[2];
+    const int nblocks = N / 16;
+#ifdef _OPENMP
+    if (nthreads > 1 && nblocks >= 16) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int b0 = (int)((long)nblocks * t / nt), b1 = (int)((long)nblocks * (t + 1) / nt);
+            gemm_blocks(M, K, a, w, sc, b, y, ldy, accumulate, b0, b1);
+        }
+        return;
+    }
+#endif
+    (void)nthreads;
+    gemm_blocks(M, K, a, w, sc, b, y, ldy, accumulate, 0, nblocks);
+}
+
+static void attention(const fd_model* md, int layer, int M, const float* qkv, int NQ, int pos, float* att,
+                      float* scores, size_t sstride, int nthreads) {
+    const int H = md->H, HD = md->HD, total = M * H;
+#ifdef _OPENMP
+    if (nthreads > 1 && total > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int i = 0; i < total; i++) {
+            const int m = i / H, h = i % H;
+            attend_head(md, layer, qkv + (size_t)m * NQ + (size_t)h * HD, h, pos + m,
+                        att + (size_t)m * H * HD + (size_t)h * HD, scores + (size_t)omp_get_thread_num() * sstride);
+        }
+        return;
+    }
+#endif
+    (void)nthreads;
+    for (int i = 0; i < total; i++) {
+        const int m = i / H, h = i % H;
+        attend_head(md, layer, qkv + (size_t)m * NQ + (size_t)h * HD, h, pos + m,
+                    att + (size_t)m * H * HD + (size_t)h * HD, scores);
+    }
+}
+
+int fd_forward(const fd_model* md, int M, float* h, int pos, int last_only, float* logits, int nthreads) {
+    const int D = md->D, H = md->H, KV = md->KV, HD = md->HD, I = md->I, NQ = md->n_qkv;
+    const int qw = H * HD, half = HD / 2;
+    int KMAX = D > I ? D : I;
+    if (qw > KMAX) KMAX = qw;
+    qact a;
+    a.ld = KMAX;
+    a.act8 = md->act8;
+    a.gsc = (float*)amalloc(sizeof(float) * (size_t)M * (KMAX / 64));
+    a.hi = (int8_t*)amalloc((size_t)M * KMAX);
+    a.lo = (int8_t*)amalloc((size_t)M * KMAX);
+    a.gs = (int32_t*)amalloc(sizeof(int32_t) * (size_t)M * (KMAX / 64));
+    a.s = (float*)amalloc(sizeof(float) * M);
+    float* qkv = (float*)amalloc(sizeof(float) * (size_t)M * NQ);
+    float* att = (float*)amalloc(sizeof(float) * (size_t)M * qw);
+    float* gu = (float*)amalloc(sizeof(float) * (size_t)M * 2 * I);
+    float* act = (float*)amalloc(sizeof(float) * (size_t)M * I);
+    const size_t sstride = ((size_t)pos + M + 32 + 15) / 16 * 16;
+    float* scores = (float*)amalloc(sizeof(float) * sstride * (size_t)(nthreads > 1 ? nthreads : 1));
+    int rc = 0;
+    if (!a.hi || !a.lo || !a.gs || !a.s || !a.gsc || !qkv || !att || !gu || !act || !scores) {
+        rc = -1;
+        goto done;
+    }
+    const size_t head_stride = (size_t)md->maxpos * HD;
+
+    for (int l = 0; l < md->L; l++) {
+        const int64_t* lp = md->layer_ptrs + (size_t)l * 12;
+        uint16_t* kbase = md->kcache + (size_t)l * KV * head_stride;
+        uint16_t* vbase = md->vcache + (size_t)l * KV * head_stride;
+        // --- attention block (input RMSNorm gain folded into the QKV weights)
+        for (int m = 0; m < M; m++) {
+            const float* hm = h + (size_t)m * D;
+            quant_row(hm, D, &a, m, rms_factor(hm, D, md->eps));
+        }
+        gemm(nthreads, M, NQ, D, &a, lp + 0, qkv, NQ, 0);
+        for (int m = 0; m < M; m++) {
+            float* row = qkv + (size_t)m * NQ;
+            const int p = pos + m;
+            const float* cs = md->cos_t + (size_t)p * half;
+            const float* sn = md->sin_t + (size_t)p * half;
+            for (int hh = 0; hh < H + KV; hh++) {  // RoPE on pair-interleaved q and k heads
+                float* x = row + (size_t)hh * HD;
+                for (int i = 0; i < half; i++) {
+                    const float u = x[2 * i], v = x[2 * i + 1];
+                    x[2 * i] = u * cs[i] - v * sn[i];
+                    x[2 * i + 1] = u * sn[i] + v * cs[i];
+                }
+            }
+            for (int kh = 0; kh < KV; kh++) {
+                uint16_t kh16[HD];
+                store_h(kh16, row + qw + (size_t)kh * HD, HD);
+                uint16_t* kd = kbase + kh * head_stride + (size_t)(p / 16) * HD * 16 + (p % 16);
+                for (int d = 0; d < HD; d++) kd[d * 16] = kh16[d];
+                store_h(vbase + kh * head_stride + (size_t)p * HD, row + qw + (size_t)(KV + kh) * HD, HD);
+            }
+        }
+        attention(md, l, M, qkv, NQ, pos, att, scores, sstride, nthreads);
+        for (int m = 0; m < M; m++) quant_row(att + (size_t)m * qw, qw, &a, m, 1.f);
+        gemm(nthreads, M, D, qw, &a, lp + 3, h, D, 1);
+        // --- MLP block
+        for (int m = 0; m < M; m++) {
+            const float* hm = h + (size_t)m * D;
+            quant_row(hm, D, &a, m, rms_factor(hm, D, md->eps));
+        }
+        gemm(nthreads, M, 2 * I, D, &a, lp + 6, gu, 2 * I, 0);
+        for (int m = 0; m < M; m++) {
+            const float* g = gu + (size_t)m * 2 * I;
+            const float* u = g + I;
+            float* y = act + (size_t)m * I;
+            silu_mul(g, u, y, I);
+            quant_row(y, I, &a, m, 1.f);
+        }
+        gemm(nthreads, M, D, I, &a, lp + 9, h, D, 1);
+    }
+    {
+        // --- final norm (gain folded into the head) and LM head
+        const int m0 = last_only ? M - 1 : 0;
+        const int MO = M - m0;
+        for (int m = 0; m < MO; m++) {
+            const float* hm = h + (size_t)(m0 + m) * D;
+            quant_row(hm, D, &a, m, rms_factor(hm, D, md->eps));
+        }
+        gemm(nthreads, MO, md->n_head, D, &a, md->head_ptrs, logits, md->n_head, 0);
+    }
+done:
+    free(a.hi); free(a.lo); free(a.gs); free(a.s); free(a.gsc); free(qkv); free(att); free(gu); free(act); free(scores);
+    return rc;
+}
