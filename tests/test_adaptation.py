@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from omnidraft.client.device_state import ADAPTER_FILE, CACHE_FILE, HEAD_FILE, MANIFEST_FILE, DeviceState
-from omnidraft.client.online_learner import OnlineConfig, OnlineLearner
+from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared.acceptance_head import AcceptanceHead, GammaTuner, ReplayBuffer, soft_labels
+from omnidraft.shared.acceptance_head import GammaTuner, ReplayBuffer, soft_labels
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.ngram_cache import NgramCache
 
 from omnidraft.shared.tiny_models import build_pair, corpus
 
