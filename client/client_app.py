@@ -17,6 +17,12 @@ device's target and traffic may change with the round (``DeviceProfile.at_round`
   ``state-version``, ``ngram-stats`` = NgramStats bytes).
 * ``evaluate`` ← the same ``"fleet"`` record plus ``use-global`` → reply ``"metrics"``.
 
+With SecAgg+ (``secagg`` in the ``"fleet"`` record) the ``train`` reply has no ``"adapter"``:
+the device keeps its update (``client.secure_update``) and Flower's ``secaggplus_mod`` sends it
+masked in the secure-aggregation messages that follow (``train`` messages carrying
+``secaggplus_configs``; the mod runs only on those, and hands the ``fitins.*`` request of its
+masked-vector stage to the ``train`` handler, which answers with the legacy ``fitres.*`` keys).
+
 ``make_client_app(device_for)`` takes a function from the node's ``Context`` to its
 ``FleetDevice``; simulations map ``partition-id`` to a device, a deployed device builds it from
 its node config. Exceptions become Flower error replies, which the coordinator counts as
@@ -27,10 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import flwr.compat.common.recorddict_compat as compat
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from omnidraft.client.fleet_device import FleetDevice
+from omnidraft.client.secure_update import keep_update, take_update
 from omnidraft.shared.fleet_wire import encode_stats
 from omnidraft.proto import fleet_pb2
 
@@ -44,9 +55,17 @@ def receive_state(device: FleetDevice, fleet: ConfigRecord) -> fleet_pb2.StateMa
                           fleet.get("manifest-sig", b""))
 
 
+def secagg_when_asked(msg: Message, context: Context, call_next) -> Message:
+    """Flower's ``secaggplus_mod`` for the secure-aggregation messages only (it would refuse
+    any other ``train`` message)."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
 def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence = ()) -> ClientApp:
     """A ClientApp whose handlers act on ``device_for(context)`` (see the module docstring)."""
-    app = ClientApp(mods=list(mods))
+    app = ClientApp(mods=[*mods, secagg_when_asked])  # innermost: outer mods see what leaves the device
 
     def device_at(msg: Message, context: Context) -> FleetDevice:
         config = msg.content.config_records.get("fleet") or msg.content.config_records.get("query")
@@ -64,21 +83,39 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
+        if "fitins.config" in msg.content.config_records:  # SecAgg+: the masked-vector stage
+            return masked_update(msg, context)
         device = device_at(msg, context)
         fleet = msg.content["fleet"]
         manifest = receive_state(device, fleet)
         tensors, learned, metrics = device.train_round(int(fleet["round"]))
         stats = encode_stats(device.profile.target, learned, device.engine.bridge.target_vocab_size,
                              manifest.version)
-        adapter = ArrayRecord({k: v.float() for k, v in tensors.items()})
-        metrics["uplink-bytes"] = adapter.count_bytes() + len(stats)
+        content = RecordDict()
+        if fleet.get("secagg", False):  # the update leaves the device only masked, in the next messages
+            clip = float(fleet.get("clip-norm", 0.0)) or None
+            keep_update(device.dir, tensors, device.global_adapter(), target=device.profile.target,
+                        round_=int(fleet["round"]), version=int(manifest.version),
+                        tokens=int(metrics["trained-tokens"]), clip_norm=clip)
+            metrics["uplink-bytes"] = len(stats)  # + the masked vector, counted by the coordinator
+        else:
+            content["adapter"] = ArrayRecord({k: v.float() for k, v in tensors.items()})
+            metrics["uplink-bytes"] = content["adapter"].count_bytes() + len(stats)
         device.record_uplink(int(metrics["uplink-bytes"]))
-        return Message(RecordDict({
-            "adapter": adapter,
-            "metrics": MetricRecord(metrics),
-            "fleet": ConfigRecord({"target": device.profile.target, "state-version": int(manifest.version),
-                                   "ngram-stats": stats}),
-        }), reply_to=msg)
+        content["metrics"] = MetricRecord(metrics)
+        content["fleet"] = ConfigRecord({"target": device.profile.target, "state-version": int(manifest.version),
+                                         "ngram-stats": stats})
+        return Message(content, reply_to=msg)
+
+    def masked_update(msg: Message, context: Context) -> Message:
+        """The kept update as a legacy ``FitRes`` for ``secaggplus_mod`` to weight and mask."""
+        config = compat.recorddict_to_fitins(msg.content, keep_input=True).config
+        device = device_for(context)
+        arrays, tokens = take_update(device.dir, target=str(config["target"]), round_=int(config["round"]),
+                                     version=int(config["state-version"]))
+        device.record_uplink(sum(a.nbytes for a in arrays))
+        fitres = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(arrays), tokens, {})
+        return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:

@@ -336,6 +336,10 @@ class FleetDevice:
         spec.ParseFromString((self.global_dir / "spec.pb").read_bytes())
         return spec
 
+    def global_adapter(self) -> dict[str, torch.Tensor]:
+        """The tensors of the global adapter this device holds (where a round's training starts)."""
+        return load_safetensors((self.global_dir / "adapter.safetensors").read_bytes())
+
     def session(self, *, use_global: bool = True) -> DeviceSession:
         """A session with this device's local state; ``use_global`` restarts the adapter from the
         held global adapter and merges a newly received global cache into the local one."""
@@ -356,8 +360,7 @@ class FleetDevice:
                                 translate=self.profile.translate, state_key=self.profile.state_key or None,
                                 gamma=self.profile.gamma)
         if manifest is not None:
-            adapters.load_state_dict(local,
-                                     load_safetensors((self.global_dir / "adapter.safetensors").read_bytes()))
+            adapters.load_state_dict(local, self.global_adapter())
             meta = self._fleet_meta()
             if meta.get("cache-merged") != manifest.cache_sha256:
                 merged = NgramCache.from_bytes((self.global_dir / "cache.pb").read_bytes())

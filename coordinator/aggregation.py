@@ -55,21 +55,27 @@ class AggregationConfig:
 
 
 def payload_bytes(msg: Message) -> int:
-    """Bytes a reply carries in arrays and bytes values."""
+    """Bytes a message carries in arrays and bytes values (lists of bytes included, as SecAgg+
+    sends its masked vectors and key shares)."""
     content = msg.content
     total = sum(rec.count_bytes() for rec in content.array_records.values())
     for rec in content.config_records.values():
-        total += sum(len(v) for v in rec.values() if isinstance(v, bytes))
+        for v in rec.values():
+            total += sum(len(b) for b in (v if isinstance(v, list) else [v]) if isinstance(b, bytes))
     return total
 
 
 def check_reply(msg: Message, target: str, version: int, global_adapter: dict[str, np.ndarray],
-                metric_keys: frozenset[str] | None, config: AggregationConfig) -> str | None:
-    """Why ``msg`` cannot be aggregated for ``target`` at state ``version`` (None: it can)."""
+                metric_keys: frozenset[str] | None, config: AggregationConfig,
+                expect_adapter: bool = True) -> str | None:
+    """Why ``msg`` cannot be aggregated for ``target`` at state ``version`` (None: it can).
+    ``expect_adapter`` False: a SecAgg+ round, whose replies carry no adapter (the device
+    checks its own update)."""
     if msg.has_error():
         return f"device error: {msg.error.reason}"
     content = msg.content
-    if set(content.array_records) != {ADAPTER_KEY} or set(content.metric_records) != {METRICS_KEY}:
+    arrays_expected = {ADAPTER_KEY} if expect_adapter else set()
+    if set(content.array_records) != arrays_expected or set(content.metric_records) != {METRICS_KEY}:
         return "unexpected records"
     if FLEET_KEY not in content.config_records:
         return "no fleet record"
@@ -89,6 +95,8 @@ def check_reply(msg: Message, target: str, version: int, global_adapter: dict[st
         return f"bad weight {WEIGHT_KEY}={weight!r}"
     if any(isinstance(v, float) and not math.isfinite(v) for v in metrics.values() if not isinstance(v, list)):
         return "non-finite metric"
+    if not expect_adapter:
+        return None
     arrays = content.array_records[ADAPTER_KEY]
     if set(arrays) != set(global_adapter):
         return "adapter keys differ from the global adapter's"

@@ -11,8 +11,10 @@ One round:
 3. send each device its target's global state (only the parts it lacks) in a ``train``
    message; wait at most ``round_timeout_s``: devices that drop out or time out are left out;
 4. per target: check every reply (``aggregation.check_reply``), aggregate the adapters with the
-   configured Flower strategy, release frequent n-grams privately (``ngram_release``) into the
-   global cache, and commit a new version of the target's state atomically;
+   configured Flower strategy (or, with SecAgg+, sum the devices' masked updates with
+   ``secure_aggregation``: the coordinator never sees one device's adapter), release frequent
+   n-grams privately (``ngram_release``) into the global cache, and commit a new version of the
+   target's state atomically;
 5. evaluate: the probe devices of each target (else the round's devices) decode held-out prompts
    with the new global state; in round 1 the probes also measure the starting state (round 0);
    up to ``newcomer_evals`` sampled devices that never trained for the target get a first
@@ -40,11 +42,13 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from omnidraft.coordinator.aggregation import (
     FLEET_KEY, METRICS_KEY, AggregationConfig, aggregate_target, check_reply, payload_bytes)
 from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats
 from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
+from omnidraft.coordinator.secure_aggregation import SecAggConfig, secure_mean_update
 from omnidraft.shared.atomic_io import write_bytes_atomic
 
 log = logging.getLogger("omnidraft.coordinator")
@@ -68,6 +72,7 @@ class FleetConfig:
     seed: int = 0
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
     def validate(self) -> None:
         if self.rounds < 1:
@@ -78,6 +83,9 @@ class FleetConfig:
             raise ValueError("min devices must be >= 1")
         self.aggregation.validate()
         self.release.validate()
+        self.secagg.validate()
+        if self.secagg.enabled and self.aggregation.method != "fedavg":
+            raise ValueError("SecAgg+ reveals only the weighted mean: use the fedavg aggregation with it")
 
 
 def last_round(root: Path) -> int:
@@ -133,8 +141,13 @@ class Coordinator:
         self.progress = progress or (lambda rnd, done, sent: None)  # (round, replies, messages sent)
         self.before_round = before_round or (lambda rnd, registry: None)
         self._progress = [0, 0, 0]  # the current round's (round, replies, messages sent)
+        self.context: Context | None = None  # the ServerApp's (``run``), for SecAgg+
 
-    def run(self, grid: Grid) -> None:
+    def run(self, grid: Grid, context: Context | None = None) -> None:
+        """Run the rounds left; ``context`` (the ServerApp's) is needed for SecAgg+."""
+        if self.config.secagg.enabled and context is None:
+            raise ValueError("SecAgg+ needs the ServerApp's Context")
+        self.context = context
         start = last_round(self.root) + 1
         for rnd in range(start, self.config.rounds + 1):
             self.round(grid, rnd)
@@ -166,14 +179,17 @@ class Coordinator:
         by_target = {t: g for t, g in by_target.items() if g}
         newcomers = {t: self._first_sessions(grid, rnd, states[t], group) for t, group in by_target.items()}
 
-        messages = {node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd)})
+        secure = {}
+        if cfg.secagg.enabled:  # devices keep their update for the secure aggregation
+            secure = {"secagg": True, "clip-norm": float(cfg.aggregation.clip_norm or 0.0)}
+        messages = {node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd, **secure)})
                     for t, group in by_target.items() for node, status in group.items()}
         downlink = {node: sum(len(v) for v in rec[FLEET_KEY].values() if isinstance(v, bytes))
                     for node, rec in messages.items()}
         replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
 
         for target, group in sorted(by_target.items()):
-            record = self._aggregate(rnd, target, states[target], group, replies, downlink)
+            record = self._aggregate(grid, rnd, target, states[target], group, replies, downlink)
             record.update({"devices": len(members[target]), "switched": switched.get(target, 0)})
             start = states[target].manifest
             if start.HasField("restored_from"):  # the round trained from a rolled-back state
@@ -315,9 +331,10 @@ class Coordinator:
             log.warning("round %d: %d device(s) did not answer %s in time", rnd, len(missing), message_type)
         return by_node
 
-    def _aggregate(self, rnd: int, target: str, state: GlobalState, group: dict[int, ConfigRecord],
+    def _aggregate(self, grid: Grid, rnd: int, target: str, state: GlobalState, group: dict[int, ConfigRecord],
                    replies: dict[int, Message], downlink: dict[int, int]) -> dict:
         cfg = self.config
+        secure = cfg.secagg.enabled
         global_adapter = {k: v.numpy() for k, v in state.adapter.items()}
         version = int(state.manifest.version)
         good: list[Message] = []
@@ -328,7 +345,8 @@ class Coordinator:
             if msg is None:
                 rejected.append(f"node {node}: no reply (dropped out or timed out)")
                 continue
-            reason = check_reply(msg, target, version, global_adapter, metric_keys, cfg.aggregation)
+            reason = check_reply(msg, target, version, global_adapter, metric_keys, cfg.aggregation,
+                                 expect_adapter=not secure)
             if reason is None:
                 try:
                     bits = decode_stats(msg.content[FLEET_KEY]["ngram-stats"], target, state.spec.target_vocab_size)
@@ -345,12 +363,25 @@ class Coordinator:
         record = {"round": rnd, "target": target, "sampled": len(group), "aggregated": len(good),
                   "rejected": rejected, "version": version,
                   "downlink-bytes-per-device": float(np.mean([downlink[n] for n in group])) if group else 0.0}
+        if secure and 0 < len(good) < cfg.secagg.min_devices:
+            record["rejected"] += [f"SecAgg+ needs {cfg.secagg.min_devices} devices, {len(good)} replied"]
+            record["aggregated"] = 0
+            good = []
         if not good:
             return record
         msgs = [m for m, _ in good]
         uplink = [payload_bytes(m) for m in msgs]
         tokens = int(sum(m.content[METRICS_KEY]["trained-tokens"] for m in msgs))
-        adapter, metrics = aggregate_target(rnd, msgs, global_adapter, cfg.aggregation)
+        if secure:
+            adapter, metrics, up, down = self._secure_aggregate(grid, rnd, target, version, msgs, global_adapter)
+            if adapter is None:
+                record["rejected"] += ["SecAgg+ halted (too few devices completed the protocol)"]
+                record["aggregated"] = 0
+                return record
+            uplink = [u + up.get(m.metadata.src_node_id, 0) for u, m in zip(uplink, msgs)]
+            record["downlink-bytes-per-device"] += float(np.mean(list(down.values()) or [0]))
+        else:
+            adapter, metrics = aggregate_target(rnd, msgs, global_adapter, cfg.aggregation)
         release = NgramRelease(cfg.release, self.registry.privacy_path(target))
         released, report = release.release([b for _, b in good], np.random.default_rng(cfg.seed * 7919 + rnd))
         cache = state.cache()
@@ -367,6 +398,20 @@ class Coordinator:
                        "adapter-bytes": int(manifest.adapter_bytes),
                        "ngrams": report.to_dict()})
         return record
+
+    def _secure_aggregate(self, grid: Grid, rnd: int, target: str, version: int, msgs: list[Message],
+                          global_adapter: dict[str, np.ndarray]):
+        """SecAgg+ over the devices of ``msgs``: (new adapter or None, metrics, bytes each node sent
+        and received in the protocol)."""
+        weights = {m.metadata.src_node_id: float(m.content[METRICS_KEY]["trained-tokens"]) for m in msgs}
+        shapes = {k: global_adapter[k].shape for k in sorted(global_adapter)}
+        mean, down, up = secure_mean_update(grid, self.context, rnd, target, version, weights, shapes,
+                                            self.config.secagg)
+        metrics = aggregate_metricrecords([m.content for m in msgs], "trained-tokens")
+        if mean is None:
+            return None, metrics, up, down
+        adapter = {k: (global_adapter[k] + mean[k]).astype(global_adapter[k].dtype) for k in global_adapter}
+        return adapter, metrics, up, down
 
     def evaluate(self, grid: Grid, rnd: int, nodes: list[int], state: GlobalState | None,
                  prefix: str = "eval-", held: dict[int, ConfigRecord] | None = None) -> dict:
@@ -399,6 +444,6 @@ def make_server_app(root: str | Path, config: FleetConfig,
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        Coordinator(root, config, on_round, progress, before_round).run(grid)
+        Coordinator(root, config, on_round, progress, before_round).run(grid, context)
 
     return app

@@ -14,6 +14,7 @@ The same ``Coordinator`` round loop as in the simulation; its settings come from
 ``round-timeout-s``  longest wait for one wave of replies (seconds)
 ``k``, ``noise``   n-gram release threshold (devices) and Gaussian noise multiplier
 ``aggregation``    fedavg | median | trimmed; ``clip-norm`` (0: none)
+``secagg``         sum the adapter updates with SecAgg+ (fedavg only)
 ``evaluate``       evaluate each new global state on the devices; ``newcomer-evals``; ``seed``
 =================  ==========================================================================
 """
@@ -29,6 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 from omnidraft.coordinator.aggregation import AggregationConfig
 from omnidraft.coordinator.ngram_release import ReleaseConfig
 from omnidraft.coordinator.registry import TargetRegistry
+from omnidraft.coordinator.secure_aggregation import SecAggConfig
 from omnidraft.coordinator.server_app import Coordinator, FleetConfig, last_round
 
 log = logging.getLogger("omnidraft.coordinator")
@@ -38,7 +40,7 @@ def config_from_run(run_config: dict, root: Path) -> FleetConfig:
     """The ``FleetConfig`` a run config asks for (see the module docstring); ValueError with
     one line for a bad value."""
     known = {"fleet-dir", "rounds", "fraction", "min-devices", "wait-s", "round-timeout-s", "k", "noise",
-             "aggregation", "clip-norm", "evaluate", "newcomer-evals", "seed"}
+             "aggregation", "clip-norm", "evaluate", "newcomer-evals", "seed", "secagg"}
     unknown = sorted(set(run_config) - known)
     if unknown:
         raise ValueError(f"unknown run config key(s): {', '.join(unknown)}")
@@ -56,7 +58,8 @@ def config_from_run(run_config: dict, root: Path) -> FleetConfig:
             aggregation=AggregationConfig(method=str(run_config.get("aggregation", "fedavg")),
                                           clip_norm=clip if clip > 0 else None),
             release=ReleaseConfig(k=int(run_config.get("k", 5)),
-                                  noise_multiplier=float(run_config.get("noise", 0.0))))
+                                  noise_multiplier=float(run_config.get("noise", 0.0))),
+            secagg=SecAggConfig(enabled=bool(run_config.get("secagg", False))))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad run config: {exc}") from None
     config.validate()
@@ -77,4 +80,4 @@ def main(grid: Grid, context: Context) -> None:
         raise ValueError(f"run config: {root} has no registered target (omnidraft fleet register-target --root {root})")
     config = config_from_run(run_config, root)
     log.info("omnidraft coordinator: rounds %d..%d over %s", last_round(root) + 1, config.rounds, root)
-    Coordinator(root, config).run(grid)
+    Coordinator(root, config).run(grid, context)

@@ -240,6 +240,8 @@ def _build_parser() -> argparse.ArgumentParser:
     frun.add_argument("--noise", type=float, default=0.0, help="Gaussian noise multiplier on n-gram counts")
     frun.add_argument("--aggregation", default="fedavg", choices=["fedavg", "median", "trimmed"])
     frun.add_argument("--no-evaluate", action="store_true", help="skip evaluating each new global state")
+    frun.add_argument("--secagg", action="store_true",
+                      help="sum the adapter updates with Flower's SecAgg+ (the coordinator sees only their mean)")
     for sp in (reg, status, pubkey, rollback, rollout, init, superlink, regnode, frun):
         sp.add_argument("--root", default=os.environ.get("OMNIDRAFT_FLEET_DIR", "fleet"),
                         help="coordinator directory (default: $OMNIDRAFT_FLEET_DIR or ./fleet)")
@@ -273,7 +275,7 @@ def _deployment(args) -> int:
         cmd = dep.run_command({"rounds": args.rounds, "fraction": args.fraction, "min-devices": args.min_devices,
                                "wait-s": args.wait_s, "round-timeout-s": args.round_timeout_s, "k": args.k,
                                "noise": args.noise, "aggregation": args.aggregation,
-                               "evaluate": not args.no_evaluate})
+                               "evaluate": not args.no_evaluate, "secagg": args.secagg})
     from omnidraft.coordinator.server_app import last_round
 
     before = last_round(dep.root)

@@ -35,6 +35,7 @@ from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.coordinator.aggregation import AggregationConfig
 from omnidraft.coordinator.ngram_release import ReleaseConfig
 from omnidraft.coordinator.registry import TargetRegistry
+from omnidraft.coordinator.secure_aggregation import SecAggConfig
 from omnidraft.coordinator.server_app import FleetConfig, make_server_app
 from omnidraft.coordinator.simulation import run_federation
 from omnidraft.shared.adapters import LoraSpec
@@ -141,6 +142,7 @@ class Scenario:
     drift: Drift | None = None
     lora_rank: int = 8
     ffa: bool = False  # FFA-LoRA: A frozen, only B trained, so averaging is exact
+    secagg: bool = False  # adapters summed with Flower's SecAgg+ (the coordinator sees only the mean)
     lr: float = 1e-3
     translate: str = "ngram"
     dtype: str = "fp32"
@@ -197,6 +199,8 @@ class Scenario:
             raise ValueError(f"the drift round must be in 2..{self.rounds}")
         self.aggregation.validate()
         self.release.validate()
+        if self.secagg and self.aggregation.method != "fedavg":
+            raise ValueError("SecAgg+ reveals only the weighted mean: use the fedavg aggregation with it")
 
     def target_shares(self) -> dict[str, float]:
         return self.targets or (TINY_TARGETS if self.models == "tiny" else REAL_TARGETS)
@@ -419,7 +423,8 @@ def operator_actions(scenario: Scenario):
 def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
     return FleetConfig(rounds=scenario.rounds, fraction=scenario.fraction, min_devices=nodes, wait_s=300,
                        seed=scenario.seed, measure_ar=scenario.measure_ar, newcomer_evals=scenario.newcomer_evals,
-                       aggregation=scenario.aggregation, release=scenario.release)
+                       aggregation=scenario.aggregation, release=scenario.release,
+                       secagg=SecAggConfig(enabled=scenario.secagg))
 
 
 def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None) -> list[DeviceProfile]:

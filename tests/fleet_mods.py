@@ -52,3 +52,18 @@ def poison_mod(msg: Message, context, call_next) -> Message:
         reply.content["adapter"] = ArrayRecord(
             {k: Array(np.full(a.shape, np.nan, dtype=np.float32)) for k, a in arrays.items()})
     return reply
+
+
+def wire_mod(msg: Message, context, call_next) -> Message:
+    """Record, for every reply a device sends, its type and which records it carries (outermost
+    mod: what leaves the device, after SecAgg+ masking)."""
+    reply = call_next(msg, context)
+    folder = Path(os.environ["OMNIDRAFT_TEST_CAPTURE"])
+    folder.mkdir(parents=True, exist_ok=True)
+    content = None if reply.has_error() else reply.content
+    record = {"type": msg.metadata.message_type,
+              "arrays": sorted(content.array_records) if content else [],
+              "configs": sorted(content.config_records) if content else [],
+              "array-bytes": sum(r.count_bytes() for r in content.array_records.values()) if content else 0}
+    (folder / f"{uuid.uuid4().hex}.pkl").write_bytes(pickle.dumps(record))
+    return reply

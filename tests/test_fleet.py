@@ -24,6 +24,7 @@ from omnidraft.coordinator.aggregation import AggregationConfig, aggregate_targe
 from omnidraft.coordinator.ngram_release import (
     NgramRelease, ReleaseConfig, StatsError, decode_stats, encode_stats)
 from omnidraft.coordinator.registry import RegistryError, TargetRegistry
+from omnidraft.coordinator.server_app import FleetConfig
 from omnidraft.shared.adapters import LoraSpec
 from omnidraft.shared.tiny_models import ensure_tiny_fleet
 
@@ -465,3 +466,63 @@ def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
     assert sorted({r for r, _, _ in after}) == list(range(killed_after + 1, 4))  # finished rounds not rerun
     reg = TargetRegistry(tmp_path / "run" / "coordinator")
     assert all(reg.manifest(t).version == 3 for t in reg.names())
+
+
+def _run_with(out: Path, tiny, scenario, mods) -> tuple[list[dict], list[dict]]:
+    """Run ``scenario`` with ``mods`` (from ``fleet_mods``); returns (round records, captured)."""
+    from omnidraft.simulations.scenario import run
+
+    capture = out / "capture"
+    env = {"OMNIDRAFT_TEST_CAPTURE": str(capture), "OMNIDRAFT_HOME": str(tiny["tiny-drafter"].parents[2]),
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    records = []
+    try:
+        run(scenario, out / "run", records.append, mods=mods)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return records, [pickle.loads(p.read_bytes()) for p in capture.glob("*.pkl")]
+
+
+def test_secagg_sums_adapters_without_the_coordinator_seeing_one(tmp_path, tiny):
+    """With SecAgg+ no train reply carries an adapter (devices send only masked vectors), and
+    the unmasked weighted mean equals plain FedAvg of the same devices' updates."""
+    import fleet_mods
+
+    kw = dict(rounds=1, late_joiners=0, newcomer_evals=0)
+    plain, _ = _run_with(tmp_path / "plain", tiny, _scenario(**kw), [])
+    secure, wire = _run_with(tmp_path / "secure", tiny, _scenario(secagg=True, **kw), [fleet_mods.wire_mod])
+    assert [(r["target"], r["aggregated"], r["rejected"]) for r in secure] == \
+        [(r["target"], r["aggregated"], []) for r in plain] == [("tiny-target-a", 3, []), ("tiny-target-b", 3, [])]
+    trains = [w for w in wire if w["type"] == "train"]
+    assert trains and not any("adapter" in w["arrays"] for w in trains)  # no adapter in the clear
+    masked = [w for w in trains if "secaggplus_configs" in w["configs"]]
+    assert len(masked) == 6 * 4 and any(w["array-bytes"] == 0 for w in masked)  # 4 protocol stages per device
+    a = TargetRegistry(tmp_path / "plain" / "run" / "coordinator")
+    b = TargetRegistry(tmp_path / "secure" / "run" / "coordinator")
+    for t in ("tiny-target-a", "tiny-target-b"):
+        from safetensors.torch import load_file
+
+        start = load_file(a._dir(t) / TargetRegistry._file("adapter", 0))  # version 0: before the round
+        for key, value in a.load(t).adapter.items():
+            moved = (value - start[key]).abs().max().item()
+            err = (b.load(t).adapter[key] - value).abs().max().item()
+            assert err <= 1e-5 + 1e-3 * moved, (t, key, err, moved)
+        assert any((v - start[k]).abs().max() > 0 for k, v in a.load(t).adapter.items())  # it learned
+    assert all(r["uplink-bytes-per-device"] > 0 for r in secure)
+
+
+def test_secagg_settings_are_checked():
+    from omnidraft.coordinator.secure_aggregation import SecAggConfig
+
+    with pytest.raises(ValueError, match="weighted mean"):
+        FleetConfig(aggregation=AggregationConfig(method="median"), secagg=SecAggConfig(enabled=True)).validate()
+    with pytest.raises(ValueError, match="at least 2"):
+        SecAggConfig(min_devices=1).validate()
+    with pytest.raises(ValueError, match="weighted mean"):
+        _scenario(secagg=True, aggregation=AggregationConfig(method="trimmed")).validate()
