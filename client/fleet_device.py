@@ -25,6 +25,7 @@ one after the other in the same process swap only their adapters, caches and dat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -354,6 +355,11 @@ class FleetDevice:
         local = self.profile.target_model  # the name `device serve --target` gives the same state
         engine.cache = NgramCache(max_bytes=self.profile.policy.cache_bytes, drafter=self.profile.drafter, target=local)
         adapters.add(local)
+        # what a session initialises from torch's global generator (LoRA weights before they are
+        # loaded, a new acceptance head) must not depend on what this worker process ran before
+        # (models loaded, adapters added, other devices): a simulation is reproducible only then
+        held = f"{manifest.version}:{manifest.adapter_sha256}" if manifest is not None else "local"
+        torch.manual_seed(int.from_bytes(hashlib.sha256(f"{self.profile.device_id}/{held}".encode()).digest()[:8], "little"))
         adapters.reset(local)  # nothing of the previous device in this process
         session = DeviceSession(engine, target_name=local, state_dir=self.dir,
                                 adapters=adapters, lora=adapters.spec, online=self.profile.online,

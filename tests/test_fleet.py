@@ -278,6 +278,12 @@ def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tin
     with pytest.raises(StateMismatch, match="signature"):
         stranger.receive(v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature)
     assert stranger.held_manifest() is None
+    # a session starts from the same random draws whatever the worker process ran before it
+    heads = []
+    for noise in (0, 1000):
+        torch.rand(noise)
+        heads.append({k: v.clone() for k, v in device.session().head.state_dict().items()})
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
 
 
 def test_fleet_cli_register_and_status(tmp_path, tiny, capsys):
