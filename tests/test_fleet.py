@@ -339,14 +339,12 @@ def _scenario(**kw):
     return Scenario(**base)
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory, tiny):
-    """A 6-device, 3-round federation on two tiny targets; device 0 sends NaN adapters, device 1
-    crashes in training, and every reply a device sends is captured."""
-    import fleet_mods
+def _run_with(out: Path, tiny, scenario, mods) -> tuple[list, list[dict], list[dict]]:
+    """Run ``scenario`` under ``out`` with client ``mods`` (from ``fleet_mods``, which run in the
+    Ray workers and write to ``$OMNIDRAFT_TEST_CAPTURE``); returns (device profiles, round
+    records, captured records)."""
     from omnidraft.simulations.scenario import run
 
-    out = tmp_path_factory.mktemp("fed")
     capture = out / "capture"
     env = {"OMNIDRAFT_TEST_CAPTURE": str(capture), "OMNIDRAFT_HOME": str(tiny["tiny-drafter"].parents[2]),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
@@ -354,14 +352,24 @@ def federation(tmp_path_factory, tiny):
     os.environ.update(env)
     records = []
     try:
-        profiles = run(_scenario(), out / "run", records.append, mods=[fleet_mods.capture_mod, fleet_mods.poison_mod])
+        profiles = run(scenario, out / "run", records.append, mods=mods)
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    captured = [pickle.loads(p.read_bytes()) for p in capture.glob("*.pkl")]
+    return profiles, records, [pickle.loads(p.read_bytes()) for p in capture.glob("*.pkl")]
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory, tiny):
+    """A 6-device, 3-round federation on two tiny targets; device 0 sends NaN adapters, device 1
+    crashes in training, and every reply a device sends is captured."""
+    import fleet_mods
+
+    out = tmp_path_factory.mktemp("fed")
+    profiles, records, captured = _run_with(out, tiny, _scenario(), [fleet_mods.capture_mod, fleet_mods.poison_mod])
     return out / "run", profiles, records, captured
 
 
@@ -474,35 +482,14 @@ def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
     assert all(reg.manifest(t).version == 3 for t in reg.names())
 
 
-def _run_with(out: Path, tiny, scenario, mods) -> tuple[list[dict], list[dict]]:
-    """Run ``scenario`` with ``mods`` (from ``fleet_mods``); returns (round records, captured)."""
-    from omnidraft.simulations.scenario import run
-
-    capture = out / "capture"
-    env = {"OMNIDRAFT_TEST_CAPTURE": str(capture), "OMNIDRAFT_HOME": str(tiny["tiny-drafter"].parents[2]),
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    records = []
-    try:
-        run(scenario, out / "run", records.append, mods=mods)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return records, [pickle.loads(p.read_bytes()) for p in capture.glob("*.pkl")]
-
-
 def test_secagg_sums_adapters_without_the_coordinator_seeing_one(tmp_path, tiny):
     """With SecAgg+ no train reply carries an adapter (devices send only masked vectors), and
     the unmasked weighted mean equals plain FedAvg of the same devices' updates."""
     import fleet_mods
 
     kw = dict(rounds=1, late_joiners=0, newcomer_evals=0)
-    plain, _ = _run_with(tmp_path / "plain", tiny, _scenario(**kw), [])
-    secure, wire = _run_with(tmp_path / "secure", tiny, _scenario(secagg=True, **kw), [fleet_mods.wire_mod])
+    _, plain, _ = _run_with(tmp_path / "plain", tiny, _scenario(**kw), [])
+    _, secure, wire = _run_with(tmp_path / "secure", tiny, _scenario(secagg=True, **kw), [fleet_mods.wire_mod])
     assert [(r["target"], r["aggregated"], r["rejected"]) for r in secure] == \
         [(r["target"], r["aggregated"], []) for r in plain] == [("tiny-target-a", 3, []), ("tiny-target-b", 3, [])]
     trains = [w for w in wire if w["type"] == "train"]
