@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import flwr.compat.common.recorddict_compat as compat
@@ -89,20 +90,20 @@ class _MeteredGrid:
 
     def __init__(self, grid: Grid) -> None:
         self._grid = grid
-        self.down: dict[int, int] = {}
-        self.up: dict[int, int] = {}
+        self.down: defaultdict[int, int] = defaultdict(int)
+        self.up: defaultdict[int, int] = defaultdict(int)
 
     def __getattr__(self, name):
         return getattr(self._grid, name)
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
-        for m in messages:
-            self.down[m.metadata.dst_node_id] = self.down.get(m.metadata.dst_node_id, 0) + payload_bytes(m)
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        for m in messages:
+            self.down[m.metadata.dst_node_id] += payload_bytes(m)
         for m in replies:
             if not m.has_error():
-                self.up[m.metadata.src_node_id] = self.up.get(m.metadata.src_node_id, 0) + payload_bytes(m)
+                self.up[m.metadata.src_node_id] += payload_bytes(m)
         return replies
 
 
@@ -116,8 +117,7 @@ def secure_mean_update(grid: Grid, context: Context, rnd: int, target: str, vers
     nodes = sorted(weights)
     fit_config = {"round": rnd, "target": target, "state-version": version}
     legacy = LegacyContext(context, ServerConfig(num_rounds=1), _NamedNodes(nodes, fit_config))
-    state = legacy.state
-    saved = {key: state.config_records.get(key) for key in (MAIN_CONFIGS_RECORD,)}
+    state = legacy.state  # the ServerApp's own: the workflow's records are removed afterwards
     state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
     state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()  # no parameters go down: devices hold the global adapter
     metered = _MeteredGrid(grid)
@@ -127,13 +127,9 @@ def secure_mean_update(grid: Grid, context: Context, rnd: int, target: str, vers
                                   quantization_range=config.quantization_range, timeout=config.timeout_s)
     try:
         workflow(metered, legacy)
-        result = state.array_records.pop(MAIN_PARAMS_RECORD)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                state.config_records.pop(key, None)
-            else:
-                state.config_records[key] = value
+        result = state.array_records.pop(MAIN_PARAMS_RECORD)
+        state.config_records.pop(MAIN_CONFIGS_RECORD)
     if not len(result):
         return None, metered.down, metered.up
     flat = parameters_to_ndarrays(compat.arrayrecord_to_parameters(result, keep_input=True))

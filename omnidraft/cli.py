@@ -263,6 +263,11 @@ def _deployment(args) -> int:
         print(f"devices: copy {dep.pki.ca_cert} and their own key from {dep.pki.root / 'nodes'}; "
               f"register each with: omnidraft fleet register-node NAME --root {dep.root}")
         return 0
+    if args.action == "run":  # flags first, then the directory
+        if min(args.rounds, args.min_devices) < 1 or not 0 < args.fraction <= 1:
+            raise UsageError("omnidraft fleet run: --rounds and --min-devices must be >= 1, --fraction in (0, 1]")
+        if args.secagg and args.aggregation != "fedavg":
+            raise UsageError("omnidraft fleet run: SecAgg+ reveals only the weighted mean: use --aggregation fedavg with --secagg")
     dep = deployment.Deployment(Path(args.root))
     dep.address  # PkiError (one line) when `fleet init` has not prepared the directory
     if args.action == "superlink":
@@ -270,8 +275,6 @@ def _deployment(args) -> int:
     elif args.action == "register-node":
         cmd = dep.register_node_command(args.name)
     else:
-        if min(args.rounds, args.min_devices) < 1 or not 0 < args.fraction <= 1:
-            raise UsageError("omnidraft fleet run: --rounds and --min-devices must be >= 1, --fraction in (0, 1]")
         cmd = dep.run_command({"rounds": args.rounds, "fraction": args.fraction, "min-devices": args.min_devices,
                                "wait-s": args.wait_s, "round-timeout-s": args.round_timeout_s, "k": args.k,
                                "noise": args.noise, "aggregation": args.aggregation,

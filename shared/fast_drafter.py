@@ -103,7 +103,7 @@ NATIVE_ISAS: dict[str, tuple[list[str], set[str]]] = {
     "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
 }
 _native_lock = threading.Lock()
-_native_state: dict = {}  # isa (or "auto") -> library or None; "error:<isa>" -> why not
+_native_state: dict[str, tuple] = {}  # instruction set -> (library or None, why not or None)
 
 
 def default_native_isa() -> str | None:
@@ -116,30 +116,33 @@ def default_native_isa() -> str | None:
     return next((isa for isa, (_, needs) in NATIVE_ISAS.items() if needs <= flags), None)
 
 
+def _native(isa: str | None) -> tuple:
+    """(library or None, why not or None) for ``isa`` (default: ``default_native_isa()``),
+    built on first use."""
+    isa = isa or default_native_isa() or "avx512"
+    with _native_lock:
+        if isa not in _native_state:
+            try:
+                _native_state[isa] = (_build_native(isa), None)
+            except Exception as exc:  # no compiler, unsupported CPU, ...: fall back to torch kernels
+                _native_state[isa] = (None, f"{type(exc).__name__}: {exc}")
+        return _native_state[isa]
+
+
 def native_library(isa: str | None = None):
     """The compiled native int8 kernel library (ctypes) for ``isa`` (default: ``default_native_isa()``),
-    or None where it cannot be used (the reason is in ``native_error(isa)``).
+    or None where it cannot be used (the reason is ``native_error(isa)``).
 
     Needs x86-64 Linux with AVX-512 VNNI or AVX2 + FMA + F16C and a C compiler (``$CC``, default
     ``gcc``). The shared object is built once (~1-3 s) from ``shared/native/`` into
     ``$OMNIDRAFT_HOME/fast_drafter/`` and reused. ``OMNIDRAFT_NATIVE=0`` disables it.
     """
-    isa = isa or default_native_isa() or "avx512"
-    with _native_lock:
-        if isa in _native_state:
-            return _native_state[isa]
-        _native_state[isa] = None
-        _native_state["error:" + isa] = None
-        try:
-            _native_state[isa] = _build_native(isa)
-        except Exception as exc:  # no compiler, unsupported CPU, ...: fall back to torch kernels
-            _native_state["error:" + isa] = f"{type(exc).__name__}: {exc}"
-        return _native_state[isa]
+    return _native(isa)[0]
 
 
 def native_error(isa: str | None = None) -> str | None:
-    """Why ``native_library(isa)`` returned None (after it was called)."""
-    return _native_state.get("error:" + (isa or default_native_isa() or "avx512"))
+    """Why ``native_library(isa)`` is None (None when it is available)."""
+    return _native(isa)[1]
 
 
 def native_source(isa: str) -> str:

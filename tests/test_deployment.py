@@ -74,6 +74,7 @@ def test_fleet_init_creates_a_ca_a_server_certificate_and_node_keys(tmp_path, ca
     (["fleet", "init", "--superlink", "nohost"], "give host:port"),
     (["fleet", "init", "--superlink", "h:1", "--node", "bad name"], "node name"),
     (["fleet", "superlink"], "run omnidraft fleet init first"),
+    (["fleet", "run", "--secagg", "--aggregation", "median"], "use --aggregation fedavg with --secagg"),
     (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s"],
      "give --cert"),
     (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s",

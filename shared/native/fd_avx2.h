@@ -120,9 +120,20 @@ static void quant_row(const float* x, int K, qact* a, int m, float mult) {
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(act, w)), ones))
 #define BCAST(p) _mm256_set1_epi32(*(const int32_t*)(p))
 
+// Step k (4 inputs) of a 16-row block: signed weights w0 (rows 0-7), w1 (rows 8-15) and their
+// magnitudes a0, a1 (the stored bytes are q + 128).
+FD_INLINE void load_step(const uint8_t* w, int k, __m256i* w0, __m256i* w1, __m256i* a0, __m256i* a1) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    _mm_prefetch((const char*)(w + (size_t)k * 16 + PF_DIST), _MM_HINT_T0);
+    *w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + (size_t)k * 16)), flip);
+    *w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + (size_t)k * 16 + 32)), flip);
+    *a0 = _mm256_abs_epi8(*w0);
+    *a1 = _mm256_abs_epi8(*w1);
+}
+
 // R activation rows (16-bit split) against one 16-row block: out[2r], out[2r+1] = rows 0-7, 8-15.
 FD_INLINE void block16(const int R, int K, const uint8_t* w, const float* sc, const qact* a, int m, __m256* out) {
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1);
     const size_t ld = a->ld;
     const int8_t* h0 = a->hi + (size_t)m * ld;
     const int8_t* l0 = a->lo + (size_t)m * ld;
@@ -133,10 +144,8 @@ FD_INLINE void block16(const int R, int K, const uint8_t* w, const float* sc, co
         for (int i = 0; i < 2 * R; i++) H[i] = L[i] = _mm256_setzero_si256();
 #pragma GCC unroll 16
         for (int k = g * 64; k < g * 64 + 64; k += 4) {
-            _mm_prefetch((const char*)(w + (size_t)k * 16 + PF_DIST), _MM_HINT_T0);
-            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + (size_t)k * 16)), flip);
-            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + (size_t)k * 16 + 32)), flip);
-            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+            __m256i w0, w1, a0, a1;
+            load_step(w, k, &w0, &w1, &a0, &a1);
             for (int r = 0; r < R; r++) {
                 const __m256i bh = BCAST(h0 + r * ld + k), bl = BCAST(l0 + r * ld + k);
                 DOT4(H[2 * r], a0, w0, bh);
@@ -156,7 +165,7 @@ FD_INLINE void block16(const int R, int K, const uint8_t* w, const float* sc, co
 
 // R activation rows (8-bit, a scale per 64 inputs) against one 16-row block.
 FD_INLINE void block8(const int R, int K, const uint8_t* w, const float* sc, const qact* a, int m, __m256* out) {
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1);
     const size_t ld = a->ld, ldg = a->ld / 64;
     const int8_t* h0 = a->hi + (size_t)m * ld;
     const float* c0 = a->gsc + (size_t)m * ldg;
@@ -167,10 +176,8 @@ FD_INLINE void block8(const int R, int K, const uint8_t* w, const float* sc, con
         for (int i = 0; i < 2 * R; i++) H[i] = _mm256_setzero_si256();
 #pragma GCC unroll 16
         for (int k = g * 64; k < g * 64 + 64; k += 4) {
-            _mm_prefetch((const char*)(w + (size_t)k * 16 + PF_DIST), _MM_HINT_T0);
-            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + (size_t)k * 16)), flip);
-            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + (size_t)k * 16 + 32)), flip);
-            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+            __m256i w0, w1, a0, a1;
+            load_step(w, k, &w0, &w1, &a0, &a1);
             for (int r = 0; r < R; r++) {
                 const __m256i b = BCAST(h0 + r * ld + k);
                 DOT4(H[2 * r], a0, w0, b);
