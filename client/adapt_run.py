@@ -180,9 +180,10 @@ def save_figure(fig, path: str) -> None:
 ABLATION_VARIANTS = {
     # name: (learn the adapter, loss, learned adaptive drafting)
     "cache only": (False, None, False),
-    "L_DM": (True, LossConfig(ngram=False), False),
-    "L_DM + lambda L_ngram": (True, LossConfig(), False),
-    "+ adaptive head": (True, LossConfig(), True),
+    "L_DM": (True, LossConfig(kind="hybrid", ngram=False), False),
+    "L_DM + lambda L_ngram": (True, LossConfig(kind="hybrid"), False),
+    "L_seq": (True, LossConfig(kind="seq"), False),
+    "L_seq + adaptive head": (True, LossConfig(kind="seq"), True),
 }
 
 

@@ -2,7 +2,8 @@
 
 ``OnlineLearner.observe(sample)`` is called after each generation with what it taught
 (``TrainingSample``). Every ``interval`` prompts (``I``, default 8) the buffered samples drive
-one AdamW step on the active target's LoRA adapter with the hybrid loss; the buffer is then
+AdamW steps on the active target's LoRA adapter with the configured loss (sequence-level
+NLL by default, or the paper's hybrid loss); the buffer is then
 cleared (one pass over the stream, on-policy: each sample was decoded with the current
 drafter). After the step, the updated drafter re-scores the buffer to label the acceptance
 head's replay buffer; on every other prompt the head takes one step on a replayed batch
@@ -20,7 +21,7 @@ import torch
 
 from omnidraft.shared.acceptance_head import AcceptanceHead, ReplayBuffer, soft_labels
 from omnidraft.shared.adapters import DrafterAdapters
-from omnidraft.shared.distill import LossConfig, hybrid_loss
+from omnidraft.shared.distill import LossConfig, hybrid_loss, sequence_nll
 from omnidraft.shared.fast_drafter import cpu_has_native_bf16
 from omnidraft.shared.training_signal import Intersection, TrainingSample
 
@@ -108,24 +109,26 @@ class OnlineLearner:
         return None
 
     def update(self) -> UpdateReport:
-        """One pass over the buffer: ``steps_per_update`` AdamW steps on the hybrid loss."""
+        """One pass over the buffer: ``steps_per_update`` AdamW steps on the loss."""
         t0 = time.perf_counter()
         self.adapters.activate(self.target)
-        samples = [s for s in self.buffer if s.loss_positions]
+        kind = self.config.loss.kind
+        samples = [s for s in self.buffer if s.positions(kind)]
         self.buffer = []
         steps = max(1, min(self.config.steps_per_update, len(samples)))
         batches = [samples[i::steps] for i in range(steps)]
-        totals = {"loss": 0.0, "dm_terms": 0, "ngram_terms": 0}
+        totals = {"loss": 0.0, "dm_terms": 0, "ngram_terms": 0, "terms": 0}
         model = self.adapters.peft
         model.train()
         try:
             for batch in batches:
-                terms = sum(s.loss_positions for s in batch)
+                terms = sum(s.positions(kind) for s in batch)
                 self.optimizer.zero_grad(set_to_none=True)
                 for s in batch:
                     loss, parts, _, _ = self._sample_loss(s, grad=True)
-                    (loss * (s.loss_positions / terms)).backward()
-                    totals["loss"] += float(loss.detach()) * s.loss_positions
+                    (loss * (s.positions(kind) / terms)).backward()
+                    totals["loss"] += float(loss.detach()) * s.positions(kind)
+                    totals["terms"] += s.positions(kind)
                     totals["dm_terms"] += parts.get("dm_terms", 0)
                     totals["ngram_terms"] += parts.get("ngram_terms", 0)
                 if terms:
@@ -135,7 +138,7 @@ class OnlineLearner:
         self.adapters.invalidate(self.target)
         head_rows = self._label_for_head(samples) if self.head is not None else 0
         self.updates += 1
-        n_terms = totals["dm_terms"] + totals["ngram_terms"]
+        n_terms = totals["terms"]
         report = UpdateReport(self.updates, self.prompts_seen, time.perf_counter() - t0,
                               totals["loss"] / n_terms if n_terms else 0.0, totals["dm_terms"],
                               totals["ngram_terms"], head_rows)
@@ -150,7 +153,8 @@ class OnlineLearner:
 
     def _sample_loss(self, s: TrainingSample, grad: bool):
         """``(loss, parts, hidden, dm_logits)`` of one sample: the teacher-forced drafter over
-        its ids, logits only at the rows that predict a loss position."""
+        its ids, logits only at the rows that predict a loss position (``hidden`` and
+        ``dm_logits`` at the DM positions, for the acceptance head's labels)."""
         decoder, lm_head = self.adapters.decoder_and_head()
         ids = torch.tensor([s.draft_ids], dtype=torch.long)
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
@@ -158,19 +162,26 @@ class OnlineLearner:
             hidden = decoder(input_ids=ids).last_hidden_state[0]
             dm_hidden = hidden.index_select(0, s.dm_pos - 1)
             dm_logits = lm_head(dm_hidden).float()
-            ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
+            if self.config.loss.kind == "seq":
+                seq_logits = lm_head(hidden[s.seq_start - 1:-1]).float()
+            else:
+                ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
+        if self.config.loss.kind == "seq":
+            loss, parts = sequence_nll(seq_logits, ids[0, s.seq_start:])
+            return loss, parts, dm_hidden.float(), dm_logits
         loss, parts = hybrid_loss(dm_logits, self.inter.draft_ids, s.dm_top_idx, s.dm_top_logp,
                                   s.dm_inter_logmass, ng_logits, s.ng_ids, s.ng_logp_t, self.config.loss)
         return loss, parts, dm_hidden.float(), dm_logits
 
     def loss_on(self, samples: list[TrainingSample]) -> float:
-        """The hybrid loss averaged over the terms of ``samples`` with the current adapter."""
+        """The loss averaged over the terms of ``samples`` with the current adapter."""
         total, terms = 0.0, 0
+        kind = self.config.loss.kind
         for s in samples:
-            if s.loss_positions:
+            if s.positions(kind):
                 loss, _, _, _ = self._sample_loss(s, grad=False)
-                total += float(loss) * s.loss_positions
-                terms += s.loss_positions
+                total += float(loss) * s.positions(kind)
+                terms += s.positions(kind)
         return total / terms if terms else 0.0
 
     # -- the acceptance head ---------------------------------------------------------------------

@@ -110,13 +110,14 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="optimizer steps per update (the buffer split into this many batches)")
     adapt.add_argument("--lora-rank", type=int, default=32)
     adapt.add_argument("--lora-modules", default="all", help="all | attn | mlp | qv")
-    adapt.add_argument("--loss", default="hybrid", choices=["hybrid", "dm", "ngram", "none"],
-                       help="hybrid = L_DM + lambda L_ngram; none = no adapter training (cache only)")
+    adapt.add_argument("--loss", default="seq", choices=["seq", "hybrid", "dm", "ngram", "none"],
+                       help="seq = NLL of every drafter token of the target's output; hybrid = L_DM + "
+                            "lambda L_ngram (the paper's); none = no adapter training (cache only)")
     adapt.add_argument("--lam", type=float, default=0.2, help="n-gram loss weight lambda")
     adapt.add_argument("--dynamic-lambda", action="store_true", help="lambda = p(t) per n-gram token")
     adapt.add_argument("--no-head", action="store_true", help="no learned adaptive drafting")
     adapt.add_argument("--ablation", action="store_true",
-                       help="one split, each part in turn: cache only / L_DM / L_DM + lambda L_ngram / + head")
+                       help="one split, each part in turn: cache only / L_DM / L_DM + lambda L_ngram / L_seq / + head")
     drift = sub.add_parser("drift", help="recovery after a target or domain switch, with and without the n-gram cache")
     drift.add_argument("--drafter", required=True)
     drift.add_argument("--stream", required=True,
@@ -535,8 +536,10 @@ def _adapt(args) -> int:
     if args.limit is not None and args.limit < 2:
         raise UsageError("omnidraft adapt: --limit must be >= 2")
     config = _config(args)
-    loss = LossConfig(dm=args.loss in ("hybrid", "dm"), ngram=args.loss in ("hybrid", "ngram"),
-                      lam=args.lam, dynamic=args.dynamic_lambda) if args.loss != "none" else LossConfig()
+    loss = LossConfig(kind="seq" if args.loss in ("seq", "none") else "hybrid",
+                      dm=args.loss in ("seq", "none", "hybrid", "dm"),
+                      ngram=args.loss in ("seq", "none", "hybrid", "ngram"),
+                      lam=args.lam, dynamic=args.dynamic_lambda)
     online = OnlineConfig(interval=args.interval, lr=args.lr, steps_per_update=args.steps_per_update, loss=loss)
     lora = LoraSpec(rank=args.lora_rank, modules=args.lora_modules)
     try:

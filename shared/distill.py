@@ -14,6 +14,15 @@ n-gram sub-token):
   the target committed (drafter space). ``lambda`` is a constant (0.2 by default) or, with
   ``dynamic``, the target's ``p(t)`` of that token (a point-wise KL on the n-gram token).
 
+``kind="seq"`` (the default) is sequence-level distillation instead: the NLL of *every* drafter
+token of the committed response, DM tokens, n-gram sub-tokens and the tokens that straddle a
+target-token boundary alike (``sequence_nll``). Under greedy decoding each committed token is the
+target's argmax, so this trains the drafter's top-1 towards exactly what greedy verification
+accepts; under sampling each committed token is a sample of ``p``, so it is an unbiased estimate
+of the forward-KL (cross-entropy) gradient. Measured on the same one-pass HumanEval stream
+(BENCHMARKS.md, "Which loss"), it raises the drafter's held-out top-1 agreement with the target
+by 0.07 against 0.05 for the hybrid loss.
+
 The softmax temperature inside the loss is 1 whatever the decoding temperature.
 """
 
@@ -23,19 +32,24 @@ from dataclasses import dataclass
 
 import torch
 
+LOSS_KINDS = ("seq", "hybrid")
 LOG_FLOOR = -30.0  # log-probability floor for an (almost) empty rest bucket
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Which parts of the hybrid loss are on, and the n-gram weight."""
+    """Which loss: ``kind`` "seq" (sequence-level NLL) or "hybrid"; for the hybrid loss, which
+    parts are on and the n-gram weight."""
 
+    kind: str = "seq"
     dm: bool = True
     ngram: bool = True
     lam: float = 0.2
     dynamic: bool = False
 
     def validate(self) -> None:
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"unknown loss {self.kind!r}: use one of {', '.join(LOSS_KINDS)}")
         if not (self.dm or self.ngram):
             raise ValueError("the loss needs at least one of the DM and n-gram terms")
         if self.lam < 0:
@@ -72,6 +86,16 @@ def dm_reverse_kl(draft_logits: torch.Tensor, inter_draft_ids: torch.Tensor, top
 def ngram_nll(draft_logits: torch.Tensor, sub_ids: torch.Tensor) -> torch.Tensor:
     """Per-sub-token ``-log q_theta(d_j)`` ``[m]`` (drafter vocabulary, temperature 1)."""
     return -torch.log_softmax(draft_logits.float(), dim=-1).gather(1, sub_ids[:, None])[:, 0]
+
+
+def sequence_nll(draft_logits: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """``(loss, parts)``: the mean NLL of the committed response's drafter tokens ``next_ids``
+    [m] under the logits ``draft_logits`` [m, drafter vocab] that predict them."""
+    if not next_ids.numel():
+        return draft_logits.sum() * 0.0, {"seq_terms": 0}
+    nll = ngram_nll(draft_logits, next_ids)
+    loss = nll.mean()
+    return loss, {"seq_nll": float(loss.detach()), "seq_terms": int(nll.numel()), "loss": float(loss.detach())}
 
 
 def hybrid_loss(dm_logits: torch.Tensor, inter_draft_ids: torch.Tensor, top_idx: torch.Tensor,

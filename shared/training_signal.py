@@ -60,7 +60,9 @@ class TrainingSample:
     [n] (target log-probs, temperature 1), ``dm_logp_t`` [n] (log p of the committed token).
     N-gram sub-token positions: ``ng_pos`` [m], ``ng_ids`` [m] (the sub-tokens), ``ng_logp_t``
     [m] (log p of the target token they spell), ``ng_count`` (n-gram target tokens).
-    ``target_tokens``: committed target tokens of the response.
+    ``target_tokens``: committed target tokens of the response. ``seq_start``: the first
+    drafter position of the response that carries a loss (its first aligned token); the
+    sequence-level loss covers ``seq_start .. len(draft_ids) - 1``.
     """
 
     draft_ids: list[int]
@@ -74,10 +76,21 @@ class TrainingSample:
     ng_logp_t: torch.Tensor
     ng_count: int
     target_tokens: int
+    seq_start: int
 
     @property
     def loss_positions(self) -> int:
+        """Positions of the hybrid loss (DM tokens + n-gram sub-tokens)."""
         return int(self.dm_pos.numel() + self.ng_pos.numel())
+
+    @property
+    def seq_positions(self) -> int:
+        """Positions of the sequence-level loss (every drafter token from ``seq_start`` on)."""
+        return max(0, len(self.draft_ids) - self.seq_start) if self.loss_positions else 0
+
+    def positions(self, kind: str) -> int:
+        """Loss positions of the loss ``kind`` ("seq" or "hybrid")."""
+        return self.seq_positions if kind == "seq" else self.loss_positions
 
 
 class SignalRecorder:
@@ -150,4 +163,5 @@ class SignalRecorder:
             dm_logp_t=logp_t[dm],
             ng_pos=torch.tensor(ng_pos, dtype=torch.long), ng_ids=torch.tensor(ng_ids, dtype=torch.long),
             ng_logp_t=logp_t[ng], ng_count=ng_count, target_tokens=len(self._tokens),
+            seq_start=min(dm_pos[:1] + ng_pos[:1], default=len(ids)),
         )

@@ -15,7 +15,7 @@ from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared.acceptance_head import GammaTuner, ReplayBuffer, soft_labels
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll
+from omnidraft.shared.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll, sequence_nll
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 
@@ -71,6 +71,29 @@ def test_ngram_nll_and_hybrid_weighting():
     dm_only, parts = hybrid_loss(dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t,
                                  LossConfig(ngram=False))
     assert float(dm_only) == pytest.approx(kl, abs=1e-6) and parts["ngram_terms"] == 0
+
+
+def test_sequence_nll_hand_computation():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8], [0.7, 0.2, 0.1]]))
+    loss, parts = sequence_nll(logits, torch.tensor([0, 2, 1]))
+    assert float(loss) == pytest.approx((math.log(2) - math.log(0.8) - math.log(0.2)) / 3, rel=1e-5)
+    assert parts["seq_terms"] == 3
+    empty, parts = sequence_nll(logits[:0], torch.tensor([], dtype=torch.long))
+    assert float(empty) == 0.0 and parts["seq_terms"] == 0
+    with pytest.raises(ValueError, match="unknown loss"):
+        LossConfig(kind="kl").validate()
+
+
+def test_sequence_loss_covers_every_response_token(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8))
+    sample = session.generate(PROMPTS[0], CONFIG, observe=False).training_sample
+    aligned = torch.cat([sample.dm_pos, sample.ng_pos])
+    assert sample.seq_start == int(aligned.min())
+    # every aligned position is in the sequence loss, and so are the tokens between them
+    assert int(aligned.max()) < len(sample.draft_ids)
+    assert sample.seq_positions == len(sample.draft_ids) - sample.seq_start >= sample.loss_positions
+    assert sample.positions("seq") == sample.seq_positions and sample.positions("hybrid") == sample.loss_positions
 
 
 def test_soft_labels_hand_computation():
@@ -158,10 +181,11 @@ def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair
     assert adapters.peft.get_base_model() is engine.drafter.model
 
 
-def test_loss_decreases_on_a_fixed_stream(pair_dir):
+@pytest.mark.parametrize("kind", ["seq", "hybrid"])
+def test_loss_decreases_on_a_fixed_stream(pair_dir, kind):
     engine = _engine(pair_dir)
-    session = DeviceSession(engine, target_name="t", online=OnlineConfig(interval=100, lr=3e-3),
-                            lora=LoraSpec(rank=8))
+    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8),
+                            online=OnlineConfig(interval=100, lr=3e-3, loss=LossConfig(kind=kind)))
     samples = [session.generate(p, CONFIG).training_sample for p in PROMPTS[:6]]
     assert all(s.loss_positions > 0 for s in samples)
     learner = session.learner
@@ -304,7 +328,8 @@ def test_adapt_ablation_and_drift_commands(pair_dir, tmp_path):
     assert main(["adapt", *pair, "--dataset", data, "--train-fraction", "0.67", "--interval", "2",
                  "--ablation", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert list(report["variants"]) == ["cold", "cache only", "L_DM", "L_DM + lambda L_ngram", "+ adaptive head"]
+    assert list(report["variants"]) == ["cold", "cache only", "L_DM", "L_DM + lambda L_ngram", "L_seq",
+                                       "L_seq + adaptive head"]
     assert report["updates"]["cache only"] == 0 and report["updates"]["L_DM"] == 2
     assert all(v == 2 for v in report["identical_to_ar"].values())
 
