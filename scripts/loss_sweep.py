@@ -1,0 +1,174 @@
+"""Which distillation loss learns fastest: an offline replay of one online pass.
+
+Under greedy decoding the committed text is the target's own output whatever the drafter
+drafted, so the training samples of a stream (``TrainingSample``: the drafter's tokenization of
+the response plus the target statistics verification computed) do not depend on the adapter.
+This script decodes HumanEval once, keeps every sample, then replays the first ``--train``
+samples through ``OnlineLearner`` (the device's own schedule: an update every 8 prompts) once per
+loss variant, each from a fresh adapter, and measures on the held-out samples the drafter's
+teacher-forced agreement with the target:
+
+* ``top1``: share of the response's drafter tokens that are the drafter's argmax;
+* ``k4``: mean over positions of min(4, run of consecutive argmax hits from there) / 4, a
+  teacher-forced stand-in for the acceptance rate of 4-token drafts;
+* ``dm_top1``: ``top1`` on direct-mapped tokens only.
+
+    python scripts/loss_sweep.py collect --target qwen2.5-coder-1.5b --out samples.pt
+    python scripts/loss_sweep.py sweep --target qwen2.5-coder-1.5b --samples samples.pt \
+        --variants base,seq,hybrid,hybrid-lam1,hybrid-span,hybrid-fkl,seq-lr1e-3,hybrid-lr1e-3,hybrid-lr3e-4
+
+Variants: ``base`` (no training); ``seq`` / ``hybrid`` (the project's losses); ``hybrid-lam1``
+(λ = 1); ``hybrid-span`` (hybrid + NLL on the drafter tokens that straddle a target-token
+boundary); ``hybrid-fkl`` (L_DM as forward KL(p ‖ q') on the same coarsened support); a
+``-lrX`` suffix sets the learning rate (default 1e-4; ``hybrid-fkl`` defaults to 1e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+
+import torch
+
+from omnidraft.client.online_learner import OnlineConfig, OnlineLearner
+from omnidraft.client.session import DeviceSession
+from omnidraft.shared import bench
+from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.distill import LossConfig, coarse_log_probs, hybrid_loss, ngram_nll
+from omnidraft.shared.engine import Engine
+from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.training_signal import Intersection
+
+DRAFTER = "smollm2-135m"
+
+
+def collect(args) -> None:
+    engine = Engine.load(DRAFTER, args.target, args.dtype)
+    session = DeviceSession(engine, target_name=args.target, adaptive=False, grow_cache=False)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    samples = []
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(bench.load_prompts("humaneval", args.limit)):
+        samples.append(session.generate(prompt, config, learn=True, observe=False).training_sample)
+        print(f"{i + 1} prompts, {time.perf_counter() - t0:.0f} s", flush=True)
+    torch.save(samples, args.out)
+
+
+class VariantLearner(OnlineLearner):
+    """``OnlineLearner`` with the experimental losses (``hybrid-span``, ``hybrid-fkl``)."""
+
+    variant = ""
+
+    def _sample_loss(self, s, grad):
+        if self.variant not in ("span", "fkl"):
+            return super()._sample_loss(s, grad)
+        decoder, lm_head = self.adapters.decoder_and_head()
+        ids = torch.tensor([s.draft_ids], dtype=torch.long)
+        ctx = contextlib.nullcontext() if grad else torch.no_grad()
+        with ctx, self._autocast():
+            hidden = decoder(input_ids=ids).last_hidden_state[0]
+            dm_logits = lm_head(hidden.index_select(0, s.dm_pos - 1)).float()
+            ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
+            if self.variant == "span":
+                mask = torch.zeros(len(s.draft_ids), dtype=torch.bool)
+                mask[s.seq_start:] = True
+                mask[s.dm_pos] = False
+                mask[s.ng_pos] = False
+                straddle = mask.nonzero()[:, 0]
+                st_logits = lm_head(hidden.index_select(0, straddle - 1)).float()
+        if self.variant == "span":
+            loss, parts = hybrid_loss(dm_logits, self.inter.draft_ids, s.dm_top_idx, s.dm_top_logp,
+                                      s.dm_inter_logmass, ng_logits, s.ng_ids, s.ng_logp_t, self.config.loss)
+            nll = ngram_nll(st_logits, ids[0, straddle])
+            n = s.loss_positions
+            return (loss * n + nll.sum()) / (n + nll.numel()), parts, None, None
+        logq = coarse_log_probs(torch.log_softmax(dm_logits.index_select(1, self.inter.draft_ids), -1)
+                                .gather(1, s.dm_top_idx))
+        logp = coarse_log_probs(s.dm_top_logp - s.dm_inter_logmass[:, None])
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+        nll = ngram_nll(ng_logits, s.ng_ids)
+        return torch.cat([kl, self.config.loss.lam * nll]).mean(), {}, None, None
+
+
+@torch.no_grad()
+def agreement(adapters: DrafterAdapters, name: str, samples) -> dict:
+    adapters.activate(name)
+    decoder, lm_head = adapters.decoder_and_head()
+    hits = total = dm_hits = dm_total = 0
+    runs = 0.0
+    for s in samples:
+        ids = torch.tensor([s.draft_ids])
+        hidden = decoder(input_ids=ids).last_hidden_state[0]
+        ok = (lm_head(hidden[s.seq_start - 1:-1]).argmax(-1) == ids[0, s.seq_start:]).tolist()
+        hits, total = hits + sum(ok), total + len(ok)
+        for j in range(len(ok)):
+            r = 0
+            while r < 4 and j + r < len(ok) and ok[j + r]:
+                r += 1
+            runs += r / 4
+        dm = lm_head(hidden.index_select(0, s.dm_pos - 1)).argmax(-1)
+        dm_hits += int((dm == ids[0, s.dm_pos]).sum())
+        dm_total += s.dm_pos.numel()
+    return {"top1": hits / total, "k4": runs / total, "dm_top1": dm_hits / dm_total}
+
+
+def parse_variant(name: str) -> tuple[str, LossConfig, float]:
+    base, _, lr = name.partition("-lr")
+    kinds = {"seq": ("", LossConfig(kind="seq")), "hybrid": ("", LossConfig(kind="hybrid")),
+             "hybrid-lam1": ("", LossConfig(kind="hybrid", lam=1.0)),
+             "hybrid-span": ("span", LossConfig(kind="hybrid", lam=1.0)),
+             "hybrid-fkl": ("fkl", LossConfig(kind="hybrid"))}
+    if base not in kinds:
+        raise SystemExit(f"loss_sweep: unknown variant {name!r}")
+    variant, loss = kinds[base]
+    return variant, loss, float(lr) if lr else (1e-3 if variant == "fkl" else 1e-4)
+
+
+def sweep(args) -> None:
+    torch.manual_seed(0)
+    engine = Engine.load(DRAFTER, args.target, args.dtype)
+    samples = torch.load(args.samples, weights_only=False)
+    train, test = samples[:args.train], samples[args.train:]
+    inter = Intersection(engine.bridge, engine.drafter.logit_rows)
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=32), drafter_weights=engine.drafter_weights)
+    for i, name in enumerate(args.variants.split(",")):
+        adapters.add(f"v{i}")
+        row = {"variant": name}
+        if name != "base":
+            variant, loss, lr = parse_variant(name)
+            learner = VariantLearner(adapters, f"v{i}", inter, None,
+                                     OnlineConfig(lr=lr, loss=loss, head=False))
+            learner.variant = variant
+            t0 = time.perf_counter()
+            for s in train:
+                learner.observe(s)
+            if learner.buffer:
+                learner.update()
+            row.update(lr=lr, train_s=round(time.perf_counter() - t0, 1))
+        row.update(agreement(adapters, f"v{i}", test))
+        print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("--target", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--limit", type=int)
+    c.add_argument("--dtype", default="int8")
+    s = sub.add_parser("sweep")
+    s.add_argument("--target", required=True)
+    s.add_argument("--samples", required=True)
+    s.add_argument("--train", type=int, default=131, help="samples in the training stream (default: 80 %% of HumanEval)")
+    s.add_argument("--variants", default="base,seq,hybrid")
+    s.add_argument("--dtype", default="int8")
+    args = p.parse_args()
+    collect(args) if args.command == "collect" else sweep(args)
+
+
+if __name__ == "__main__":
+    main()
