@@ -125,10 +125,11 @@ class OnlineLearner:
                 terms = sum(s.positions(kind) for s in batch)
                 self.optimizer.zero_grad(set_to_none=True)
                 for s in batch:
+                    n = s.positions(kind)
                     loss, parts, _, _ = self._sample_loss(s, grad=True)
-                    (loss * (s.positions(kind) / terms)).backward()
-                    totals["loss"] += float(loss.detach()) * s.positions(kind)
-                    totals["terms"] += s.positions(kind)
+                    (loss * (n / terms)).backward()
+                    totals["loss"] += float(loss.detach()) * n
+                    totals["terms"] += n
                     totals["dm_terms"] += parts.get("dm_terms", 0)
                     totals["ngram_terms"] += parts.get("ngram_terms", 0)
                 if terms:
@@ -161,10 +162,11 @@ class OnlineLearner:
         with ctx, self._autocast():
             hidden = decoder(input_ids=ids).last_hidden_state[0]
             dm_hidden = hidden.index_select(0, s.dm_pos - 1)
-            dm_logits = lm_head(dm_hidden).float()
-            if self.config.loss.kind == "seq":
+            if self.config.loss.kind == "seq":  # DM positions are a subset: their logits are rows of these
                 seq_logits = lm_head(hidden[s.seq_start - 1:-1]).float()
+                dm_logits = seq_logits.index_select(0, s.dm_pos - s.seq_start)
             else:
+                dm_logits = lm_head(dm_hidden).float()
                 ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
         if self.config.loss.kind == "seq":
             loss, parts = sequence_nll(seq_logits, ids[0, s.seq_start:])
@@ -178,10 +180,11 @@ class OnlineLearner:
         total, terms = 0.0, 0
         kind = self.config.loss.kind
         for s in samples:
-            if s.positions(kind):
+            n = s.positions(kind)
+            if n:
                 loss, _, _, _ = self._sample_loss(s, grad=False)
-                total += float(loss) * s.positions(kind)
-                terms += s.positions(kind)
+                total += float(loss) * n
+                terms += n
         return total / terms if terms else 0.0
 
     # -- the acceptance head ---------------------------------------------------------------------

@@ -536,10 +536,8 @@ def _adapt(args) -> int:
     if args.limit is not None and args.limit < 2:
         raise UsageError("omnidraft adapt: --limit must be >= 2")
     config = _config(args)
-    loss = LossConfig(kind="seq" if args.loss in ("seq", "none") else "hybrid",
-                      dm=args.loss in ("seq", "none", "hybrid", "dm"),
-                      ngram=args.loss in ("seq", "none", "hybrid", "ngram"),
-                      lam=args.lam, dynamic=args.dynamic_lambda)
+    loss = LossConfig(kind="seq" if args.loss in ("seq", "none") else "hybrid", dm=args.loss != "ngram",
+                      ngram=args.loss != "dm", lam=args.lam, dynamic=args.dynamic_lambda)
     online = OnlineConfig(interval=args.interval, lr=args.lr, steps_per_update=args.steps_per_update, loss=loss)
     lora = LoraSpec(rank=args.lora_rank, modules=args.lora_modules)
     try:

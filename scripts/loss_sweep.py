@@ -36,6 +36,7 @@ from omnidraft.client.online_learner import OnlineConfig, OnlineLearner
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared import bench
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.catalog import CatalogError
 from omnidraft.shared.distill import LossConfig, coarse_log_probs, hybrid_loss, ngram_nll
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
@@ -127,13 +128,17 @@ def parse_variant(name: str) -> tuple[str, LossConfig, float]:
 
 
 def sweep(args) -> None:
+    names = args.variants.split(",")
+    for name in names:  # unknown names fail before anything loads
+        if name != "base":
+            parse_variant(name)
     torch.manual_seed(0)
+    samples = torch.load(args.samples, weights_only=False)  # before the models: a bad path fails fast
     engine = Engine.load(DRAFTER, args.target, args.dtype)
-    samples = torch.load(args.samples, weights_only=False)
     train, test = samples[:args.train], samples[args.train:]
     inter = Intersection(engine.bridge, engine.drafter.logit_rows)
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=32), drafter_weights=engine.drafter_weights)
-    for i, name in enumerate(args.variants.split(",")):
+    for i, name in enumerate(names):
         adapters.add(f"v{i}")
         row = {"variant": name}
         if name != "base":
@@ -167,7 +172,10 @@ def main() -> None:
     s.add_argument("--variants", default="base,seq,hybrid")
     s.add_argument("--dtype", default="int8")
     args = p.parse_args()
-    collect(args) if args.command == "collect" else sweep(args)
+    try:
+        collect(args) if args.command == "collect" else sweep(args)
+    except (CatalogError, OSError, ValueError, RuntimeError) as exc:  # a missing samples file, an unknown target
+        raise SystemExit(f"loss_sweep: {exc}") from None
 
 
 if __name__ == "__main__":

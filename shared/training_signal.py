@@ -86,7 +86,7 @@ class TrainingSample:
     @property
     def seq_positions(self) -> int:
         """Positions of the sequence-level loss (every drafter token from ``seq_start`` on)."""
-        return max(0, len(self.draft_ids) - self.seq_start) if self.loss_positions else 0
+        return len(self.draft_ids) - self.seq_start
 
     def positions(self, kind: str) -> int:
         """Loss positions of the loss ``kind`` ("seq" or "hybrid")."""
