@@ -6,6 +6,11 @@ with cold ``omnidraft``), then the training stream is decoded once with online l
 the held-out prompts are decoded again with the learned state (no learning, no gamma
 exploration). ``ar`` is measured once (it does not change) and both speedups divide by it.
 Greedy outputs after training are compared with ``ar``'s token by token.
+
+Acceptance depends on how long the drafter drafts: a drafter that learned to draft longer runs
+sees a lower rate on the longer tail. So, besides the deployed draft rule's numbers, each
+held-out pass is also decoded at a fixed draft length of ``fixed_k`` drafter tokens (no head, no
+stopping rule: the paper's protocol), whose acceptance compares drafters at equal length.
 """
 
 from __future__ import annotations
@@ -80,15 +85,32 @@ def evaluate(session: DeviceSession, prompts: list[str], config: GenerationConfi
     return phase
 
 
+def evaluate_fixed_k(session: DeviceSession, prompts: list[str], config: GenerationConfig, k: int,
+                     label: str) -> dict:
+    """Acceptance and tokens per target call on ``prompts`` when every round drafts exactly ``k``
+    drafter tokens (the paper's protocol: no acceptance head, no stopping rule)."""
+    fixed = replace(config, draft_stop="confidence", confidence=0.0, k_max=k)
+    phase = Phase()
+    decoder = session.decoder(gamma=None)  # without gamma the head is not used
+    for prompt in tqdm(prompts, desc=label, unit="prompt", leave=False):
+        text, ids = session.engine.prompt_ids(prompt)
+        phase.add(decoder.generate(text, ids, fixed))
+    summary = phase.summary()
+    return {"k": k, "acceptance_rate": summary["acceptance_rate"],
+            "tokens_per_target_call": summary["tokens_per_target_call"]}
+
+
 def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConfig,
-              train_fraction: float = 0.8, warmup: bool = True) -> dict:
-    """The whole experiment (see the module docstring); returns the JSON report."""
+              train_fraction: float = 0.8, warmup: bool = True, fixed_k: int = 4) -> dict:
+    """The whole experiment (see the module docstring); returns the JSON report. ``fixed_k``
+    0 skips the fixed-length passes."""
     train, test = split(prompts, train_fraction)
     if warmup:
         warm_up(session, test[0])
     ar = Phase()
     before = evaluate(session, test, config, "held-out before", ar=ar)
     ar_tps = ar.summary()["tokens_per_s"]
+    before_k = evaluate_fixed_k(session, test, config, fixed_k, f"held-out before, k={fixed_k}") if fixed_k else None
 
     curve, updates = [], []
     window = Phase()
@@ -107,10 +129,12 @@ def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConf
     train_s = time.perf_counter() - t0
 
     after = evaluate(session, test, config, "held-out after")
+    after_k = evaluate_fixed_k(session, test, config, fixed_k, f"held-out after, k={fixed_k}") if fixed_k else None
     identical = sum(a == b for a, b in zip(after.token_ids, ar.token_ids))
     update_s = [u["seconds"] for u in updates]
     return {
-        "before": before.summary(ar_tps), "after": after.summary(ar_tps), "ar": ar.summary(ar_tps),
+        "before": {**before.summary(ar_tps), "fixed_k": before_k},
+        "after": {**after.summary(ar_tps), "fixed_k": after_k}, "ar": ar.summary(ar_tps),
         "curve": curve, "updates": updates,
         "train_prompts": len(train), "heldout_prompts": len(test), "train_wall_s": train_s,
         "update_seconds_mean": sum(update_s) / len(update_s) if update_s else None,
@@ -129,6 +153,11 @@ def format_table(report: dict) -> str:
         rows.append((name, f"{s['acceptance_rate']:.3f}" if name != "ar" else "-",
                      f"{s['tokens_per_target_call']:.2f}", f"{s['tokens_per_s']:.2f}",
                      f"{speed:.2f}x" if speed else "-"))
+    for name in ("before", "after"):
+        fk = report[name].get("fixed_k")
+        if fk:
+            rows.append((f"{name}, k={fk['k']}", f"{fk['acceptance_rate']:.3f}",
+                         f"{fk['tokens_per_target_call']:.2f}", "-", "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.append(f"held-out prompts: {report['heldout_prompts']}, trained on {report['train_prompts']}; "

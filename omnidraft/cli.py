@@ -116,6 +116,9 @@ def _build_parser() -> argparse.ArgumentParser:
     adapt.add_argument("--lam", type=float, default=0.2, help="n-gram loss weight lambda")
     adapt.add_argument("--dynamic-lambda", action="store_true", help="lambda = p(t) per n-gram token")
     adapt.add_argument("--no-head", action="store_true", help="no learned adaptive drafting")
+    adapt.add_argument("--acceptance-k", type=int, default=4,
+                       help="also measure held-out acceptance at this fixed draft length (drafter "
+                            "tokens per round, the paper's protocol) before and after; 0 = skip")
     adapt.add_argument("--ablation", action="store_true",
                        help="one split, each part in turn: cache only / L_DM / L_DM + lambda L_ngram / L_seq / + head")
     drift = sub.add_parser("drift", help="recovery after a target or domain switch, with and without the n-gram cache")
@@ -535,6 +538,8 @@ def _adapt(args) -> int:
 
     if args.limit is not None and args.limit < 2:
         raise UsageError("omnidraft adapt: --limit must be >= 2")
+    if args.acceptance_k < 0:
+        raise UsageError("omnidraft adapt: --acceptance-k must be >= 0")
     config = _config(args)
     loss = LossConfig(kind="seq" if args.loss in ("seq", "none") else "hybrid", dm=args.loss != "ngram",
                       ngram=args.loss != "dm", lam=args.lam, dynamic=args.dynamic_lambda)
@@ -557,7 +562,7 @@ def _adapt(args) -> int:
         return _write_outputs(args, report, None)
     session = _session(args, engine, lora=lora, online=online, learn=args.loss != "none",
                        adaptive=not args.no_head)
-    report = adapt_run.run_adapt(session, prompts, config, args.train_fraction)
+    report = adapt_run.run_adapt(session, prompts, config, args.train_fraction, fixed_k=args.acceptance_k)
     report["config"] = {k: v for k, v in vars(args).items()}
     print(adapt_run.format_table(report))
     if args.state_dir:

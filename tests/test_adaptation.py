@@ -305,6 +305,9 @@ def test_adapt_command_end_to_end(pair_dir, tmp_path, capsys):
     report = json.loads(out.read_text())
     for phase in ("before", "after"):
         assert set(report[phase]) >= {"acceptance_rate", "tokens_per_target_call", "tokens_per_s", "speedup_vs_ar"}
+        fixed = report[phase]["fixed_k"]  # the paper's protocol: exactly 4 drafter tokens per round
+        assert fixed["k"] == 4 and 0 <= fixed["acceptance_rate"] <= 1
+        assert 1 <= fixed["tokens_per_target_call"] <= 4 + 1
     assert len(report["curve"]) == 2 and report["train_prompts"] == 4 and report["heldout_prompts"] == 2
     assert report["identical_to_ar_after"] == 2  # fp32: greedy output is the target's own
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -348,6 +351,7 @@ def test_adapt_ablation_and_drift_commands(pair_dir, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["adapt", "--dataset", "humaneval", "--train-fraction", "1.5"], "--train-fraction must be in (0, 1)"),
     (["adapt", "--dataset", "humaneval", "--limit", "1"], "--limit must be >= 2"),
+    (["adapt", "--dataset", "humaneval", "--acceptance-k", "-1"], "--acceptance-k must be >= 0"),
     (["adapt", "--dataset", "humaneval", "--lora-modules", "nope"], "unknown LoRA module set"),
     (["adapt", "--dataset", "humaneval", "--interval", "0"], "interval must be >= 1"),
     (["adapt", "--dataset", "/no/such.jsonl"], "an existing JSONL file"),
