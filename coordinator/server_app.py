@@ -166,10 +166,9 @@ class Coordinator:
         switched = self._roll_out(grid, rnd, members, states, skipped)
         records = []
         if rnd == 1 and cfg.evaluate:  # the starting point: every target's state before any round
-            for target in sorted(probes):
-                record = {"round": 0, "target": target, "version": int(states[target].manifest.version)}
-                record.update(self.evaluate(grid, 0, list(probes[target]), states[target], held=probes[target]))
-                records.append(record)
+            start = self.evaluate_panels(grid, 0, {t: (list(probes[t]), states[t], probes[t]) for t in probes})
+            records += [{"round": 0, "target": t, "version": int(states[t].manifest.version), **start[t]}
+                        for t in sorted(probes)]
         # sampled in the order of the devices' own ids (Flower's node ids change between runs)
         eligible = sorted((node for group in members.values() for node in group),
                           key=lambda n: str(next(g[n] for g in members.values() if n in g).get("device", n)))
@@ -177,7 +176,7 @@ class Coordinator:
         sampled = set(random.Random(cfg.seed * 100_003 + rnd).sample(eligible, size))
         by_target = {t: {n: s for n, s in group.items() if n in sampled} for t, group in members.items()}
         by_target = {t: g for t, g in by_target.items() if g}
-        newcomers = {t: self._first_sessions(grid, rnd, states[t], group) for t, group in by_target.items()}
+        newcomers = self._first_sessions(grid, rnd, states, by_target)
 
         secure = {}
         if cfg.secagg.enabled:  # devices keep their update for the secure aggregation
@@ -188,6 +187,7 @@ class Coordinator:
                     for node, rec in messages.items()}
         replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
 
+        trained = []
         for target, group in sorted(by_target.items()):
             record = self._aggregate(grid, rnd, target, states[target], group, replies, downlink)
             record.update({"devices": len(members[target]), "switched": switched.get(target, 0)})
@@ -195,12 +195,18 @@ class Coordinator:
             if start.HasField("restored_from"):  # the round trained from a rolled-back state
                 record["started-from"] = {"version": int(start.version), "restores": int(start.restored_from)}
             record.update(newcomers.get(target, {}))
-            if cfg.evaluate and record["aggregated"]:
-                panel = list(probes.get(target) or group)  # the probe panel, else the round's devices
-                record.update(self.evaluate(grid, rnd, panel, self.registry.load(target), held=probes.get(target)))
-            record["round-s"] = time.perf_counter() - t0
             record["skipped"] = [r for r in skipped if target in r]
-            records.append(record)
+            trained.append(record)
+        if cfg.evaluate:  # the probe panels (else the round's devices) measure the new states, all at once
+            panels = {r["target"]: (list(probes.get(r["target"]) or by_target[r["target"]]),
+                                    self.registry.load(r["target"]), probes.get(r["target"]))
+                      for r in trained if r["aggregated"]}
+            measured = self.evaluate_panels(grid, rnd, panels)
+            for record in trained:
+                record.update(measured.get(record["target"], {}))
+        for record in trained:
+            record["round-s"] = time.perf_counter() - t0
+        records += trained
         history = self.root / ROUNDS_FILE
         lines = "".join(json.dumps(r, default=float) + "\n" for r in records).encode()
         write_bytes_atomic(history, (history.read_bytes() if history.exists() else b"") + lines)
@@ -286,18 +292,26 @@ class Coordinator:
                      target, 100 * fraction)
         return switched
 
-    def _first_sessions(self, grid: Grid, rnd: int, state: GlobalState, group: dict[int, ConfigRecord]) -> dict:
-        """Devices that never trained for this target and meet a trained global state (at most
-        ``newcomer_evals`` of them): their first session's acceptance without it (``new-cold-``)
-        and with it (``new-warm-``)."""
-        new = sorted((node for node, status in group.items() if not status.get("trained")),
-                     key=lambda n: str(group[n].get("device", n)))
-        if self.config.newcomer_evals:
-            new = new[: self.config.newcomer_evals]
-        if not new or state.manifest.version == 0:
+    def _first_sessions(self, grid: Grid, rnd: int, states: dict[str, GlobalState],
+                        by_target: dict[str, dict[int, ConfigRecord]]) -> dict[str, dict]:
+        """Per target, sampled devices that never trained for it and meet a trained global state
+        (at most ``newcomer_evals`` of them): their first session's acceptance without it
+        (``new-cold-``) and with it (``new-warm-``). Every target's newcomers are measured in the
+        same two exchanges."""
+        panels = {}
+        for target, group in by_target.items():
+            new = sorted((node for node, status in group.items() if not status.get("trained")),
+                         key=lambda n: str(group[n].get("device", n)))
+            if self.config.newcomer_evals:
+                new = new[: self.config.newcomer_evals]
+            if new and states[target].manifest.version != 0:
+                panels[target] = (new, group)
+        if not panels:
             return {}
-        return {**self.evaluate(grid, rnd, new, None, prefix="new-cold-"),
-                **self.evaluate(grid, rnd, new, state, prefix="new-warm-", held=group)}
+        cold = self.evaluate_panels(grid, rnd, {t: (new, None, None) for t, (new, _) in panels.items()}, "new-cold-")
+        warm = self.evaluate_panels(grid, rnd, {t: (new, states[t], group) for t, (new, group) in panels.items()},
+                                    "new-warm-")
+        return {t: {**cold[t], **warm[t]} for t in panels}
 
     def _send(self, grid: Grid, nodes: list[int], message_type: str,
               content: Callable[[int], RecordDict], rnd: int) -> dict[int, Message]:
@@ -413,25 +427,35 @@ class Coordinator:
         adapter = {k: (global_adapter[k] + mean[k]).astype(global_adapter[k].dtype) for k in global_adapter}
         return adapter, metrics, up, down
 
-    def evaluate(self, grid: Grid, rnd: int, nodes: list[int], state: GlobalState | None,
-                 prefix: str = "eval-", held: dict[int, ConfigRecord] | None = None) -> dict:
-        """``nodes`` decode their held-out prompts without learning: with ``state`` (a global
-        state, sent to them without the parts their status in ``held`` says they hold), or with
-        their local state alone (``state=None``)."""
-        held = held or {}
-        extra = {"use-global": state is not None, "measure-ar": self.config.measure_ar}
-        records = {node: (ConfigRecord({"round": rnd, **extra}) if state is None
-                          else state_record(state, held.get(node), rnd, **extra)) for node in nodes}
-        replies = self._send(grid, nodes, MessageType.EVALUATE, lambda node: RecordDict({FLEET_KEY: records[node]}), rnd)
-        metrics = [replies[n].content[METRICS_KEY] for n in nodes  # in the order asked, not of arrival
-                   if n in replies and not replies[n].has_error() and METRICS_KEY in replies[n].content.metric_records]
-        if not metrics:
-            return {f"{prefix}devices": 0}
-        keys = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup")
-        weights = np.array([float(m["generated-tokens"]) for m in metrics]) + 1e-9
-        sent = [sum(len(v) for v in rec.values() if isinstance(v, bytes)) for rec in records.values()]
-        return {f"{prefix}devices": len(metrics), f"{prefix}downlink-bytes-per-device": float(np.mean(sent)),
-                **{f"{prefix}{k}": float(np.average([float(m[k]) for m in metrics], weights=weights)) for k in keys}}
+    def evaluate_panels(self, grid: Grid, rnd: int, panels: dict, prefix: str = "eval-") -> dict:
+        """Panels of devices, ``{key: (nodes, state, held)}`` with disjoint nodes, decode their
+        held-out prompts without learning: with ``state`` (a global state, sent to them without
+        the parts their status in ``held`` says they hold), or with their local state alone
+        (``state=None``). One exchange for all panels (the workers stay busy until the last
+        reply); returns ``{key: metrics with prefix}``."""
+        records, owner = {}, {}
+        for key, (nodes, state, held) in panels.items():
+            extra = {"use-global": state is not None, "measure-ar": self.config.measure_ar}
+            for node in nodes:
+                owner[node] = key
+                records[node] = (ConfigRecord({"round": rnd, **extra}) if state is None
+                                 else state_record(state, (held or {}).get(node), rnd, **extra))
+        replies = self._send(grid, list(records), MessageType.EVALUATE,
+                             lambda node: RecordDict({FLEET_KEY: records[node]}), rnd)
+        out = {}
+        for key, (nodes, _, _) in panels.items():
+            metrics = [replies[n].content[METRICS_KEY] for n in nodes  # in the order asked, not of arrival
+                       if n in replies and not replies[n].has_error() and METRICS_KEY in replies[n].content.metric_records]
+            if not metrics:
+                out[key] = {f"{prefix}devices": 0}
+                continue
+            keys = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup")
+            weights = np.array([float(m["generated-tokens"]) for m in metrics]) + 1e-9
+            sent = [sum(len(v) for v in records[n].values() if isinstance(v, bytes)) for n in nodes]
+            out[key] = {f"{prefix}devices": len(metrics), f"{prefix}downlink-bytes-per-device": float(np.mean(sent)),
+                        **{f"{prefix}{k}": float(np.average([float(m[k]) for m in metrics], weights=weights))
+                           for k in keys}}
+        return out
 
 
 def make_server_app(root: str | Path, config: FleetConfig,
