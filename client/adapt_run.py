@@ -86,13 +86,14 @@ def evaluate(session: DeviceSession, prompts: list[str], config: GenerationConfi
 
 
 def evaluate_fixed_k(session: DeviceSession, prompts: list[str], config: GenerationConfig, k: int,
-                     label: str) -> dict:
+                     label: str | None = None) -> dict:
     """Acceptance and tokens per target call on ``prompts`` when every round drafts exactly ``k``
-    drafter tokens (the paper's protocol: no acceptance head, no stopping rule)."""
+    drafter tokens (the paper's protocol: no acceptance head, no stopping rule); ``label``
+    names a progress bar (None: no bar)."""
     fixed = replace(config, draft_stop="confidence", confidence=0.0, k_max=k)
     phase = Phase()
     decoder = session.decoder(gamma=None)  # without gamma the head is not used
-    for prompt in tqdm(prompts, desc=label, unit="prompt", leave=False):
+    for prompt in tqdm(prompts, desc=label, unit="prompt", leave=False, disable=label is None):
         text, ids = session.engine.prompt_ids(prompt)
         phase.add(decoder.generate(text, ids, fixed))
     summary = phase.summary()

@@ -124,7 +124,8 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         use_global = bool(fleet.get("use-global", True))
         if use_global:
             receive_state(device, fleet)
-        metrics = device.evaluate(use_global=use_global, measure_ar=bool(fleet.get("measure-ar", False)))
+        metrics = device.evaluate(use_global=use_global, measure_ar=bool(fleet.get("measure-ar", False)),
+                                  fixed_k=int(fleet.get("fixed-k", 0)))
         return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app

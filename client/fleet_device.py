@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from omnidraft.client.adapt_run import Phase
+from omnidraft.client.adapt_run import Phase, evaluate_fixed_k
 from omnidraft.client.device_state import sha256 as _sha256, slug
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.resource_policy import (
@@ -442,11 +442,13 @@ class FleetDevice:
         path = self.dir / HISTORY_FILE
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
-    def evaluate(self, *, use_global: bool = True, measure_ar: bool = False) -> dict:
+    def evaluate(self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0) -> dict:
         """Decode the held-out prompts with the global state (or, ``use_global=False``, with the
         device's local state alone), without learning. ``measure_ar``: also the target alone on
         the same prompts, once per (target, prompts, length): its greedy output and speed do not
-        change between rounds, so later evaluations reuse the measured tok/s."""
+        change between rounds, so later evaluations reuse the measured tok/s. ``fixed_k``: also
+        decode them drafting exactly ``fixed_k`` drafter tokens per round (the paper's protocol;
+        ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft)."""
         session = self.session(use_global=use_global)
         session.learn = False
         p = self.profile
@@ -468,6 +470,11 @@ class FleetDevice:
         for prompt in p.heldout:
             phase.add(session.generate(prompt, p.generation, learn=False, explore=False))
         out = phase.summary(ar_tps)
-        return {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
-                "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
-                "generated-tokens": out["new_tokens"], "eval-s": time.perf_counter() - t0}
+        metrics = {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
+                   "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
+                   "generated-tokens": out["new_tokens"]}
+        if fixed_k:
+            fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k)
+            metrics.update({"fixed-k-acceptance": fixed["acceptance_rate"],
+                            "fixed-k-tokens-per-call": fixed["tokens_per_target_call"]})
+        return {**metrics, "eval-s": time.perf_counter() - t0}

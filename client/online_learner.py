@@ -26,6 +26,9 @@ from omnidraft.shared.fast_drafter import cpu_has_native_bf16
 from omnidraft.shared.training_signal import Intersection, TrainingSample
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+
 @dataclass
 class OnlineConfig:
     """Schedule and optimizer settings (paper Table 10 defaults where it gives them)."""
@@ -33,7 +36,9 @@ class OnlineConfig:
     interval: int = 8  # prompts per drafter update (I)
     lr: float = 1e-4  # constant AdamW learning rate for the adapter
     weight_decay: float = 0.0
-    steps_per_update: int = 8  # optimizer steps per buffer (the buffer split into this many batches)
+    steps_per_update: int = 8  # optimizer steps per pass (the buffer split into this many batches)
+    epochs: int = 1  # passes over the buffer per update (the paper: 1; a federated round may take more)
+    optimizer: str = "adamw"  # adamw | sgd (plain SGD: its updates average like gradients in FedAvg)
     loss: LossConfig = field(default_factory=LossConfig)
     head: bool = True  # train the acceptance head
     head_lr: float = 1e-3
@@ -48,6 +53,10 @@ class OnlineConfig:
             raise ValueError("the learning rate must be > 0")
         if self.steps_per_update < 1:
             raise ValueError("steps per update must be >= 1")
+        if self.epochs < 1:
+            raise ValueError("epochs per update must be >= 1")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         self.loss.validate()
 
 
@@ -91,11 +100,14 @@ class OnlineLearner:
         self.autocast = cpu_has_native_bf16() if autocast is None else autocast
 
     def new_optimizer(self) -> None:
-        """A fresh AdamW over the target adapter's trainable parameters (also after the
-        adapter was rebuilt with other LoRA settings)."""
+        """A fresh optimizer (``config.optimizer``) over the target adapter's trainable
+        parameters (also after the adapter was rebuilt with other LoRA settings)."""
         self.adapters.activate(self.target)
-        self.optimizer = torch.optim.AdamW(self.adapters.trainable_parameters(), lr=self.config.lr,
-                                           betas=(0.9, 0.999), weight_decay=self.config.weight_decay)
+        params, c = self.adapters.trainable_parameters(), self.config
+        if c.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=c.lr, betas=(0.9, 0.999), weight_decay=c.weight_decay)
 
     # -- the stream ----------------------------------------------------------------------------
     def observe(self, sample: TrainingSample) -> UpdateReport | None:
@@ -109,7 +121,8 @@ class OnlineLearner:
         return None
 
     def update(self) -> UpdateReport:
-        """One pass over the buffer: ``steps_per_update`` AdamW steps on the loss."""
+        """``epochs`` passes over the buffer, each ``steps_per_update`` optimizer steps on the
+        loss; the report's loss is the first pass's (before most steps)."""
         t0 = time.perf_counter()
         self.adapters.activate(self.target)
         kind = self.config.loss.kind
@@ -121,19 +134,21 @@ class OnlineLearner:
         model = self.adapters.peft
         model.train()
         try:
-            for batch in batches:
-                terms = sum(s.positions(kind) for s in batch)
-                self.optimizer.zero_grad(set_to_none=True)
-                for s in batch:
-                    n = s.positions(kind)
-                    loss, parts, _, _ = self._sample_loss(s, grad=True)
-                    (loss * (n / terms)).backward()
-                    totals["loss"] += float(loss.detach()) * n
-                    totals["terms"] += n
-                    totals["dm_terms"] += parts.get("dm_terms", 0)
-                    totals["ngram_terms"] += parts.get("ngram_terms", 0)
-                if terms:
-                    self.optimizer.step()
+            for epoch in range(self.config.epochs):
+                for batch in batches:
+                    terms = sum(s.positions(kind) for s in batch)
+                    self.optimizer.zero_grad(set_to_none=True)
+                    for s in batch:
+                        n = s.positions(kind)
+                        loss, parts, _, _ = self._sample_loss(s, grad=True)
+                        (loss * (n / terms)).backward()
+                        if epoch == 0:
+                            totals["loss"] += float(loss.detach()) * n
+                            totals["terms"] += n
+                            totals["dm_terms"] += parts.get("dm_terms", 0)
+                            totals["ngram_terms"] += parts.get("ngram_terms", 0)
+                    if terms:
+                        self.optimizer.step()
         finally:
             model.eval()
         self.adapters.invalidate(self.target)

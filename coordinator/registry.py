@@ -10,6 +10,9 @@ Layout under the coordinator root::
     targets/<slug>/cache-v<N>.pb           the global n-gram cache of version N
     targets/<slug>/manifest-v<N>.pb        the manifest of version N (kept for rollback)
     targets/<slug>/manifest-v<N>.sig       Ed25519 signature over manifest.pb's bytes of version N
+    targets/<slug>/server-opt-v<N>.safetensors  the server optimizer's state after version N
+                                           (coordinator-private; absent for a plain FedAvg
+                                           step, version 0 and a rollback)
     targets/<slug>/manifest.pb             omnidraft.v1.StateManifest naming version N, written last
     targets/<slug>/privacy.json            the n-gram release's accountant state
     targets/<slug>/rollout.json            the share of capable devices moved to this target
@@ -220,13 +223,27 @@ class TargetRegistry:
 
     # -- committing a round -------------------------------------------------------------------
     def commit(self, name: str, adapter: dict[str, torch.Tensor], cache: NgramCache, *,
-               round_: int, devices: int, tokens: int) -> fleet_pb2.StateManifest:
-        """Write version N+1 of ``name``'s state (adapter, cache, then manifest)."""
+               round_: int, devices: int, tokens: int,
+               server_state: dict[str, torch.Tensor] | None = None) -> fleet_pb2.StateManifest:
+        """Write version N+1 of ``name``'s state (adapter, cache, the server optimizer's
+        ``server_state``, then manifest)."""
         old = self.manifest(name)
         m = fleet_pb2.StateManifest(target=name, version=old.version + 1, round=round_,
                                     parent_version=old.version, devices_total=old.devices_total + devices,
                                     tokens_total=old.tokens_total + tokens)
+        if server_state:
+            write_bytes_atomic(self._dir(name) / self._file("server-opt", m.version),
+                               save_safetensors({k: v.contiguous() for k, v in server_state.items()}))
         return self._commit(name, m, adapter, cache)
+
+    def server_state(self, name: str) -> dict[str, torch.Tensor]:
+        """The server optimizer's state saved with the current version ({} if none, or unreadable:
+        the optimizer then starts afresh)."""
+        version = self.manifest(name).version
+        try:
+            return load_safetensors((self._dir(name) / self._file("server-opt", version)).read_bytes())
+        except Exception:  # missing, or a torn file from an older crash: fresh moments
+            return {}
 
     def _commit(self, name: str, m: fleet_pb2.StateManifest, adapter: dict[str, torch.Tensor],
                 cache: NgramCache) -> fleet_pb2.StateManifest:
@@ -244,7 +261,7 @@ class TargetRegistry:
         write_bytes_atomic(out / self._file("manifest", m.version), blob)
         write_bytes_atomic(out / self._file("signature", m.version), self.signing_key().sign(blob))
         write_bytes_atomic(out / MANIFEST_FILE, blob)  # the commit point: everything it names exists
-        for path in [*out.glob("adapter-v*.safetensors"), *out.glob("cache-v*.pb"),
+        for path in [*out.glob("adapter-v*.safetensors"), *out.glob("cache-v*.pb"), *out.glob("server-opt-v*.safetensors"),
                      *out.glob("manifest-v*.sig"), *out.glob("manifest-v*.pb")]:
             version = int(path.name.split("-v", 1)[1].split(".", 1)[0])
             if version <= m.version - KEEP_VERSIONS or version > m.version:
@@ -300,7 +317,8 @@ class TargetRegistry:
     @staticmethod
     def _file(kind: str, version: int) -> str:
         return {"adapter": f"adapter-v{version}.safetensors", "cache": f"cache-v{version}.pb",
-                "signature": f"manifest-v{version}.sig", "manifest": f"manifest-v{version}.pb"}[kind]
+                "signature": f"manifest-v{version}.sig", "manifest": f"manifest-v{version}.pb",
+                "server-opt": f"server-opt-v{version}.safetensors"}[kind]
 
     def _require(self, name: str) -> None:
         if name not in self:

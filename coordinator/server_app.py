@@ -12,7 +12,9 @@ One round:
    message; wait at most ``round_timeout_s``: devices that drop out or time out are left out;
 4. per target: check every reply (``aggregation.check_reply``), aggregate the adapters with the
    configured Flower strategy (or, with SecAgg+, sum the devices' masked updates with
-   ``secure_aggregation``: the coordinator never sees one device's adapter), release frequent
+   ``secure_aggregation``: the coordinator never sees one device's adapter), move the global
+   adapter towards the aggregate with the server optimizer (``server_opt``: plain FedAvg by
+   default, or server momentum / Adam with state kept per version), release frequent
    n-grams privately (``ngram_release``) into the global cache, and commit a new version of the
    target's state atomically;
 5. evaluate: the probe devices of each target (else the round's devices) decode held-out prompts
@@ -49,11 +51,14 @@ from omnidraft.coordinator.aggregation import (
 from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats
 from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
 from omnidraft.coordinator.secure_aggregation import SecAggConfig, secure_mean_update
+from omnidraft.coordinator.server_opt import ServerOptConfig, ServerOptimizer
 from omnidraft.shared.atomic_io import write_bytes_atomic
 
 log = logging.getLogger("omnidraft.coordinator")
 STATE_FILE = "coordinator.json"
 POLL_S = (0.05, 1.0)  # first and longest pause between polls for replies (seconds)
+EVAL_KEYS = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup",  # averaged over a panel
+             "fixed-k-acceptance", "fixed-k-tokens-per-call")
 ROUNDS_FILE = "rounds.jsonl"  # one line per finished round and target (``fleet status`` reads it)
 
 
@@ -68,9 +73,11 @@ class FleetConfig:
     round_timeout_s: float = 1800.0  # longest wait for replies of one message wave (seconds)
     evaluate: bool = True  # the round's devices evaluate the new global state
     measure_ar: bool = False  # evaluation also runs the target alone (for speedups)
+    fixed_k: int = 0  # evaluation also decodes drafting exactly this many tokens per round (0: not)
     newcomer_evals: int = 2  # per target and round, newcomers measured with and without the global state (0: all)
     seed: int = 0
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)  # how an aggregate moves the global adapter
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
@@ -81,7 +88,10 @@ class FleetConfig:
             raise ValueError("fraction must be in (0, 1]")
         if self.min_devices < 1:
             raise ValueError("min devices must be >= 1")
+        if self.fixed_k < 0:
+            raise ValueError("the fixed draft length must be >= 0 (0: not measured)")
         self.aggregation.validate()
+        self.server_opt.validate()
         self.release.validate()
         self.secagg.validate()
         if self.secagg.enabled and self.aggregation.method != "fedavg":
@@ -122,6 +132,18 @@ def state_record(state: GlobalState, status: ConfigRecord | None, round_: int, *
     if status is None or status.get("cache-sha256") != state.manifest.cache_sha256:
         record["cache"] = state.cache_blob
     return record
+
+
+@dataclass
+class Panel:
+    """Devices that evaluate together: ``nodes`` decode their held-out prompts with ``state``
+    (None: their local state alone); ``held`` is their status (the parts they hold);
+    ``prefix`` names the panel's metrics."""
+
+    nodes: list[int]
+    state: GlobalState | None
+    held: dict[int, ConfigRecord] | None = None
+    prefix: str = "eval-"
 
 
 class Coordinator:
@@ -166,7 +188,7 @@ class Coordinator:
         switched = self._roll_out(grid, rnd, members, states, skipped)
         records = []
         if rnd == 1 and cfg.evaluate:  # the starting point: every target's state before any round
-            start = self.evaluate_panels(grid, 0, {t: (list(probes[t]), states[t], probes[t]) for t in probes})
+            start = self.evaluate_panels(grid, 0, {t: Panel(list(probes[t]), states[t], probes[t]) for t in probes})
             records += [{"round": 0, "target": t, "version": int(states[t].manifest.version), **start[t]}
                         for t in sorted(probes)]
         # sampled in the order of the devices' own ids (Flower's node ids change between runs)
@@ -198,8 +220,8 @@ class Coordinator:
             record["skipped"] = [r for r in skipped if target in r]
             trained.append(record)
         if cfg.evaluate:  # the probe panels (else the round's devices) measure the new states, all at once
-            panels = {r["target"]: (list(probes.get(r["target"]) or by_target[r["target"]]),
-                                    self.registry.load(r["target"]), probes.get(r["target"]))
+            panels = {r["target"]: Panel(list(probes.get(r["target"]) or by_target[r["target"]]),
+                                         self.registry.load(r["target"]), probes.get(r["target"]))
                       for r in trained if r["aggregated"]}
             measured = self.evaluate_panels(grid, rnd, panels)
             for record in trained:
@@ -296,22 +318,29 @@ class Coordinator:
                         by_target: dict[str, dict[int, ConfigRecord]]) -> dict[str, dict]:
         """Per target, sampled devices that never trained for it and meet a trained global state
         (at most ``newcomer_evals`` of them): their first session's acceptance without it
-        (``new-cold-``) and with it (``new-warm-``). Every target's newcomers are measured in the
-        same two exchanges."""
-        panels = {}
+        (``new-cold-``) and with it (``new-warm-``); alongside, as many sampled devices that did
+        train before (``veteran-``) decode their own held-out prompts with the same state, the
+        reference a newcomer's warm start is measured against. Every target's devices are
+        measured in the same two exchanges."""
+        n = self.config.newcomer_evals
+        cold, warm = {}, {}
         for target, group in by_target.items():
-            new = sorted((node for node, status in group.items() if not status.get("trained")),
-                         key=lambda n: str(group[n].get("device", n)))
-            if self.config.newcomer_evals:
-                new = new[: self.config.newcomer_evals]
-            if new and states[target].manifest.version != 0:
-                panels[target] = (new, group)
-        if not panels:
+            order = sorted(group, key=lambda node: str(group[node].get("device", node)))
+            new = [node for node in order if not group[node].get("trained")][: n or None]
+            if not new or states[target].manifest.version == 0:
+                continue
+            cold[target] = Panel(new, None, None, "new-cold-")
+            warm[target] = Panel(new, states[target], group, "new-warm-")
+            veterans = [node for node in order if group[node].get("trained")][: n or None]
+            if veterans:
+                warm[(target, "veteran")] = Panel(veterans, states[target], group, "veteran-")
+        if not cold:
             return {}
-        cold = self.evaluate_panels(grid, rnd, {t: (new, None, None) for t, (new, _) in panels.items()}, "new-cold-")
-        warm = self.evaluate_panels(grid, rnd, {t: (new, states[t], group) for t, (new, group) in panels.items()},
-                                    "new-warm-")
-        return {t: {**cold[t], **warm[t]} for t in panels}
+        out: dict[str, dict] = defaultdict(dict)
+        for measured in (self.evaluate_panels(grid, rnd, cold), self.evaluate_panels(grid, rnd, warm)):
+            for key, metrics in measured.items():
+                out[key[0] if isinstance(key, tuple) else key].update(metrics)
+        return dict(out)
 
     def _send(self, grid: Grid, nodes: list[int], message_type: str,
               content: Callable[[int], RecordDict], rnd: int) -> dict[int, Message]:
@@ -396,6 +425,8 @@ class Coordinator:
             record["downlink-bytes-per-device"] += float(np.mean(list(down.values()) or [0]))
         else:
             adapter, metrics = aggregate_target(rnd, msgs, global_adapter, cfg.aggregation)
+        server = ServerOptimizer(cfg.server_opt, self.registry.server_state(target))
+        adapter = server.step(global_adapter, adapter)
         release = NgramRelease(cfg.release, self.registry.privacy_path(target))
         released, report = release.release([b for _, b in good], np.random.default_rng(cfg.seed * 7919 + rnd))
         cache = state.cache()
@@ -404,7 +435,8 @@ class Coordinator:
             if target_id in candidates:
                 cache.add(candidates[target_id], target_id, max(1, int(round(count))))
         manifest = self.registry.commit(target, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in adapter.items()},
-                                        cache, round_=rnd, devices=len(msgs), tokens=tokens)
+                                        cache, round_=rnd, devices=len(msgs), tokens=tokens,
+                                        server_state=server.state())
         record.update({f"train-{k}": float(v) for k, v in metrics.items() if not isinstance(v, list)})
         record.update({"version": int(manifest.version), "trained-tokens": tokens,
                        "uplink-bytes-per-device": float(np.mean(uplink)),
@@ -427,29 +459,30 @@ class Coordinator:
         adapter = {k: (global_adapter[k] + mean[k]).astype(global_adapter[k].dtype) for k in global_adapter}
         return adapter, metrics, up, down
 
-    def evaluate_panels(self, grid: Grid, rnd: int, panels: dict, prefix: str = "eval-") -> dict:
-        """Panels of devices, ``{key: (nodes, state, held)}`` with disjoint nodes, decode their
-        held-out prompts without learning: with ``state`` (a global state, sent to them without
-        the parts their status in ``held`` says they hold), or with their local state alone
-        (``state=None``). One exchange for all panels (the workers stay busy until the last
-        reply); returns ``{key: metrics with prefix}``."""
-        records, owner = {}, {}
-        for key, (nodes, state, held) in panels.items():
-            extra = {"use-global": state is not None, "measure-ar": self.config.measure_ar}
-            for node in nodes:
-                owner[node] = key
-                records[node] = (ConfigRecord({"round": rnd, **extra}) if state is None
-                                 else state_record(state, (held or {}).get(node), rnd, **extra))
+    def evaluate_panels(self, grid: Grid, rnd: int, panels: dict) -> dict:
+        """``{key: Panel}`` with disjoint nodes: each panel's devices decode their held-out prompts
+        without learning, with the panel's global state (sent without the parts their status in
+        ``held`` says they hold) or with their local state alone (``state=None``). One exchange
+        for all panels (the workers stay busy until the last reply); returns ``{key: metrics
+        named with the panel's prefix}``, averaged over its devices weighted by tokens decoded."""
+        records = {}
+        for panel in panels.values():
+            extra = {"use-global": panel.state is not None, "measure-ar": self.config.measure_ar,
+                     "fixed-k": self.config.fixed_k}
+            for node in panel.nodes:
+                records[node] = (ConfigRecord({"round": rnd, **extra}) if panel.state is None
+                                 else state_record(panel.state, (panel.held or {}).get(node), rnd, **extra))
         replies = self._send(grid, list(records), MessageType.EVALUATE,
                              lambda node: RecordDict({FLEET_KEY: records[node]}), rnd)
         out = {}
-        for key, (nodes, _, _) in panels.items():
+        for key, panel in panels.items():
+            prefix, nodes = panel.prefix, panel.nodes
             metrics = [replies[n].content[METRICS_KEY] for n in nodes  # in the order asked, not of arrival
                        if n in replies and not replies[n].has_error() and METRICS_KEY in replies[n].content.metric_records]
             if not metrics:
                 out[key] = {f"{prefix}devices": 0}
                 continue
-            keys = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup")
+            keys = [k for k in EVAL_KEYS if all(k in m for m in metrics)]
             weights = np.array([float(m["generated-tokens"]) for m in metrics]) + 1e-9
             sent = [sum(len(v) for v in records[n].values() if isinstance(v, bytes)) for n in nodes]
             out[key] = {f"{prefix}devices": len(metrics), f"{prefix}downlink-bytes-per-device": float(np.mean(sent)),

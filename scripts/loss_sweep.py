@@ -37,7 +37,7 @@ from omnidraft.client.session import DeviceSession
 from omnidraft.shared import bench
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.catalog import CatalogError
-from omnidraft.shared.distill import LossConfig, coarse_log_probs, hybrid_loss, ngram_nll
+from omnidraft.shared.distill import LossConfig, coarse_log_probs, hybrid_loss, ngram_nll, teacher_forced_agreement
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.training_signal import Intersection
@@ -93,26 +93,9 @@ class VariantLearner(OnlineLearner):
         return torch.cat([kl, self.config.loss.lam * nll]).mean(), {}, None, None
 
 
-@torch.no_grad()
 def agreement(adapters: DrafterAdapters, name: str, samples) -> dict:
     adapters.activate(name)
-    decoder, lm_head = adapters.decoder_and_head()
-    hits = total = dm_hits = dm_total = 0
-    runs = 0.0
-    for s in samples:
-        ids = torch.tensor([s.draft_ids])
-        hidden = decoder(input_ids=ids).last_hidden_state[0]
-        ok = (lm_head(hidden[s.seq_start - 1:-1]).argmax(-1) == ids[0, s.seq_start:]).tolist()
-        hits, total = hits + sum(ok), total + len(ok)
-        for j in range(len(ok)):
-            r = 0
-            while r < 4 and j + r < len(ok) and ok[j + r]:
-                r += 1
-            runs += r / 4
-        dm = lm_head(hidden.index_select(0, s.dm_pos - 1)).argmax(-1)
-        dm_hits += int((dm == ids[0, s.dm_pos]).sum())
-        dm_total += s.dm_pos.numel()
-    return {"top1": hits / total, "k4": runs / total, "dm_top1": dm_hits / dm_total}
+    return teacher_forced_agreement(*adapters.decoder_and_head(), samples)
 
 
 def parse_variant(name: str) -> tuple[str, LossConfig, float]:

@@ -122,3 +122,32 @@ def hybrid_loss(dm_logits: torch.Tensor, inter_draft_ids: torch.Tensor, top_idx:
     loss = torch.cat(terms).mean()
     parts["loss"] = float(loss.detach())
     return loss, parts
+
+
+@torch.no_grad()
+def teacher_forced_agreement(decoder: torch.nn.Module, lm_head: torch.nn.Module, samples, k: int = 4) -> dict[str, float]:
+    """How well the drafter (``decoder`` + ``lm_head``, adapter applied) predicts the target's
+    committed responses in ``samples`` (``TrainingSample``), teacher-forced, without decoding:
+
+    * ``top1``: share of the responses' drafter tokens that are the drafter's argmax;
+    * ``k4`` (``k`` = 4): mean over response positions of min(k, run of consecutive argmax hits
+      from there) / k, a stand-in for the acceptance rate of k-token drafts;
+    * ``dm_top1``: ``top1`` on direct-mapped tokens only.
+
+    Under greedy decoding the responses do not depend on the drafter, so the same samples
+    compare adapters without the noise of decoding (or its cost)."""
+    hits = total = dm_hits = dm_total = 0
+    runs = 0.0
+    for s in samples:
+        ids = torch.tensor([s.draft_ids])
+        hidden = decoder(input_ids=ids).last_hidden_state[0]
+        ok = lm_head(hidden[s.seq_start - 1:-1]).argmax(-1) == ids[0, s.seq_start:]
+        hits, total = hits + int(ok.sum()), total + ok.numel()
+        run = 0  # run of hits starting at each position, from the end
+        for hit in reversed(ok.tolist()):
+            run = run + 1 if hit else 0
+            runs += min(k, run) / k
+        dm = lm_head(hidden.index_select(0, s.dm_pos - 1)).argmax(-1)
+        dm_hits += int((dm == ids[0, s.dm_pos]).sum())
+        dm_total += s.dm_pos.numel()
+    return {"top1": hits / max(1, total), f"k{k}": runs / max(1, total), "dm_top1": dm_hits / max(1, dm_total)}

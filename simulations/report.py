@@ -15,11 +15,13 @@ from pathlib import Path
 from omnidraft.shared.atomic_io import write_bytes_atomic
 
 PLOTS = {
-    "acceptance.png": "Acceptance of the global state on the probes' held-out prompts, by round",
+    "acceptance.png": "Acceptance of the global state on the probes' held-out prompts, by round "
+                      "(solid: drafting a fixed k tokens per round; dashed: adaptive draft length)",
     "speedup.png": "Speedup over the target alone (same prompts, same machine), by round",
     "cache.png": "Global n-gram cache entries, by round",
     "bytes.png": "Bytes per device and round (uplink: adapter + n-gram statistics; downlink: state sent)",
-    "newcomers.png": "First session of a new device: with the global state (warm) vs without (cold)",
+    "newcomers.png": "First session of a new device: with the global state (warm) vs without (cold), "
+                     "and devices that trained before (veterans) with the same state",
 }
 
 
@@ -50,6 +52,12 @@ def target_summary(rows: list[dict]) -> dict:
     return {
         "rounds": [r["round"] for r in rows],
         "acceptance-first": first.get("eval-acceptance"), "acceptance-last": last.get("eval-acceptance"),
+        "acceptance-k-first": first.get("eval-fixed-k-acceptance"),
+        "acceptance-k-last": last.get("eval-fixed-k-acceptance"),
+        "new-warm-acceptance-k": _mean([r.get("new-warm-fixed-k-acceptance") for r in newcomers]),
+        "new-cold-acceptance-k": _mean([r.get("new-cold-fixed-k-acceptance") for r in newcomers]),
+        "veteran-acceptance": _mean([r.get("veteran-acceptance") for r in newcomers]),
+        "veteran-acceptance-k": _mean([r.get("veteran-fixed-k-acceptance") for r in newcomers]),
         "first-round": first.get("round"), "last-round": last.get("round"),
         "tokens-per-call-first": first.get("eval-tokens-per-call"), "tokens-per-call-last": last.get("eval-tokens-per-call"),
         "speedup-first": first.get("eval-speedup"), "speedup-last": last.get("eval-speedup"),
@@ -83,18 +91,33 @@ def _mb(v) -> str:
     return "–" if v is None else f"{v / 1e6:.2f} MB"
 
 
+def _pair(s: dict, key: str, spec: str = ".3f") -> str:
+    """``fixed-k value (adaptive value)`` where the fixed-length figure was measured."""
+    if s.get(f"{key}-k") is None:
+        return _fmt(s[key], spec)
+    return f"{_fmt(s[f'{key}-k'], spec)} ({_fmt(s[key], spec)})"
+
+
 def summary_table(summaries: dict[str, dict]) -> str:
-    """A Markdown table, one row per target (also printed at the end of a run)."""
-    head = ("| target | acceptance (round → round) | tokens/call | speedup vs target | new device warm / cold "
+    """A Markdown table, one row per target (also printed at the end of a run). Where the
+    fixed-length acceptance was measured it comes first, the adaptive one in parentheses."""
+    head = ("| target | acceptance, fixed k (adaptive) (round → round) | tokens/call | speedup vs target "
+            "| new device warm / cold / veterans, fixed k (adaptive) "
             "| devices trained | uplink / downlink per device | cache entries | n-grams released | ε |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for t, s in summaries.items():
         rounds = f"{s['first-round']} → {s['last-round']}" if s["first-round"] is not None else ""
+        first = {"acceptance": s["acceptance-first"], "acceptance-k": s["acceptance-k-first"]}
+        last = {"acceptance": s["acceptance-last"], "acceptance-k": s["acceptance-k-last"]}
+        warm = {"acceptance": s["new-warm-acceptance"], "acceptance-k": s["new-warm-acceptance-k"]}
+        cold = {"acceptance": s["new-cold-acceptance"], "acceptance-k": s["new-cold-acceptance-k"]}
+        veteran = {"acceptance": s["veteran-acceptance"], "acceptance-k": s["veteran-acceptance-k"]}
         lines.append(
-            f"| {t} | {_fmt(s['acceptance-first'])} → {_fmt(s['acceptance-last'])} ({rounds}) "
+            f"| {t} | {_pair(first, 'acceptance')} → {_pair(last, 'acceptance')} ({rounds}) "
             f"| {_fmt(s['tokens-per-call-first'], '.2f')} → {_fmt(s['tokens-per-call-last'], '.2f')} "
             f"| {_fmt(s['speedup-first'], '.2f')}x → {_fmt(s['speedup-last'], '.2f')}x "
-            f"| {_fmt(s['new-warm-acceptance'])} / {_fmt(s['new-cold-acceptance'])} ({s['new-devices']} devices) "
+            f"| {_pair(warm, 'acceptance')} / {_pair(cold, 'acceptance')} / {_pair(veteran, 'acceptance')} "
+            f"({s['new-devices']} devices) "
             f"| {s['devices-trained']} | {_mb(s['uplink-bytes-per-device'])} / {_mb(s['downlink-bytes-per-device'])} "
             f"| {_fmt(s['cache-entries-last'], 'd')} | {s['ngrams-released']} | {_fmt(s['epsilon-last'], '.2f')} |")
     return "\n".join(lines)
@@ -108,12 +131,18 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    def series(key: str, fig_name: str, ylabel: str, *, scale: float = 1.0, marker="o") -> None:
+    def series(key: str, fig_name: str, ylabel: str, *, scale: float = 1.0, marker="o",
+               dashed: str | None = None) -> None:
+        """``key`` by round per target; ``dashed``: a second key drawn dashed in the same colour."""
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for t, rows in per_target.items():
             pts = [(r["round"], r[key] / scale) for r in rows if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), marker=marker, label=t)
+                line, = ax.plot(*zip(*pts), marker=marker, label=t)
+            more = [(r["round"], r[dashed] / scale) for r in rows if dashed and r.get(dashed) is not None]
+            if more:
+                ax.plot(*zip(*more), "--", marker=".", color=line.get_color() if pts else None,
+                        label=f"{t} (adaptive)" if pts else t)
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
@@ -124,7 +153,10 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
         fig.savefig(out / fig_name, dpi=110)
         plt.close(fig)
 
-    series("eval-acceptance", "acceptance.png", "acceptance (probes)")
+    if any(r.get("eval-fixed-k-acceptance") is not None for rows in per_target.values() for r in rows):
+        series("eval-fixed-k-acceptance", "acceptance.png", "acceptance (probes)", dashed="eval-acceptance")
+    else:
+        series("eval-acceptance", "acceptance.png", "acceptance (probes)")
     series("eval-speedup", "speedup.png", "speedup vs target alone (x)")
     series("cache-entries", "cache.png", "global cache entries")
 
@@ -147,13 +179,16 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     names = list(per_target)
     summaries = [target_summary(per_target[t]) for t in names]
-    warm = [s["new-warm-acceptance"] or 0.0 for s in summaries]
-    cold = [s["new-cold-acceptance"] or 0.0 for s in summaries]
+    fixed = all(s["new-warm-acceptance-k"] is not None for s in summaries)
+    warm = [(s["new-warm-acceptance-k"] if fixed else s["new-warm-acceptance"]) or 0.0 for s in summaries]
+    cold = [(s["new-cold-acceptance-k"] if fixed else s["new-cold-acceptance"]) or 0.0 for s in summaries]
+    vets = [(s["veteran-acceptance-k"] if fixed else s["veteran-acceptance"]) or 0.0 for s in summaries]
     xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], cold, width=0.4, label="cold (no global state)")
-    ax.bar([x + 0.2 for x in xs], warm, width=0.4, label="warm (global state)")
+    ax.bar([x - 0.27 for x in xs], cold, width=0.27, label="new, cold (no global state)")
+    ax.bar(list(xs), warm, width=0.27, label="new, warm (global state)")
+    ax.bar([x + 0.27 for x in xs], vets, width=0.27, label="veterans (global state)")
     ax.set_xticks(list(xs), names, fontsize=8)
-    ax.set_ylabel("first-session acceptance")
+    ax.set_ylabel("first-session acceptance" + (", fixed k" if fixed else ""))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "newcomers.png", dpi=110)
@@ -161,9 +196,18 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
     return list(PLOTS)
 
 
+def _warm_cold(r: dict) -> str:
+    """A round's newcomers, warm / cold, and its veterans: at fixed k (adaptive) where measured."""
+    def one(prefix: str) -> str:
+        return _pair({"acceptance": r.get(f"{prefix}acceptance"),
+                      "acceptance-k": r.get(f"{prefix}fixed-k-acceptance")}, "acceptance")
+    return f"{one('new-warm-')} / {one('new-cold-')} / {one('veteran-')}"
+
+
 def round_table(rows: list[dict]) -> str:
-    head = ("| round | devices serving (switched) | devices trained | state version | acceptance | tokens/call "
-            "| tok/s | speedup | new warm / cold | cache entries | released | ε |")
+    head = ("| round | devices serving (switched) | devices trained | state version | acceptance, fixed k "
+            "| acceptance | tokens/call "
+            "| tok/s | speedup | new warm / cold / veterans | cache entries | released | ε |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ngrams = r.get("ngrams", {})
@@ -173,10 +217,10 @@ def round_table(rows: list[dict]) -> str:
             version += " (from v{version}, a rollback to v{restores})".format(**r["started-from"])
         lines.append(
             f"| {r['round']} | {serving} | {r.get('aggregated', '–')} | {version} "
-            f"| {_fmt(r.get('eval-acceptance'))} "
+            f"| {_fmt(r.get('eval-fixed-k-acceptance'))} | {_fmt(r.get('eval-acceptance'))} "
             f"| {_fmt(r.get('eval-tokens-per-call'), '.2f')} | {_fmt(r.get('eval-tokens-per-s'), '.1f')} "
             f"| {_fmt(r.get('eval-speedup'), '.2f')} "
-            f"| {_fmt(r.get('new-warm-acceptance'))} / {_fmt(r.get('new-cold-acceptance'))} "
+            f"| {_warm_cold(r)} "
             f"| {_fmt(r.get('cache-entries'), 'd')} | {ngrams.get('released', '–')} | {_fmt(ngrams.get('epsilon'), '.2f')} |")
     return "\n".join(lines)
 
@@ -200,8 +244,12 @@ def write_report(run_dir: str | Path) -> Path:
         "",
         "Acceptance, tokens per target call and speedup are the global state's, measured by the probe "
         "devices (never trained) on the same held-out prompts every round; round 0 is the starting state "
-        "(untrained adapter, cache seeded from the tokenizers). New devices are sampled devices that never "
-        "trained for their target, whose first session runs once without and once with the global state.",
+        "(untrained adapter, cache seeded from the tokenizers). \"Fixed k\" acceptance drafts exactly "
+        f"k = {cfg.get('acceptance_k', 0)} drafter tokens per round (the paper's protocol); the adaptive one "
+        "drafts as the device does, so it also moves with how long the drafter chooses to draft. New devices "
+        "are sampled devices that never trained for their target, whose first session runs once without and "
+        "once with the global state; veterans are as many sampled devices that trained before, decoding "
+        "their own held-out prompts with the same global state in the same round.",
         "", "## Per target", "", summary_table({t: target_summary(r) for t, r in per_target.items()}), "",
     ]
     for name in plots:

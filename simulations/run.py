@@ -72,7 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "(omnidraft fleet rollback)")
     a("--drift", help="SOURCE@ROUND: from ROUND every device's traffic comes from SOURCE")
     a("--lora-rank", type=int)
-    a("--lr", type=float)
+    a("--lr", type=float, help="the devices' learning rate (AdamW)")
+    a("--local-epochs", type=int, help="passes over a round's samples on each device (default 1)")
+    a("--server-opt", choices=["avg", "momentum", "adam"],
+      help="how the coordinator moves a target's global adapter towards the round's aggregate: avg "
+           "(plain FedAvg, default), momentum (FedAvgM) or adam (FedAdam), with --server-lr")
+    a("--server-lr", type=float, help="the server optimizer's learning rate")
+    a("--acceptance-k", type=int,
+      help="probes and new devices also decode drafting exactly K tokens per round, the paper's "
+           "acceptance protocol (default 4; 0: not measured)")
     a("--ffa", action="store_true", default=None, help="FFA-LoRA: freeze A, train and average only B (exact averaging)")
     a("--secagg", action="store_true", default=None,
       help="sum each target's adapter updates with Flower's SecAgg+ (the coordinator sees only their mean)")
@@ -104,7 +112,8 @@ def scenario_from_args(args: argparse.Namespace):
     tiny = (args.models or from_file.get("models")) == "tiny"
     raw: dict = load_toml(TINY_SCENARIO if tiny else DEFAULT_SCENARIO)
     raw.update(from_file)
-    skip = {"scenario", "out", "targets", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "k", "noise"}
+    skip = {"scenario", "out", "targets", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "k", "noise",
+            "server_opt", "server_lr"}
     raw.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
     if args.targets:
         raw["targets"] = parse_targets(args.targets)
@@ -119,6 +128,9 @@ def scenario_from_args(args: argparse.Namespace):
     aggregation = dict(raw.get("aggregation") or {})
     aggregation.update({k: v for k, v in (("method", args.aggregation), ("clip_norm", args.clip_norm)) if v is not None})
     raw["aggregation"] = aggregation
+    server_opt = dict(raw.get("server_opt") or {})
+    server_opt.update({k: v for k, v in (("kind", args.server_opt), ("lr", args.server_lr)) if v is not None})
+    raw["server_opt"] = server_opt
     privacy = dict(raw.get("privacy") or {})
     privacy.update({k: v for k, v in (("k", args.k), ("noise", args.noise)) if v is not None})
     raw["privacy"] = privacy
@@ -131,10 +143,13 @@ def scenario_from_args(args: argparse.Namespace):
 
 class PeakMemory:
     """Samples the memory of this process and all its descendants (Ray's processes and workers)
-    once a second: proportional set size (shared pages split between the processes sharing
-    them), so the sum is what the run occupies. ``peak_mb`` is the largest sum seen (MB)."""
+    every ``interval_s`` seconds: proportional set size (shared pages split between the processes
+    sharing them), so the sum is what the run occupies. ``peak_mb`` is the largest sum seen (MB).
+    Reading a process's PSS walks its page tables (``smaps_rollup``): once a second over a dozen
+    processes holding models it took ~10 % of a 2-core machine from the workers, so the default
+    samples every 5 s (the run's memory is a plateau once the models are loaded)."""
 
-    def __init__(self, interval_s: float = 1.0) -> None:
+    def __init__(self, interval_s: float = 5.0) -> None:
         import threading
 
         self.peak_mb = 0.0
@@ -227,12 +242,19 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(record) + "\n")
             line = (f"round {record['round']} {record['target']}: "
                     + (f"{record['aggregated']}/{record['sampled']} devices trained, " if "sampled" in record else "start, ")
-                    + f"acceptance {record.get('eval-acceptance', float('nan')):.3f}, "
-                    f"tokens/call {record.get('eval-tokens-per-call', float('nan')):.2f}")
+                    + (f"acceptance at fixed k {record['eval-fixed-k-acceptance']:.3f} (adaptive "
+                       f"{record.get('eval-acceptance', float('nan')):.3f}), "
+                       if "eval-fixed-k-acceptance" in record else
+                       f"acceptance {record.get('eval-acceptance', float('nan')):.3f}, ")
+                    + f"tokens/call {record.get('eval-tokens-per-call', float('nan')):.2f}")
             if record.get("eval-speedup"):
                 line += f", speedup {record['eval-speedup']:.2f}x"
             if "new-warm-acceptance" in record:
-                line += f", new device warm {record['new-warm-acceptance']:.3f} vs cold {record['new-cold-acceptance']:.3f}"
+                kind = "-fixed-k" if "new-warm-fixed-k-acceptance" in record else ""
+                line += (f", new device warm {record[f'new-warm{kind}-acceptance']:.3f} "
+                         f"vs cold {record[f'new-cold{kind}-acceptance']:.3f}")
+                if f"veteran{kind}-acceptance" in record:
+                    line += f" (veterans {record[f'veteran{kind}-acceptance']:.3f})"
             print(line, flush=True)
 
         t0 = time.perf_counter()

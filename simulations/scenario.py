@@ -36,6 +36,7 @@ from omnidraft.coordinator.aggregation import AggregationConfig
 from omnidraft.coordinator.ngram_release import ReleaseConfig
 from omnidraft.coordinator.registry import TargetRegistry
 from omnidraft.coordinator.secure_aggregation import SecAggConfig
+from omnidraft.coordinator.server_opt import ServerOptConfig
 from omnidraft.coordinator.server_app import FleetConfig, make_server_app
 from omnidraft.coordinator.simulation import run_federation
 from omnidraft.shared.adapters import LoraSpec
@@ -144,15 +145,18 @@ class Scenario:
     ffa: bool = False  # FFA-LoRA: A frozen, only B trained, so averaging is exact
     secagg: bool = False  # adapters summed with Flower's SecAgg+ (the coordinator sees only the mean)
     lr: float = 1e-3
+    local_epochs: int = 1  # passes over a round's samples on the device
     translate: str = "ngram"
     dtype: str = "fp32"
     draft_stop: str = "confidence"  # deterministic; "cost" follows the machine's measured costs
     gamma: float | str = 0.7  # acceptance head's stop threshold; "tune": online from measured tok/s (not deterministic)
     measure_ar: bool = True  # probes also run the target alone (speedup)
+    acceptance_k: int = 4  # probes and newcomers also decode drafting exactly this many tokens (0: not)
     seed: int = 0
     cpus_per_device: float = 1.0
     ray_address: str | None = None
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
 
     def validate(self) -> None:
@@ -164,6 +168,10 @@ class Scenario:
             raise ValueError("prompts per device, held-out prompts and prompts per round must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError("max new tokens must be >= 1")
+        if self.local_epochs < 1:
+            raise ValueError("local epochs must be >= 1")
+        if self.acceptance_k < 0:
+            raise ValueError("the fixed draft length (acceptance_k) must be >= 0 (0: not measured)")
         if not 0 < self.fraction <= 1:
             raise ValueError("fraction must be in (0, 1]")
         if self.alpha <= 0:
@@ -198,6 +206,7 @@ class Scenario:
         if self.drift is not None and not 2 <= self.drift.round <= self.rounds:
             raise ValueError(f"the drift round must be in 2..{self.rounds}")
         self.aggregation.validate()
+        self.server_opt.validate()
         self.release.validate()
         if self.secagg and self.aggregation.method != "fedavg":
             raise ValueError("SecAgg+ reveals only the weighted mean: use the fedavg aggregation with it")
@@ -241,6 +250,8 @@ class Scenario:
                 raw["drift"] = Drift.parse(d) if isinstance(d, str) else Drift(**d)
             if isinstance(raw.get("aggregation"), dict):
                 raw["aggregation"] = AggregationConfig(**raw["aggregation"])
+            if isinstance(raw.get("server_opt"), dict):
+                raw["server_opt"] = ServerOptConfig(**raw["server_opt"])
             privacy = raw.pop("privacy", None)
             if isinstance(privacy, dict):
                 privacy = dict(privacy)
@@ -372,7 +383,7 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
             prompts=local[:n], heldout=local[n: n + held],
             state_dir=out / "devices" / name, prompts_per_round=scenario.prompts_per_round,
             generation=GenerationConfig(max_new_tokens=scenario.max_new_tokens, draft_stop=scenario.draft_stop),
-            online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr),
+            online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr, epochs=scenario.local_epochs),
             translate=scenario.translate, probe=probe, fleet_key=fleet_key,
             gamma=None if scenario.gamma == "tune" else float(scenario.gamma),
             joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1)
@@ -423,6 +434,7 @@ def operator_actions(scenario: Scenario):
 def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
     return FleetConfig(rounds=scenario.rounds, fraction=scenario.fraction, min_devices=nodes, wait_s=300,
                        seed=scenario.seed, measure_ar=scenario.measure_ar, newcomer_evals=scenario.newcomer_evals,
+                       fixed_k=scenario.acceptance_k, server_opt=scenario.server_opt,
                        aggregation=scenario.aggregation, release=scenario.release,
                        secagg=SecAggConfig(enabled=scenario.secagg))
 

@@ -196,6 +196,68 @@ def test_loss_decreases_on_a_fixed_stream(pair_dir, kind):
     assert learner.loss_on(samples) < 0.8 * first
 
 
+def test_epochs_repeat_the_pass_and_the_optimizer_is_configurable(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8), adaptive=False,
+                            online=OnlineConfig(interval=100, lr=3e-3, steps_per_update=2, epochs=3))
+    samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:4]]
+    learner = session.learner
+    steps = []
+    learner.optimizer.register_step_post_hook(lambda opt, args, kwargs: steps.append(1))
+    before = learner.loss_on(samples)
+    learner.buffer = list(samples)
+    report = learner.update()
+    assert len(steps) == 2 * 3  # two batches per pass, three passes
+    assert 0 < learner.loss_on(samples) < report.loss <= 1.01 * before  # the report: the first pass's loss
+    sgd = DeviceSession(engine, target_name="u", lora=LoraSpec(rank=8), adaptive=False,
+                        online=OnlineConfig(optimizer="sgd", lr=0.5))
+    assert isinstance(sgd.learner.optimizer, torch.optim.SGD)
+    for bad, match in (({"epochs": 0}, "epochs"), ({"optimizer": "lion"}, "unknown optimizer")):
+        with pytest.raises(ValueError, match=match):
+            OnlineConfig(**bad).validate()
+
+
+def test_packed_runners_are_reused_by_adapter_contents(pair_dir):
+    engine = _engine(pair_dir)
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
+    adapters.add("a")
+    untrained = adapters.runner()
+    adapters.add("b")  # also untrained: the same contents, the same packed runner
+    assert adapters.runner() is untrained and adapters.last_pack_s == 0.0
+    tensors = {k: v + 0.01 for k, v in adapters.state_dict("b").items()}
+    adapters.load_state_dict("b", tensors)
+    trained = adapters.runner()
+    assert trained is not untrained and adapters.last_pack_s > 0
+    ids = [1, 2, 3]
+    expect = trained.forward(ids).clone()
+    adapters.reset("b")
+    assert adapters.runner() is untrained  # back to the untrained contents
+    adapters.load_state_dict("b", tensors)
+    again = adapters.runner()
+    assert again is trained and torch.equal(again.forward(ids), expect)  # reset: no stale cache
+
+
+def test_teacher_forced_agreement_hand_computation():
+    from types import SimpleNamespace
+
+    from omnidraft.shared.distill import teacher_forced_agreement
+
+    # the drafter's argmax after position j is (j + 1) % 3 for j < 5: a fixed "decoder" whose
+    # hidden state at j is the one-hot of its prediction, and an identity LM head
+    preds = [1, 2, 0, 1, 2, 0]
+    decoder = lambda input_ids: SimpleNamespace(  # noqa: E731
+        last_hidden_state=torch.nn.functional.one_hot(torch.tensor([preds[:input_ids.shape[1]]]), 3).float())
+    head = torch.nn.Identity()
+    # response = positions 2..5 (seq_start 2): predicted by rows 1..4 -> 2, 0, 1, 2
+    ids = [0, 0, 2, 0, 0, 2]  # hits at 2, 3 and 5, a miss at 4
+    sample = SimpleNamespace(draft_ids=ids, seq_start=2, dm_pos=torch.tensor([3, 4]))
+    got = teacher_forced_agreement(decoder, head, [sample], k=2)
+    assert got["top1"] == pytest.approx(3 / 4)
+    # runs of hits from each response position, capped at k = 2: 2, 1, 0, 1
+    assert got["k2"] == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
+    assert got["dm_top1"] == pytest.approx(1 / 2)
+
+
 def test_greedy_output_identical_to_target_after_training(pair_dir):
     engine = _engine(pair_dir)
     session = DeviceSession(engine, target_name="t", online=OnlineConfig(interval=2, lr=2e-2))

@@ -127,6 +127,38 @@ def test_stale_unknown_oversized_and_weightless_replies_are_rejected():
 
 # -- n-gram release -------------------------------------------------------------------------------
 
+def test_server_optimizers():
+    from omnidraft.coordinator.server_opt import ServerOptConfig, ServerOptimizer
+
+    cur = {"a": np.zeros((2, 3), np.float32), "b": np.ones(4, np.float32)}
+    agg = {"a": np.full((2, 3), 0.01, np.float32), "b": np.full(4, 0.98, np.float32)}
+    plain = ServerOptimizer().step(cur, agg)  # FedAvg: the aggregate itself, no state
+    assert all(np.array_equal(plain[k], agg[k]) for k in cur) and ServerOptimizer().state() == {}
+    sgd = ServerOptimizer(ServerOptConfig("momentum", lr=1.0, beta1=0.0)).step(cur, agg)
+    assert all(np.allclose(sgd[k], agg[k]) for k in cur)
+    m = ServerOptimizer(ServerOptConfig("momentum", lr=0.5, beta1=0.5))
+    once = m.step(cur, agg)
+    twice = m.step(once, agg)  # buffer = 0.5 * g1 + g2
+    g1 = {k: cur[k] - agg[k] for k in cur}
+    g2 = {k: once[k] - agg[k] for k in cur}
+    assert all(np.allclose(twice[k], once[k] - 0.5 * (0.5 * g1[k] + g2[k])) for k in cur)
+    adam = ServerOptimizer(ServerOptConfig("adam", lr=0.1))
+    first = adam.step(cur, agg)  # bias-corrected first step: lr in the direction of the aggregate
+    assert np.allclose(first["a"], 0.1, atol=1e-5) and np.allclose(first["b"], 0.9, atol=1e-5)
+    state = adam.state()
+    assert float(state["step"]) == 1 and set(state) == {"step", "a/exp_avg", "a/exp_avg_sq", "b/exp_avg", "b/exp_avg_sq"}
+    resumed = ServerOptimizer(ServerOptConfig("adam", lr=0.1), state).step(first, agg)
+    continued = adam.step(first, agg)
+    assert all(np.array_equal(resumed[k], continued[k]) for k in cur)  # a saved state continues exactly
+    other = {"a": np.zeros((3, 3), np.float32)}  # another adapter shape: fresh moments, no error
+    fresh = ServerOptimizer(ServerOptConfig("adam", lr=0.1), state).step(other, {"a": other["a"] + 1})
+    assert np.allclose(fresh["a"], 0.1, atol=1e-5)
+    for bad in (ServerOptConfig("sgd"), ServerOptConfig("adam", lr=0.0), ServerOptConfig("adam", beta1=1.0)):
+        with pytest.raises(ValueError):
+            bad.validate()
+    assert ServerOptConfig("adam").rate == 1e-3 and ServerOptConfig("momentum").rate == 1.0
+
+
 def test_stats_round_trip_and_errors():
     blob = encode_stats("t", {0, 5, 99}, 100, 3)
     bits = decode_stats(blob, "t", 100)
@@ -224,9 +256,12 @@ def test_rollback_republishes_an_earlier_state_as_a_new_version(tmp_path, tiny):
     shas = [reg.manifest("tiny-target-a").adapter_sha256]
     for v in range(1, 4):
         adapter = {k: t + v for k, t in state.adapter.items()}
-        shas.append(reg.commit("tiny-target-a", adapter, state.cache(), round_=v, devices=1, tokens=10).adapter_sha256)
+        shas.append(reg.commit("tiny-target-a", adapter, state.cache(), round_=v, devices=1, tokens=10,
+                               server_state={"step": torch.tensor(float(v))}).adapter_sha256)
+    assert float(reg.server_state("tiny-target-a")["step"]) == 3  # the server optimizer's, with version 3
     m = reg.rollback("tiny-target-a")  # to version 2
     assert (m.version, m.parent_version, m.restored_from, m.adapter_sha256) == (4, 3, 2, shas[2])
+    assert reg.server_state("tiny-target-a") == {}  # a restored state starts the server optimizer afresh
     assert reg.load("tiny-target-a").adapter_blob and reg.load("tiny-target-a").signature
     root = str(tmp_path / "coord")
     assert main(["fleet", "rollback", "tiny-target-a", "--to", "0", "--root", root]) == 0
@@ -390,6 +425,8 @@ def test_federation_rounds_versions_and_bad_updates(federation):
     late = [r for r in records if "new-warm-acceptance" in r]
     assert any(r["round"] == 3 for r in late) and all(r["round"] > 1 for r in late)
     assert all(r["new-cold-devices"] == r["new-warm-devices"] >= 1 for r in late)
+    # devices that trained before decode their held-out prompts with the same state (the reference)
+    assert any(r.get("veteran-devices", 0) >= 1 and 0 <= r["veteran-acceptance"] <= 1 for r in late)
     assert records[-1]["downlink-bytes-per-device"] > 0
     assert json.loads((out / "coordinator" / "coordinator.json").read_text())["round"] == 3
 
@@ -451,9 +488,11 @@ def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
         "from pathlib import Path\n"
         "from omnidraft.simulations.scenario import Scenario, run\n"
         "from omnidraft.coordinator.ngram_release import ReleaseConfig\n"
+        "from omnidraft.coordinator.server_opt import ServerOptConfig\n"
         "out = Path(sys.argv[1])\n"
         "s = Scenario(models='tiny', devices=2, rounds=3, prompts_per_device=2, heldout_per_device=1,\n"
-        "             prompts_per_round=2, max_new_tokens=8, lora_rank=2, probes=0, release=ReleaseConfig(k=1))\n"
+        "             prompts_per_round=2, max_new_tokens=8, lora_rank=2, probes=0, release=ReleaseConfig(k=1),\n"
+        "             server_opt=ServerOptConfig('adam', lr=1e-2))\n"
         "def on_round(r):\n"
         "    with open(out / 'rounds.jsonl', 'a') as f: f.write(json.dumps([r['round'], r['target'], r['version']]) + '\\n')\n"
         "run(s, out / 'run', on_round)\n")
@@ -480,6 +519,8 @@ def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
     assert sorted({r for r, _, _ in after}) == list(range(killed_after + 1, 4))  # finished rounds not rerun
     reg = TargetRegistry(tmp_path / "run" / "coordinator")
     assert all(reg.manifest(t).version == 3 for t in reg.names())
+    # the server optimizer's state was saved with each version and taken up after the restart
+    assert all(float(reg.server_state(t)["step"]) == 3 for t in reg.names())
 
 
 def test_secagg_sums_adapters_without_the_coordinator_seeing_one(tmp_path, tiny):

@@ -156,10 +156,12 @@ def test_smoke_run_writes_every_output(smoke):
     assert {(r["round"], r["target"]) for r in records} == {(n, t) for n in range(4) for t in targets}
     for r in records:
         assert 0 <= r["eval-acceptance"] <= 1 and r["eval-tokens-per-call"] >= 1 and r["eval-speedup"] > 0
+        assert 0 <= r["eval-fixed-k-acceptance"] <= 1 and r["eval-fixed-k-tokens-per-call"] >= 1  # k = 4
         if r["round"]:
             assert r["aggregated"] >= 1 and r["uplink-bytes-per-device"] > 0 and r["cache-entries"] > 0
             assert "epsilon" in r["ngrams"] and "released" in r["ngrams"]
     assert any("new-warm-acceptance" in r and "new-cold-acceptance" in r for r in records)
+    assert any("new-warm-fixed-k-acceptance" in r and "veteran-fixed-k-acceptance" in r for r in records)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["devices"] == 50 and summary["wall_s"] > 0 and summary["peak_rss_mb"] > 100
     assert set(summary["targets"]) == targets

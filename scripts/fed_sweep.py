@@ -1,0 +1,172 @@
+"""Which federated recipe lets a fleet's drafter learn: an offline replay of federated rounds.
+
+Under greedy decoding the committed text is the target's own output whatever the drafter
+drafted, so a device's training samples do not depend on the adapter it holds. This script
+decodes the simulation's data once per device (the same sources and Dirichlet split as
+``simulations/run.py``), then replays rounds of federated learning under several recipes, each
+from the same untrained global adapter:
+
+* each round a seeded sample of devices trains from the global adapter on its next
+  ``--prompts-per-round`` samples with the device's own ``OnlineLearner`` (``epochs`` passes
+  over them, AdamW or SGD);
+* the coordinator aggregates the updates weighted by trained tokens and applies the server
+  step (``omnidraft.coordinator.server_opt``: plain FedAvg, server momentum, or server Adam);
+* after every round the global adapter is scored on the probe devices' held-out samples by the
+  drafter's teacher-forced agreement with the target (``top1``, ``k4``; see
+  ``omnidraft.shared.distill.teacher_forced_agreement``).
+
+    python scripts/fed_sweep.py collect --target qwen2.5-coder-0.5b --out fed-samples.pt
+    python scripts/fed_sweep.py sweep --target qwen2.5-coder-0.5b --samples fed-samples.pt \\
+        --recipes 'fedavg:adamw,lr=1e-3,epochs=1' 'adamw,lr=1e-3,epochs=4;server=adam,slr=3e-3'
+
+A recipe is ``LOCAL[;server=KIND,slr=X]``, LOCAL being ``adamw|sgd,lr=X,epochs=N``; a leading
+``NAME:`` labels it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from omnidraft.client.online_learner import OPTIMIZERS, OnlineConfig, OnlineLearner
+from omnidraft.client.session import DeviceSession
+from omnidraft.coordinator.server_opt import ServerOptConfig, ServerOptimizer
+from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.catalog import CatalogError
+from omnidraft.shared.distill import teacher_forced_agreement
+from omnidraft.shared.engine import Engine
+from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.training_signal import Intersection
+
+DRAFTER = "smollm2-135m"
+
+
+def collect(args) -> None:
+    from omnidraft.simulations import data
+
+    corpus = data.load_corpus(args.data)
+    parts = data.split(corpus, args.devices + args.probes, args.per_device, alpha=args.alpha, seed=args.seed)
+    engine = Engine.load(DRAFTER, args.target, args.dtype)
+    session = DeviceSession(engine, target_name=args.target, adaptive=False, grow_cache=False)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    devices = []
+    t0 = time.perf_counter()
+    for d, part in enumerate(parts):
+        samples = [session.generate(corpus.prompts[i], config, learn=True, observe=False).training_sample
+                   for i in part]
+        devices.append({"probe": d >= args.devices, "samples": [s for s in samples if s is not None],
+                        "labels": [corpus.labels[i] for i in part]})
+        print(f"{d + 1}/{len(parts)} devices, {time.perf_counter() - t0:.0f} s", flush=True)
+    torch.save({"devices": devices, "args": vars(args)}, args.out)
+
+
+def parse_recipe(text: str) -> tuple[str, dict, ServerOptConfig]:
+    """``[NAME:]LOCAL[;server=KIND,slr=X,...]`` -> (name, local settings, server config)."""
+    name, _, body = text.rpartition(":") if ":" in text else (text, "", text)
+    local_text, _, server_text = body.partition(";")
+    kind, *pairs = local_text.split(",")
+    local = {"optimizer": kind, "lr": 1e-3, "epochs": 1}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        local[key] = int(value) if key == "epochs" else float(value)
+    server = {}
+    for pair in filter(None, server_text.split(",")):
+        key, _, value = pair.partition("=")
+        server[{"server": "kind", "slr": "lr"}.get(key, key)] = value if key == "server" else float(value)
+    if local["optimizer"] not in OPTIMIZERS:
+        raise SystemExit(f"fed_sweep: unknown local optimizer {local['optimizer']!r} in {text!r}")
+    config = ServerOptConfig(**server)
+    config.validate()
+    return name or text, local, config
+
+
+def local_update(adapters: DrafterAdapters, name: str, inter: Intersection, samples, local: dict) -> dict:
+    """Train ``name``'s adapter (already holding the global one) on ``samples``; returns its tensors."""
+    learner = OnlineLearner(adapters, name, inter, None,
+                            OnlineConfig(interval=len(samples), lr=local["lr"], head=False,
+                                         epochs=local["epochs"], optimizer=local["optimizer"]))
+    learner.buffer = list(samples)
+    learner.update()
+    return adapters.state_dict(name)
+
+
+def score(adapters: DrafterAdapters, name: str, samples) -> dict:
+    adapters.activate(name)
+    return teacher_forced_agreement(*adapters.decoder_and_head(), samples)
+
+
+def sweep(args) -> None:
+    recipes = [parse_recipe(r) for r in args.recipes]  # bad recipes fail before anything loads
+    saved = torch.load(args.samples, weights_only=False)
+    engine = Engine.load(DRAFTER, args.target, args.dtype)
+    inter = Intersection(engine.bridge, engine.drafter.logit_rows)
+    members = [d for d in saved["devices"] if not d["probe"]]
+    heldout = [s for d in saved["devices"] if d["probe"] for s in d["samples"]]
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=args.rank), drafter_weights=engine.drafter_weights)
+    torch.manual_seed(args.seed)
+    adapters.add("global")
+    start = adapters.state_dict("global")
+    print(json.dumps({"recipe": "untrained", **score(adapters, "global", heldout)}), flush=True)
+    for name, local, server_config in recipes:
+        rng = random.Random(args.seed)
+        server = ServerOptimizer(server_config)
+        glob = {k: v.clone() for k, v in start.items()}
+        cursor = [0] * len(members)
+        curve = []
+        t0 = time.perf_counter()
+        for rnd in range(1, args.rounds + 1):
+            updates, weights = [], []
+            for d in sorted(rng.sample(range(len(members)), args.per_round)):
+                samples = members[d]["samples"]
+                mine = [samples[(cursor[d] + i) % len(samples)] for i in range(args.prompts_per_round)]
+                cursor[d] += args.prompts_per_round
+                adapters.load_state_dict("global", glob)
+                updates.append(local_update(adapters, "global", inter, mine, local))
+                weights.append(float(sum(s.target_tokens for s in mine)))
+            total = sum(weights)
+            mean = {k: sum(u[k] * (w / total) for u, w in zip(updates, weights)) for k in glob}
+            glob = {k: torch.from_numpy(v) for k, v in server.step(
+                {k: v.numpy() for k, v in glob.items()}, {k: v.numpy() for k, v in mean.items()}).items()}
+            adapters.load_state_dict("global", glob)
+            curve.append({"round": rnd, **score(adapters, "global", heldout)})
+        print(json.dumps({"recipe": name, "local": local, "server": server_config.as_dict(),
+                          "seconds": round(time.perf_counter() - t0, 1), "curve": curve}), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("--target", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--data", help="as simulations/run.py --data (default: humaneval,stdlib,pydoc)")
+    c.add_argument("--devices", type=int, default=50)
+    c.add_argument("--probes", type=int, default=8)
+    c.add_argument("--per-device", type=int, default=6)
+    c.add_argument("--alpha", type=float, default=0.5)
+    c.add_argument("--max-new-tokens", type=int, default=32)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", default="int8")
+    s = sub.add_parser("sweep")
+    s.add_argument("--target", required=True)
+    s.add_argument("--samples", required=True)
+    s.add_argument("--recipes", nargs="+", required=True)
+    s.add_argument("--rounds", type=int, default=8)
+    s.add_argument("--per-round", type=int, default=5, help="devices sampled per round")
+    s.add_argument("--prompts-per-round", type=int, default=2)
+    s.add_argument("--rank", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", default="int8")
+    args = p.parse_args()
+    try:
+        collect(args) if args.command == "collect" else sweep(args)
+    except (CatalogError, OSError, ValueError, RuntimeError) as exc:  # a missing samples file, an unknown target
+        raise SystemExit(f"fed_sweep: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()
