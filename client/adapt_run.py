@@ -189,6 +189,10 @@ def plot_curve(report: dict, path: str) -> None:
         ax.plot(x, [p[key] or 0 for p in curve], marker="o", label="training stream (per update window)")
         ax.axhline(report["before"][key] or 0, color="gray", ls="--", label="held-out before")
         ax.axhline(report["after"][key] or 0, color="green", ls="--", label="held-out after")
+        for name, color in (("before", "gray"), ("after", "green")):
+            fixed = report[name].get("fixed_k")
+            if fixed and key in fixed:  # the paper's protocol: exactly k drafter tokens per round
+                ax.axhline(fixed[key], color=color, ls=":", label=f"held-out {name}, k={fixed['k']}")
         ax.set(xlabel="prompts seen", ylabel=title, title=title)
         ax.legend(fontsize=7)
     fig.tight_layout()

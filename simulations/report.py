@@ -26,7 +26,10 @@ PLOTS = {
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of ``metrics.jsonl``; a speedup of 0 (devices report 0 when the target alone
+    was not run, ``--no-ar``) is dropped: it was not measured."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if not (k.endswith("speedup") and v == 0)} for r in records]
 
 
 def by_target(records: list[dict]) -> dict[str, list[dict]]:
@@ -75,6 +78,11 @@ def target_summary(rows: list[dict]) -> dict:
     }
 
 
+def _times(v: float | None) -> str:
+    """A speedup as ``1.23x`` (``–`` when not measured)."""
+    return "–" if v is None else f"{v:.2f}x"
+
+
 def _fmt(v, spec=".3f") -> str:
     if v is None:
         return "–"
@@ -115,9 +123,9 @@ def summary_table(summaries: dict[str, dict]) -> str:
         lines.append(
             f"| {t} | {_pair(first, 'acceptance')} → {_pair(last, 'acceptance')} ({rounds}) "
             f"| {_fmt(s['tokens-per-call-first'], '.2f')} → {_fmt(s['tokens-per-call-last'], '.2f')} "
-            f"| {_fmt(s['speedup-first'], '.2f')}x → {_fmt(s['speedup-last'], '.2f')}x "
+            f"| {_times(s['speedup-first'])} → {_times(s['speedup-last'])} "
             f"| {_pair(warm, 'acceptance')} / {_pair(cold, 'acceptance')} / {_pair(veteran, 'acceptance')} "
-            f"({s['new-devices']} devices) "
+            f"({s['new-devices']} device{'s' if s['new-devices'] != 1 else ''}) "
             f"| {s['devices-trained']} | {_mb(s['uplink-bytes-per-device'])} / {_mb(s['downlink-bytes-per-device'])} "
             f"| {_fmt(s['cache-entries-last'], 'd')} | {s['ngrams-released']} | {_fmt(s['epsilon-last'], '.2f')} |")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omnidraft.simulations import data
+from omnidraft.simulations import data, report
 from omnidraft.simulations.scenario import Drift, Rollout, Scenario
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +98,21 @@ def test_toml_scenario_and_events(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=match):
             Scenario.from_toml(path).validate()
+
+
+def test_shipped_scenarios_are_valid():
+    """Every scenario file under simulations/scenarios parses and validates as run.py reads it
+    (over default.toml, or tiny.toml for tiny models)."""
+    from omnidraft.simulations.run import SCENARIOS, build_parser, scenario_from_args
+
+    files = sorted(SCENARIOS.glob("*.toml"))
+    assert {f.name for f in files} >= {"default.toml", "tiny.toml", "fleet10.toml"}
+    for path in files:
+        scenario_from_args(build_parser().parse_args(["--scenario", str(path)]))
+    fleet = scenario_from_args(build_parser().parse_args(["--scenario", str(SCENARIOS / "fleet10.toml")]))
+    # issue 5's federation: 10 devices from round 1, one fresh device per target at the last round
+    assert fleet.devices - fleet.late_joiners == 10 and fleet.late_joiners == len(fleet.target_shares())
+    assert fleet.fraction == 1.0 and fleet.newcomer_evals == 0 and fleet.join_round is None
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, home):
@@ -228,6 +243,9 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     # round 2 published v1; the rollback published v2 = v0's state; round 3 trained v3 from it
     registry = TargetRegistry(out / "coordinator")
     assert b[3]["version"] == 3 and b[3]["eval-speedup"] == 0.0  # --no-ar: no speedup measured
+    read = report.by_target(report.read_metrics(out / "metrics.jsonl"))["tiny-target-b"]
+    assert all("eval-speedup" not in r for r in read)  # the report shows "–", not 0.00x
+    assert "| – → – |" in (out / "report.md").read_text()
     assert b[3]["started-from"] == {"version": 2, "restores": 0} and "started-from" not in b[2]
     restored = fleet_manifest(out / "coordinator", "tiny-target-b", 2)
     assert restored.restored_from == 0 and restored.parent_version == 1 and registry.manifest("tiny-target-b").version == 3
