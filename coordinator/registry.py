@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors, save as save_safetensors
 from transformers import AutoConfig, AutoTokenizer
 
@@ -242,7 +243,7 @@ class TargetRegistry:
         version = self.manifest(name).version
         try:
             return load_safetensors((self._dir(name) / self._file("server-opt", version)).read_bytes())
-        except Exception:  # missing, or a torn file from an older crash: fresh moments
+        except (OSError, SafetensorError):  # missing, or unreadable: fresh moments
             return {}
 
     def _commit(self, name: str, m: fleet_pb2.StateManifest, adapter: dict[str, torch.Tensor],

@@ -329,17 +329,17 @@ class Coordinator:
             new = [node for node in order if not group[node].get("trained")][: n or None]
             if not new or states[target].manifest.version == 0:
                 continue
-            cold[target] = Panel(new, None, None, "new-cold-")
-            warm[target] = Panel(new, states[target], group, "new-warm-")
+            cold[target, "cold"] = Panel(new, None, None, "new-cold-")
+            warm[target, "warm"] = Panel(new, states[target], group, "new-warm-")
             veterans = [node for node in order if group[node].get("trained")][: n or None]
             if veterans:
-                warm[(target, "veteran")] = Panel(veterans, states[target], group, "veteran-")
+                warm[target, "veteran"] = Panel(veterans, states[target], group, "veteran-")
         if not cold:
             return {}
         out: dict[str, dict] = defaultdict(dict)
         for measured in (self.evaluate_panels(grid, rnd, cold), self.evaluate_panels(grid, rnd, warm)):
-            for key, metrics in measured.items():
-                out[key[0] if isinstance(key, tuple) else key].update(metrics)
+            for (target, _), metrics in measured.items():
+                out[target].update(metrics)
         return dict(out)
 
     def _send(self, grid: Grid, nodes: list[int], message_type: str,

@@ -99,11 +99,9 @@ def _mb(v) -> str:
     return "–" if v is None else f"{v / 1e6:.2f} MB"
 
 
-def _pair(s: dict, key: str, spec: str = ".3f") -> str:
+def _pair(fixed: float | None, adaptive: float | None) -> str:
     """``fixed-k value (adaptive value)`` where the fixed-length figure was measured."""
-    if s.get(f"{key}-k") is None:
-        return _fmt(s[key], spec)
-    return f"{_fmt(s[f'{key}-k'], spec)} ({_fmt(s[key], spec)})"
+    return _fmt(adaptive) if fixed is None else f"{_fmt(fixed)} ({_fmt(adaptive)})"
 
 
 def summary_table(summaries: dict[str, dict]) -> str:
@@ -115,16 +113,14 @@ def summary_table(summaries: dict[str, dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for t, s in summaries.items():
         rounds = f"{s['first-round']} → {s['last-round']}" if s["first-round"] is not None else ""
-        first = {"acceptance": s["acceptance-first"], "acceptance-k": s["acceptance-k-first"]}
-        last = {"acceptance": s["acceptance-last"], "acceptance-k": s["acceptance-k-last"]}
-        warm = {"acceptance": s["new-warm-acceptance"], "acceptance-k": s["new-warm-acceptance-k"]}
-        cold = {"acceptance": s["new-cold-acceptance"], "acceptance-k": s["new-cold-acceptance-k"]}
-        veteran = {"acceptance": s["veteran-acceptance"], "acceptance-k": s["veteran-acceptance-k"]}
+        first, last = (_pair(s[f"acceptance-k-{end}"], s[f"acceptance-{end}"]) for end in ("first", "last"))
+        warm, cold, veteran = (_pair(s[f"{who}-acceptance-k"], s[f"{who}-acceptance"])
+                               for who in ("new-warm", "new-cold", "veteran"))
         lines.append(
-            f"| {t} | {_pair(first, 'acceptance')} → {_pair(last, 'acceptance')} ({rounds}) "
+            f"| {t} | {first} → {last} ({rounds}) "
             f"| {_fmt(s['tokens-per-call-first'], '.2f')} → {_fmt(s['tokens-per-call-last'], '.2f')} "
             f"| {_times(s['speedup-first'])} → {_times(s['speedup-last'])} "
-            f"| {_pair(warm, 'acceptance')} / {_pair(cold, 'acceptance')} / {_pair(veteran, 'acceptance')} "
+            f"| {warm} / {cold} / {veteran} "
             f"({s['new-devices']} device{'s' if s['new-devices'] != 1 else ''}) "
             f"| {s['devices-trained']} | {_mb(s['uplink-bytes-per-device'])} / {_mb(s['downlink-bytes-per-device'])} "
             f"| {_fmt(s['cache-entries-last'], 'd')} | {s['ngrams-released']} | {_fmt(s['epsilon-last'], '.2f')} |")
@@ -206,10 +202,8 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
 
 def _warm_cold(r: dict) -> str:
     """A round's newcomers, warm / cold, and its veterans: at fixed k (adaptive) where measured."""
-    def one(prefix: str) -> str:
-        return _pair({"acceptance": r.get(f"{prefix}acceptance"),
-                      "acceptance-k": r.get(f"{prefix}fixed-k-acceptance")}, "acceptance")
-    return f"{one('new-warm-')} / {one('new-cold-')} / {one('veteran-')}"
+    return " / ".join(_pair(r.get(f"{who}-fixed-k-acceptance"), r.get(f"{who}-acceptance"))
+                      for who in ("new-warm", "new-cold", "veteran"))
 
 
 def round_table(rows: list[dict]) -> str:
