@@ -98,7 +98,7 @@ def evaluate_fixed_k(session: DeviceSession, prompts: list[str], config: Generat
         phase.add(decoder.generate(text, ids, fixed))
     summary = phase.summary()
     return {"k": k, "acceptance_rate": summary["acceptance_rate"],
-            "tokens_per_target_call": summary["tokens_per_target_call"]}
+            "tokens_per_target_call": summary["tokens_per_target_call"], "new_tokens": summary["new_tokens"]}
 
 
 def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConfig,

@@ -125,7 +125,7 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         if use_global:
             receive_state(device, fleet)
         metrics = device.evaluate(use_global=use_global, measure_ar=bool(fleet.get("measure-ar", False)),
-                                  fixed_k=int(fleet.get("fixed-k", 0)))
+                                  fixed_k=int(fleet.get("fixed-k", 0)), adaptive=bool(fleet.get("adaptive", True)))
         return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app

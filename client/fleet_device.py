@@ -369,9 +369,7 @@ class FleetDevice:
             adapters.load_state_dict(local, self.global_adapter())
             meta = self._fleet_meta()
             if meta.get("cache-merged") != manifest.cache_sha256:
-                merged = NgramCache.from_bytes((self.global_dir / "cache.pb").read_bytes())
-                for e in merged.entries():
-                    session.cache.add(e.draft_ids, e.target_id, max(1, e.count))
+                session.cache.merge(NgramCache.from_bytes((self.global_dir / "cache.pb").read_bytes()))
                 self._save_fleet_meta({**meta, "cache-merged": manifest.cache_sha256})
         return session
 
@@ -442,18 +440,36 @@ class FleetDevice:
         path = self.dir / HISTORY_FILE
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
-    def evaluate(self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0) -> dict:
+    def evaluate(self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0,
+                 adaptive: bool = True) -> dict:
         """Decode the held-out prompts with the global state (or, ``use_global=False``, with the
         device's local state alone), without learning. ``measure_ar``: also the target alone on
         the same prompts, once per (target, prompts, length): its greedy output and speed do not
         change between rounds, so later evaluations reuse the measured tok/s. ``fixed_k``: also
         decode them drafting exactly ``fixed_k`` drafter tokens per round (the paper's protocol;
-        ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft)."""
+        ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft).
+        ``adaptive=False`` (with ``fixed_k``) decodes at the fixed length only: no adaptive
+        pass, no tok/s, no speedup."""
+        if not adaptive and not fixed_k:
+            raise ValueError("an evaluation without the adaptive pass needs a fixed draft length")
         session = self.session(use_global=use_global)
         session.learn = False
         p = self.profile
         if not p.heldout:  # a deployed device: its latest served prompts
             p = replace(p, heldout=[prompt for _, prompt in self.request_log().since(0)[-EVAL_PROMPTS:]])
+        t0 = time.perf_counter()
+        metrics = {}
+        if adaptive:
+            metrics = self._evaluate_adaptive(session, p, measure_ar)
+        if fixed_k:
+            fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k)
+            metrics.update({"fixed-k-acceptance": fixed["acceptance_rate"],
+                            "fixed-k-tokens-per-call": fixed["tokens_per_target_call"]})
+            metrics.setdefault("generated-tokens", fixed["new_tokens"])
+        return {**metrics, "eval-s": time.perf_counter() - t0}
+
+    def _evaluate_adaptive(self, session: DeviceSession, p: DeviceProfile, measure_ar: bool) -> dict:
+        """The held-out prompts decoded as the device decodes (adaptive draft length)."""
         ar_tps = None
         if measure_ar:
             key = _sha256(json.dumps([p.target, p.heldout, p.generation.max_new_tokens]).encode())[:16]
@@ -466,15 +482,9 @@ class FleetDevice:
                 ar_tps = ar.summary()["tokens_per_s"]
                 self._save_fleet_meta({**meta, "ar-tokens-per-s": {**meta.get("ar-tokens-per-s", {}), key: ar_tps}})
         phase = Phase()
-        t0 = time.perf_counter()
         for prompt in p.heldout:
             phase.add(session.generate(prompt, p.generation, learn=False, explore=False))
         out = phase.summary(ar_tps)
-        metrics = {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
-                   "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
-                   "generated-tokens": out["new_tokens"]}
-        if fixed_k:
-            fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k)
-            metrics.update({"fixed-k-acceptance": fixed["acceptance_rate"],
-                            "fixed-k-tokens-per-call": fixed["tokens_per_target_call"]})
-        return {**metrics, "eval-s": time.perf_counter() - t0}
+        return {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
+                "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
+                "generated-tokens": out["new_tokens"]}

@@ -138,12 +138,14 @@ def state_record(state: GlobalState, status: ConfigRecord | None, round_: int, *
 class Panel:
     """Devices that evaluate together: ``nodes`` decode their held-out prompts with ``state``
     (None: their local state alone); ``held`` is their status (the parts they hold);
-    ``prefix`` names the panel's metrics."""
+    ``prefix`` names the panel's metrics; ``adaptive=False`` decodes at the fixed draft length
+    only (``FleetConfig.fixed_k``)."""
 
     nodes: list[int]
     state: GlobalState | None
     held: dict[int, ConfigRecord] | None = None
     prefix: str = "eval-"
+    adaptive: bool = True
 
 
 class Coordinator:
@@ -321,19 +323,21 @@ class Coordinator:
         (``new-cold-``) and with it (``new-warm-``); alongside, as many sampled devices that did
         train before (``veteran-``) decode their own held-out prompts with the same state, the
         reference a newcomer's warm start is measured against. Every target's devices are
-        measured in the same two exchanges."""
+        measured in the same two exchanges. With a fixed draft length (``fixed_k``) these panels
+        decode at that length only: the acceptance that compares states, at half the cost."""
         n = self.config.newcomer_evals
+        adaptive = not self.config.fixed_k
         cold, warm = {}, {}
         for target, group in by_target.items():
             order = sorted(group, key=lambda node: str(group[node].get("device", node)))
             new = [node for node in order if not group[node].get("trained")][: n or None]
             if not new or states[target].manifest.version == 0:
                 continue
-            cold[target, "cold"] = Panel(new, None, None, "new-cold-")
-            warm[target, "warm"] = Panel(new, states[target], group, "new-warm-")
+            cold[target, "cold"] = Panel(new, None, None, "new-cold-", adaptive)
+            warm[target, "warm"] = Panel(new, states[target], group, "new-warm-", adaptive)
             veterans = [node for node in order if group[node].get("trained")][: n or None]
             if veterans:
-                warm[target, "veteran"] = Panel(veterans, states[target], group, "veteran-")
+                warm[target, "veteran"] = Panel(veterans, states[target], group, "veteran-", adaptive)
         if not cold:
             return {}
         out: dict[str, dict] = defaultdict(dict)
@@ -467,8 +471,8 @@ class Coordinator:
         named with the panel's prefix}``, averaged over its devices weighted by tokens decoded."""
         records = {}
         for panel in panels.values():
-            extra = {"use-global": panel.state is not None, "measure-ar": self.config.measure_ar,
-                     "fixed-k": self.config.fixed_k}
+            extra = {"use-global": panel.state is not None, "measure-ar": self.config.measure_ar and panel.adaptive,
+                     "fixed-k": self.config.fixed_k, "adaptive": panel.adaptive}
             for node in panel.nodes:
                 records[node] = (ConfigRecord({"round": rnd, **extra}) if panel.state is None
                                  else state_record(panel.state, (panel.held or {}).get(node), rnd, **extra))

@@ -49,6 +49,12 @@ class LoraSpec:
     modules: str = "all"
     ffa: bool = False
 
+    def __post_init__(self) -> None:
+        # the default alpha is stored, so a spec read back from the wire (alpha given) equals
+        # the one built with the default
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", 2.0 * self.rank)
+
     def validate(self) -> None:
         if self.rank < 1:
             raise ValueError("LoRA rank must be >= 1")
@@ -56,11 +62,11 @@ class LoraSpec:
             raise ValueError(f"unknown LoRA module set {self.modules!r}: choose one of {', '.join(MODULE_SETS)}")
 
     def peft_config(self) -> LoraConfig:
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha or 2 * self.rank, lora_dropout=0.0,
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0,
                           target_modules=list(MODULE_SETS[self.modules]), bias="none")
 
     def as_dict(self) -> dict:
-        out = {"rank": self.rank, "alpha": self.alpha or 2 * self.rank, "modules": self.modules}
+        out = {"rank": self.rank, "alpha": self.alpha, "modules": self.modules}
         return {**out, "ffa": True} if self.ffa else out
 
 

@@ -14,11 +14,13 @@ size is kept exact incrementally from protobuf varint sizes, without re-serializ
 
 from __future__ import annotations
 
+import gc
 import heapq
 import operator
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,11 @@ class _Record:
 
 def _varint_bytes(value: int) -> int:
     """Bytes of ``value`` as a protobuf varint (value >= 0)."""
-    return (value.bit_length() + 6) // 7 or 1
+    return _VARINT_TABLE[value] if value < _TABLE_SIZE else (value.bit_length() + 6) // 7
+
+
+_TABLE_SIZE = 1 << 16
+_VARINT_TABLE = bytes((i.bit_length() + 6) // 7 or 1 for i in range(_TABLE_SIZE))  # sizes of small values
 
 
 def _scalar_field_bytes(value: int) -> int:
@@ -84,8 +90,13 @@ def _len_field_bytes(length: int) -> int:
 
 
 def _key_field_bytes(key: Key) -> int:
-    """Bytes of the packed ``draft_ids`` field holding ``key``."""
-    return _len_field_bytes(sum(_varint_bytes(i) for i in key))
+    """Bytes of the packed ``draft_ids`` field holding ``key`` (a table lookup per id: this
+    runs for every entry a cache loads)."""
+    if max(key) < _TABLE_SIZE:
+        payload = sum(map(_VARINT_TABLE.__getitem__, key))
+    else:
+        payload = sum(_varint_bytes(i) for i in key)
+    return _len_field_bytes(payload)
 
 
 def _entry_bytes(rec: _Record) -> int:
@@ -98,6 +109,18 @@ def _entry_bytes(rec: _Record) -> int:
         + _scalar_field_bytes(rec.last_used)
     )
     return _len_field_bytes(body)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Hold off Python's cyclic garbage collector while a cache is built in bulk."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _check_id(value: Any, what: str) -> int:
@@ -238,6 +261,16 @@ class NgramCache:
         target_id = _check_id(target_id, "target id")
         if operator.index(count) < 1:
             raise ValueError(f"count must be >= 1, got {count}")
+        return self._add(key, target_id, count)
+
+    def merge(self, other: NgramCache) -> int:
+        """``add`` every entry of ``other`` with its count (at least 1), its least recently used
+        first; returns the number of entries created."""
+        with _gc_paused():
+            return sum(self._add(key, rec.target_id, max(1, rec.count)) for key, rec in list(other._records.items()))
+
+    def _add(self, key: Key, target_id: int, count: int) -> bool:
+        """``add`` for a checked key, target and count."""
         rec = self._records.get(key)
         if rec is not None:
             if target_id == rec.target_id:
@@ -306,16 +339,17 @@ class NgramCache:
                 " (truncated or foreign data)"
             )
         cache = cls(**capacity_kwargs, drafter=msg.drafter, target=msg.target)
-        for e in sorted(msg.entries, key=operator.attrgetter("last_used")):
-            key = tuple(e.draft_ids)
-            if len(key) < 2 or key in cache._records:
-                raise NgramCacheError(
-                    f"n-gram cache has a {'duplicate' if len(key) >= 2 else 'short'} key {key}"
+        with _gc_paused():  # tens of thousands of small objects: the cyclic GC would run often
+            for e in sorted(msg.entries, key=operator.attrgetter("last_used")):
+                key = tuple(e.draft_ids)
+                if len(key) < 2 or key in cache._records:
+                    raise NgramCacheError(
+                        f"n-gram cache has a {'duplicate' if len(key) >= 2 else 'short'} key {key}"
+                    )
+                cache._insert(
+                    key, _Record(e.target_id, e.count, e.hits, e.last_used, _key_field_bytes(key))
                 )
-            cache._insert(
-                key, _Record(e.target_id, e.count, e.hits, e.last_used, _key_field_bytes(key))
-            )
-            cache._clock = max(cache._clock, e.last_used)
+                cache._clock = max(cache._clock, e.last_used)
         cache._shrink(protect=None)
         return cache
 
@@ -419,9 +453,15 @@ def seed_from_tokenizers(
     ``target_token_bytes[t]`` is the byte string of target token t (None for tokens without
     one, e.g. specials). Every target token not in ``direct_target_ids`` (those a single
     drafter token already maps to) whose bytes are valid UTF-8 is encoded with the drafter
-    tokenizer (no special tokens); when that yields >= 2 drafter ids, ``ids -> t`` is added.
-    ``encode_draft_batch`` (one call for all texts) is used instead of ``encode_draft`` when
-    given. Returns the number of entries created (some may since have been evicted).
+    tokenizer (no special tokens); when that yields >= 2 drafter ids, ``ids -> t`` is a
+    candidate. ``encode_draft_batch`` (one call for all texts) is used instead of
+    ``encode_draft`` when given.
+
+    When there are more candidates than ``cache.max_entries``, the lowest target ids are kept:
+    BPE and SentencePiece vocabularies number their tokens by merge order or score, so low ids
+    are the frequent ones (keeping the last ones added would keep the rarest). They are added
+    highest id first, so the most frequent tokens are the most recently used, the last an LRU
+    cache evicts. Returns the number of entries created.
     """
     target_ids: list[int] = []
     texts: list[str] = []
@@ -436,8 +476,7 @@ def seed_from_tokenizers(
     encoded = (
         encode_draft_batch(texts) if encode_draft_batch is not None else map(encode_draft, texts)
     )
-    return sum(
-        cache.add(ids, target_id)
-        for target_id, ids in zip(target_ids, encoded, strict=True)
-        if len(ids) >= 2
-    )
+    candidates = [(target_id, ids) for target_id, ids in zip(target_ids, encoded, strict=True)
+                  if len(ids) >= 2]
+    kept = candidates[: cache.max_entries]
+    return sum(cache.add(ids, target_id) for target_id, ids in reversed(kept))

@@ -49,7 +49,7 @@ def target_summary(rows: list[dict]) -> dict:
     """First and last measured acceptance/speedup, newcomers warm vs cold (means over the
     rounds that measured them), bytes, cache and privacy totals of one target."""
     evals = [r for r in rows if "eval-acceptance" in r]
-    newcomers = [r for r in rows if "new-warm-acceptance" in r]
+    newcomers = [r for r in rows if r.get("new-warm-devices")]
     trained = [r for r in rows if r.get("aggregated")]
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
     return {
@@ -65,8 +65,8 @@ def target_summary(rows: list[dict]) -> dict:
         "tokens-per-call-first": first.get("eval-tokens-per-call"), "tokens-per-call-last": last.get("eval-tokens-per-call"),
         "speedup-first": first.get("eval-speedup"), "speedup-last": last.get("eval-speedup"),
         "tokens-per-s-last": last.get("eval-tokens-per-s"),
-        "new-warm-acceptance": _mean([r["new-warm-acceptance"] for r in newcomers]),
-        "new-cold-acceptance": _mean([r["new-cold-acceptance"] for r in newcomers]),
+        "new-warm-acceptance": _mean([r.get("new-warm-acceptance") for r in newcomers]),
+        "new-cold-acceptance": _mean([r.get("new-cold-acceptance") for r in newcomers]),
         "new-devices": sum(int(r.get("new-warm-devices", 0)) for r in newcomers),
         "devices-trained": sum(int(r["aggregated"]) for r in trained),
         "rejected": sum(len(r.get("rejected", [])) for r in rows),
@@ -100,8 +100,10 @@ def _mb(v) -> str:
 
 
 def _pair(fixed: float | None, adaptive: float | None) -> str:
-    """``fixed-k value (adaptive value)`` where the fixed-length figure was measured."""
-    return _fmt(adaptive) if fixed is None else f"{_fmt(fixed)} ({_fmt(adaptive)})"
+    """``fixed-k value (adaptive value)`` where both were measured, else the one that was."""
+    if fixed is None or adaptive is None:
+        return _fmt(adaptive if fixed is None else fixed)
+    return f"{_fmt(fixed)} ({_fmt(adaptive)})"
 
 
 def summary_table(summaries: dict[str, dict]) -> str:

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                     + f"tokens/call {record.get('eval-tokens-per-call', float('nan')):.2f}")
             if record.get("eval-speedup"):
                 line += f", speedup {record['eval-speedup']:.2f}x"
-            if "new-warm-acceptance" in record:
+            if record.get("new-warm-devices"):
                 kind = "-fixed-k" if "new-warm-fixed-k-acceptance" in record else ""
                 line += (f", new device warm {record[f'new-warm{kind}-acceptance']:.3f} "
                          f"vs cold {record[f'new-cold{kind}-acceptance']:.3f}")

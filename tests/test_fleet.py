@@ -321,6 +321,30 @@ def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tin
     assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
 
 
+def test_a_cold_first_session_then_the_global_state_in_one_process(tmp_path, tiny):
+    """A worker whose first session is a cold one (no global state: the default LoRA shape)
+    then serves the global state (the same shape, read from the wire) and evaluates at a
+    fixed draft length only."""
+    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+
+    assert LoraSpec(rank=8) == LoraSpec(rank=8, alpha=16.0)
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=8))
+    state = reg.load("tiny-target-a")
+    profile = DeviceProfile(device_id="d", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
+                            drafter=str(tiny["tiny-drafter"]), prompts=["x"], heldout=["def f(x):"],
+                            state_dir=tmp_path / "dev")
+    device = FleetDevice(profile, EnginePool("fp32", "fp32"))
+    cold = device.evaluate(use_global=False, fixed_k=2, adaptive=False)
+    device.receive(state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature)
+    warm = device.evaluate(fixed_k=2, adaptive=False)
+    for metrics in (cold, warm):
+        assert 0 <= metrics["fixed-k-acceptance"] <= 1 and metrics["generated-tokens"] > 0
+        assert "acceptance" not in metrics and "tokens-per-s" not in metrics
+    with pytest.raises(ValueError, match="fixed draft length"):
+        device.evaluate(adaptive=False)
+
+
 def test_fleet_cli_register_and_status(tmp_path, tiny, capsys):
     from omnidraft.cli import main
 
@@ -422,11 +446,11 @@ def test_federation_rounds_versions_and_bad_updates(federation):
         assert np.isfinite(np.concatenate([v.numpy().ravel() for v in reg.load(t).adapter.values()])).all()
     # devices that never trained (the late joiner at round 3; the crashing device 1 every round)
     # get a first session with and without the global state, once a trained state exists
-    late = [r for r in records if "new-warm-acceptance" in r]
+    late = [r for r in records if r.get("new-warm-devices")]
     assert any(r["round"] == 3 for r in late) and all(r["round"] > 1 for r in late)
     assert all(r["new-cold-devices"] == r["new-warm-devices"] >= 1 for r in late)
     # devices that trained before decode their held-out prompts with the same state (the reference)
-    assert any(r.get("veteran-devices", 0) >= 1 and 0 <= r["veteran-acceptance"] <= 1 for r in late)
+    assert any(r.get("veteran-devices", 0) >= 1 and 0 <= r["veteran-fixed-k-acceptance"] <= 1 for r in late)
     assert records[-1]["downlink-bytes-per-device"] > 0
     assert json.loads((out / "coordinator" / "coordinator.json").read_text())["round"] == 3
 

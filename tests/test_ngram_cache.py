@@ -368,3 +368,33 @@ def test_seed_from_tokenizers_toy_vocab() -> None:
     )
     assert calls == [["flake", " a", "la la", "éa"]]
     assert list(c2.entries()) == list(c.entries())
+
+
+def test_seed_keeps_the_lowest_target_ids_when_the_cache_is_too_small() -> None:
+    """Low ids are a BPE vocabulary's frequent tokens: a full cache keeps them, and they are
+    the most recently used, so online entries evict the rarest seeded ones first."""
+    target = [bytes([97 + i]) * 2 for i in range(6)]  # "aa", "bb", ... each spelled by 2 drafter ids
+
+    def encode(text: str) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    c = NgramCache(max_entries=3)
+    assert seed_from_tokenizers(c, target, encode, set()) == 3
+    assert sorted(e.target_id for e in c.entries()) == [0, 1, 2]
+    c.add([1, 2], 99)  # a learned entry evicts the least recently used seeded one: id 2
+    assert sorted(e.target_id for e in c.entries()) == [0, 1, 99]
+
+
+def test_merge_adds_every_entry_as_add_would() -> None:
+    ours, theirs = NgramCache(), NgramCache()
+    ours.add([1, 2], 10, 3)
+    theirs.add([1, 2], 11, 1)  # outvoted by our 3 observations: count drops to 2
+    theirs.add([3, 4, 5], 12, 4)
+    theirs.add([6, 7], 13)
+    expected = NgramCache()
+    for e in [*ours.entries(), *theirs.entries()]:
+        expected.add(e.draft_ids, e.target_id, e.count)
+    assert ours.merge(theirs) == 2
+    assert [(e.draft_ids, e.target_id, e.count) for e in ours.entries()] == \
+        [(e.draft_ids, e.target_id, e.count) for e in expected.entries()]
+    assert ours.nbytes == len(ours.to_bytes())

@@ -175,8 +175,12 @@ def test_smoke_run_writes_every_output(smoke):
         if r["round"]:
             assert r["aggregated"] >= 1 and r["uplink-bytes-per-device"] > 0 and r["cache-entries"] > 0
             assert "epsilon" in r["ngrams"] and "released" in r["ngrams"]
-    assert any("new-warm-acceptance" in r and "new-cold-acceptance" in r for r in records)
-    assert any("new-warm-fixed-k-acceptance" in r and "veteran-fixed-k-acceptance" in r for r in records)
+    # newcomers and veterans decode at the fixed draft length only (the acceptance that compares states)
+    newcomers = [r for r in records if r.get("new-warm-devices")]
+    assert newcomers and all(0 <= r[f"{who}-fixed-k-acceptance"] <= 1 for r in newcomers
+                             for who in ("new-warm", "new-cold"))
+    assert not any("new-warm-acceptance" in r or "veteran-acceptance" in r for r in records)
+    assert any("veteran-fixed-k-acceptance" in r for r in records)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["devices"] == 50 and summary["wall_s"] > 0 and summary["peak_rss_mb"] > 100
     assert set(summary["targets"]) == targets
@@ -198,7 +202,7 @@ def test_same_seed_same_learning(smoke, tmp_path, home):
     res = _run("--models", "tiny", "--devices", "50", "--rounds", "3", "--seed", "7", "--out", str(again), home=home)
     assert res.returncode == 0, res.stderr[-3000:]
     keys = ("round", "target", "aggregated", "eval-acceptance", "eval-tokens-per-call", "trained-tokens",
-            "new-warm-acceptance", "new-cold-acceptance", "cache-entries")
+            "new-warm-fixed-k-acceptance", "new-cold-fixed-k-acceptance", "cache-entries")
 
     def learned(run):
         return [{k: r.get(k) for k in keys} for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
