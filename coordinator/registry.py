@@ -156,7 +156,7 @@ class TargetRegistry:
         seed_cache_from_bridge(cache, bridge, d.tokenizer)
         spec = fleet_pb2.TargetSpec(
             name=name, model=str(model), drafter=str(drafter), lora_rank=lora.rank,
-            lora_alpha=float(lora.alpha or 2 * lora.rank), lora_modules=lora.modules,
+            lora_alpha=float(lora.alpha), lora_modules=lora.modules,
             lora_ffa=lora.ffa, target_vocab_size=bridge.target_vocab_size, tokenizer_sha256=tokenizer_digest(bridge),
             registered_at=time.time())
         out = self._dir(name)

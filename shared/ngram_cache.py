@@ -95,7 +95,7 @@ def _key_field_bytes(key: Key) -> int:
     if max(key) < _TABLE_SIZE:
         payload = sum(map(_VARINT_TABLE.__getitem__, key))
     else:
-        payload = sum(_varint_bytes(i) for i in key)
+        payload = sum(map(_varint_bytes, key))
     return _len_field_bytes(payload)
 
 
