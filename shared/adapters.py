@@ -4,21 +4,16 @@
 target; ``activate(target)`` switches between them without reloading the drafter. Only the
 active adapter's LoRA matrices require gradients (the base weights and the LM head stay frozen).
 
-Drafting runs on ``FastLlamaRunner`` kernels, which need plain weight matrices: ``runner()``
-merges the active adapter into the base weights (peft ``merge_adapter``), packs them, and
-restores the exact base weights, so the HF model always holds the base weights plus unmerged
-adapters. Packed runners are cached per adapter until the adapter changes (``invalidate``), and
-the last ``PACKED_KEEP`` packed runners are also kept by the adapter's *contents*: a simulation
-worker that runs many devices starting from the same global adapter (or the untrained one)
-packs it once (0.8 s for SmolLM2-135M on one core) instead of once per device.
+Drafting runs on ``FastLlamaRunner`` kernels (int8 or bf16 weights): the base weights are
+packed once and each adapter runs beside them as a float32 low-rank path
+(``FastLlamaRunner.set_lora``), never merged into the quantized weights, whose rounding would
+erase most of a small update (measured: an adapter that raised fixed-length acceptance by 0.12
+with float32 weights raised it by 0.01 merged into int8 ones). Switching devices or adapters
+costs a copy of the LoRA matrices, not a re-packing.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
-from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +25,6 @@ from omnidraft.shared.model_runner import ModelRunner
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-PACKED_KEEP = 2  # packed runners kept by adapter contents (each ~0.5 GB for SmolLM2-135M with bf16 prefill)
 MODULE_SETS = {"attn": ATTENTION_MODULES, "mlp": MLP_MODULES, "all": ATTENTION_MODULES + MLP_MODULES,
                "qv": ("q_proj", "v_proj")}
 
@@ -86,9 +80,9 @@ class DrafterAdapters:
         self.model = model
         self.peft = None
         self.active: str | None = None
-        self._runners: dict[str, object] = {}
-        self._packed: OrderedDict[str, object] = OrderedDict()  # adapter-contents digest -> runner
-        self.last_pack_s = 0.0  # seconds the last runner build took (0 when a packed one was reused)
+        self._runners: dict[str, object] = {}  # adapter name -> its drafting runner
+        self._base: FastLlamaRunner | None = None  # the base weights, packed once
+        self._fresh: set[str] = set()  # adapters whose runner holds their current matrices
 
     @property
     def names(self) -> list[str]:
@@ -162,8 +156,7 @@ class DrafterAdapters:
         active = next((n for n, was in targets.items() if was), next(iter(targets)))
         self.peft.set_adapter(active)
         self.peft.delete_adapter("respec_swap")
-        self._runners.clear()
-        self._packed.clear()
+        self._fresh.clear()
         self._activate_name(active)
 
     @torch.no_grad()
@@ -177,62 +170,44 @@ class DrafterAdapters:
         self.invalidate(target)
 
     def invalidate(self, target: str | None = None) -> None:
-        """Forget packed runners (of ``target``, or all) after their adapter changed."""
-        if target is None:
-            self._runners.clear()
-            self._packed.clear()
-        else:
-            self._runners.pop(adapter_name(target), None)
+        """Mark the drafting runners of ``target`` (or all) stale after their adapter changed:
+        the next ``runner()`` hands them the new LoRA matrices."""
+        self._fresh.difference_update(self._fresh if target is None else {adapter_name(target)})
 
-    @contextmanager
-    def merged(self):
-        """The base HF model with the active adapter merged into its weights. On exit the
-        adapter is unmerged and the base weights are restored bit for bit (``W + BA - BA`` is
-        not exactly ``W`` in floating point, and repeated merges would otherwise drift)."""
-        bases = [m.get_base_layer() for m in self.peft.modules() if isinstance(m, LoraLayer)]
-        saved = [b.weight.detach().clone() for b in bases]
-        self.peft.merge_adapter()
-        try:
-            yield self.peft.get_base_model()
-        finally:
-            self.peft.unmerge_adapter()
-            with torch.no_grad():
-                for b, w in zip(bases, saved):
-                    b.weight.copy_(w)
-
-    def _digest(self, name: str) -> str:
-        """sha256 of adapter ``name``'s tensors (what a packed runner depends on); "untrained"
-        when every B is zero (the drafter itself, whatever A is)."""
-        tensors = get_peft_model_state_dict(self.peft, adapter_name=name)
-        if all(not bool(t.any()) for k, t in tensors.items() if "lora_B" in k):
-            return "untrained"
-        h = hashlib.sha256()
-        for key, tensor in sorted(tensors.items()):
-            h.update(key.encode())
-            h.update(tensor.detach().contiguous().view(torch.uint8).numpy())
-        return h.hexdigest()
+    def lora_layers(self, name: str) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]] | None:
+        """Adapter ``name``'s matrices per decoder layer for ``FastLlamaRunner.set_lora``:
+        {Linear name: (A [r, in], scaling x B [out, r])}; None while every B is zero (an
+        untrained adapter drafts exactly as the base model)."""
+        layers, trained = [], False
+        for layer in self.peft.get_base_model().model.layers:
+            mods = {}
+            for parent, names in ((layer.self_attn, ATTENTION_MODULES), (layer.mlp, MLP_MODULES)):
+                for module_name in names:
+                    mod = getattr(parent, module_name)
+                    if isinstance(mod, LoraLayer) and name in mod.lora_A:
+                        b = mod.lora_B[name].weight.detach().float() * float(mod.scaling[name])
+                        trained = trained or bool(b.any())
+                        mods[module_name] = (mod.lora_A[name].weight.detach().float(), b)
+            layers.append(mods)
+        return layers if trained else None
 
     @torch.no_grad()
     def runner(self):
-        """The drafting runner for the active adapter (built once per adapter version)."""
+        """The drafting runner for the active adapter. Llama drafters draft on one
+        ``FastLlamaRunner`` packing of the base weights (built once) with each adapter as an
+        unquantized low-rank path (``set_lora``); each adapter has its own KV cache (a fork).
+        Other drafters run the peft model itself."""
         name = self.active
-        if name not in self._runners:
+        if name not in self._fresh:
             if self.drafter_weights == "hf" or self.model.config.model_type != "llama":
                 self._runners[name] = ModelRunner(self.peft)  # plain transformers forward applies the adapter
-                return self._runners[name]
-            digest = self._digest(name)
-            runner = self._packed.pop(digest, None)
-            self.last_pack_s = 0.0
-            if runner is None:
-                t0 = time.perf_counter()
-                with self.merged() as model:
-                    runner = FastLlamaRunner(model, weights=self.drafter_weights)
-                self.last_pack_s = time.perf_counter() - t0
-            runner.reset()
-            self._packed[digest] = runner
-            while len(self._packed) > PACKED_KEEP:
-                self._packed.popitem(last=False)
-            self._runners[name] = runner
+            else:
+                if self._base is None:
+                    self._base = FastLlamaRunner(self.peft.get_base_model(), weights=self.drafter_weights)
+                runner = self._runners.get(name) or self._base.fork()
+                runner.set_lora(self.lora_layers(name))
+                self._runners[name] = runner
+            self._fresh.add(name)
         return self._runners[name]
 
     def decoder_and_head(self):

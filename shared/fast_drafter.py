@@ -50,6 +50,7 @@ the caller work unchanged and pruned ids get probability 0).
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import hashlib
 import os
@@ -58,6 +59,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -195,7 +197,8 @@ class _FdModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("D", "H", "KV", "HD", "I", "L", "maxpos", "n_qkv", "n_head")] + [
         ("eps", ctypes.c_float), ("layer_ptrs", ctypes.c_void_p), ("head_ptrs", ctypes.c_void_p),
         ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("cos_t", ctypes.c_void_p),
-        ("sin_t", ctypes.c_void_p), ("act8", ctypes.c_int32)]
+        ("sin_t", ctypes.c_void_p), ("act8", ctypes.c_int32), ("lora_r", ctypes.c_int32),
+        ("lora_ptrs", ctypes.c_void_p)]
 
 
 @contextlib.contextmanager
@@ -235,6 +238,20 @@ def _make_linear(kind: str, w: torch.Tensor, b: torch.Tensor | None):
         lin = torch.ops.quantized.linear_dynamic
         return lambda x: lin(x, packed, True)
     raise ValueError(f"unknown weights kind {kind!r}: choose one of {', '.join(WEIGHT_KINDS)}")
+
+
+def _lora_delta(ab: tuple[torch.Tensor, torch.Tensor], splits: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    """A fused matrix's LoRA term ``[m, sum(splits)]`` for inputs ``x`` [m, in]: row block
+    ``p`` (``splits[p]`` rows) uses the rank-r slice ``p`` of ``A x`` (see ``set_lora``)."""
+    a, bt = ab
+    t = x.float() @ a.t()
+    if len(splits) == 1:
+        return t @ bt
+    r, out, off = bt.shape[0], [], 0
+    for p, rows in enumerate(splits):
+        out.append(t[:, p * r:(p + 1) * r] @ bt[:, off:off + rows])
+        off += rows
+    return torch.cat(out, dim=1)
 
 
 def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -357,6 +374,10 @@ class FastLlamaRunner:
         q_perm = (torch.arange(self.n_heads)[:, None] * hd + perm[None, :]).reshape(-1)
         k_perm = (torch.arange(self.n_kv)[:, None] * hd + perm[None, :]).reshape(-1)
         self._layers = {k: [] for k in torch_kinds}
+        self._q_perm, self._k_perm = q_perm, k_perm
+        self._folds: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # per layer: norm gains (input, post-attention), query scale
+        self._lora: list[tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]] | None = None
+        self.lora_rank = 0
         native_tensors: list[torch.Tensor] = []  # keeps the native buffers alive
         layer_ptrs = []
         for layer in decoder.layers:
@@ -364,6 +385,7 @@ class FastLlamaRunner:
             g_in = layer.input_layernorm.weight.detach().float()
             g_post = layer.post_attention_layernorm.weight.detach().float()
             scale = float(getattr(attn, "scaling", hd ** -0.5))
+            self._folds.append((g_in, g_post, scale))
             wq = attn.q_proj.weight.detach().float()[q_perm] * scale
             wk = attn.k_proj.weight.detach().float()[k_perm]
             wv = attn.v_proj.weight.detach().float()
@@ -434,6 +456,72 @@ class FastLlamaRunner:
         self.forward_calls = 0
 
     # ------------------------------------------------------------------------------------------
+    def set_lora(self, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] | None) -> None:
+        """Apply a LoRA adapter as a float32 low-rank path beside the packed base weights
+        (``y = W x + B (A x)``): the base stays quantized, the adapter is not, so a small
+        adapter update is not lost to the base's rounding (merging it into int8 or bf16
+        weights erases most of it). ``layers[i]`` maps a Linear's name in decoder layer ``i``
+        (``q_proj`` ... ``down_proj``) to ``(A [r, in], B [out, r])`` with the LoRA scaling
+        already in ``B``; absent names have no adapter. ``None`` removes the adapter. The
+        KV cache is reset (its positions were computed with the previous weights)."""
+        self.reset()
+        if layers is None:
+            self._lora, self.lora_rank = None, 0
+            if self._lib is not None:
+                self._fd.lora_r, self._fd.lora_ptrs = 0, None
+            return
+        if len(layers) != self.num_layers:
+            raise ValueError(f"LoRA for {len(layers)} layers, the model has {self.num_layers}")
+        ranks = {a.shape[0] for mods in layers for a, _ in mods.values()}
+        if len(ranks) != 1:
+            raise ValueError("LoRA matrices must share one rank")
+        r = ranks.pop()
+        hd = self.head_dim
+        widths = {"q_proj": self.n_heads * hd, "k_proj": self.n_kv * hd, "v_proj": self.n_kv * hd,
+                  "o_proj": self.hidden, "gate_proj": self.intermediate, "up_proj": self.intermediate,
+                  "down_proj": self.hidden}
+        fused = []
+        for mods, (g_in, g_post, scale) in zip(layers, self._folds):
+            def piece(name, k, gain=None, rows=None, mult=1.0):
+                if name not in mods:
+                    return torch.zeros(r, k), torch.zeros(widths[name], r)
+                a, b = (t.detach().float() for t in mods[name])
+                if tuple(a.shape) != (r, k) or tuple(b.shape) != (widths[name], r):
+                    raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
+                return (a if gain is None else a * gain[None, :]), (b if rows is None else b[rows]) * mult
+
+            def fuse(*pieces):
+                if all(not bool(b.any()) for _, b in pieces):
+                    return None  # no adapter on this matrix
+                return (torch.cat([a for a, _ in pieces]).contiguous(),
+                        torch.cat([b for _, b in pieces]).t().contiguous())  # A [pieces * r, in], Bt [r, out]
+
+            fused.append((
+                fuse(piece("q_proj", self.hidden, g_in, self._q_perm, scale), piece("k_proj", self.hidden, g_in, self._k_perm),
+                     piece("v_proj", self.hidden, g_in)),
+                fuse(piece("o_proj", self.n_heads * hd)),
+                fuse(piece("gate_proj", self.hidden, g_post), piece("up_proj", self.hidden, g_post)),
+                fuse(piece("down_proj", self.intermediate))))
+        self._lora, self.lora_rank = fused, r
+        if self._lib is not None:
+            ptrs = [t.data_ptr() if f is not None else 0 for mats in fused for f in mats for t in (f or (None, None))]
+            self._lora_ptrs = torch.tensor(ptrs, dtype=torch.int64)
+            self._fd.lora_r, self._fd.lora_ptrs = r, self._lora_ptrs.data_ptr()
+
+    def fork(self) -> FastLlamaRunner:
+        """A runner sharing this one's packed base weights (no copy), with its own empty KV
+        cache and no adapter: one packing serves every adapter of the drafter."""
+        new = copy.copy(self)
+        new._kcache, new._vcache = torch.zeros_like(self._kcache), torch.zeros_like(self._vcache)
+        new._lora, new.lora_rank, new._last_residual = None, 0, None
+        new.length = new.forward_calls = 0
+        if self._lib is not None:
+            new._fd = _FdModel.from_buffer_copy(self._fd)
+            new._fd.kcache, new._fd.vcache = new._kcache.data_ptr(), new._vcache.data_ptr()
+            new._fd.lora_r, new._fd.lora_ptrs = 0, None
+            new._fd_ref = ctypes.addressof(new._fd)
+        return new
+
     def reset(self) -> None:
         self.length = 0
 
@@ -507,11 +595,17 @@ class FastLlamaRunner:
         positions = torch.arange(p, t)
         blk, lane = positions // 16, positions % 16
         nblk = -(-t // 16)
-        for (f_qkv, f_o, f_gu, f_down), k_l, v_l in zip(self._layers[kind], self._kcache, self._vcache):
+        kv_width = n_kv * hd
+        splits = ((q_width, kv_width, kv_width), (self.hidden,), (inter, inter), (self.hidden,))
+        loras = self._lora or [(None,) * 4] * self.num_layers
+        for (f_qkv, f_o, f_gu, f_down), lora, k_l, v_l in zip(self._layers[kind], loras, self._kcache, self._vcache):
+            l_qkv, l_o, l_gu, l_down = (None if ab is None else partial(_lora_delta, ab, sp) for ab, sp in zip(lora, splits))
             x = rms_norm(h, norm_shape, None, eps)
             qkv = f_qkv(x)
             if qkv.dtype != torch.float32:
                 qkv = qkv.float()
+            if l_qkv:
+                qkv.add_(l_qkv(x))
             # RoPE on the (pair-interleaved) q and k heads, in place
             torch.view_as_complex(qkv[:, : qk_heads * hd].view(m, qk_heads, hd // 2, 2)).mul_(cis)
             kv_new = qkv[:, q_width:]
@@ -531,11 +625,17 @@ class FastLlamaRunner:
             o = torch.bmm(probs, v_t)  # [n_kv, g*m, hd]
             o = o.view(n_kv, g, m, hd).permute(2, 0, 1, 3).reshape(m, q_width)
             h.add_(f_o(o))
+            if l_o:
+                h.add_(l_o(o))
             x = rms_norm(h, norm_shape, None, eps)
             gu = f_gu(x)
+            if l_gu:
+                gu = gu.float() + l_gu(x)
             a = F.silu(gu[:, :inter])
             a.mul_(gu[:, inter:])
             h.add_(f_down(a))
+            if l_down:
+                h.add_(l_down(a))
 
         if last_only:
             h = h[-1:]

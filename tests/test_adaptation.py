@@ -217,24 +217,34 @@ def test_epochs_repeat_the_pass_and_the_optimizer_is_configurable(pair_dir):
             OnlineConfig(**bad).validate()
 
 
-def test_packed_runners_are_reused_by_adapter_contents(pair_dir):
+def test_one_packing_serves_every_adapter(pair_dir):
+    """Adapters draft on one packing of the base weights, each with its own KV cache and its
+    LoRA matrices as an unquantized side path: training, loading and resetting an adapter
+    change its runner's logits without re-packing anything."""
     engine = _engine(pair_dir)
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
     adapters.add("a")
-    untrained = adapters.runner()
-    adapters.add("b")  # also untrained: the same contents, the same packed runner
-    assert adapters.runner() is untrained and adapters.last_pack_s == 0.0
-    tensors = {k: v + 0.01 for k, v in adapters.state_dict("b").items()}
-    adapters.load_state_dict("b", tensors)
-    trained = adapters.runner()
-    assert trained is not untrained and adapters.last_pack_s > 0
+    ra = adapters.runner()
+    adapters.add("b")
+    rb = adapters.runner()
+    assert rb is not ra and rb._layers is ra._layers  # shared packed weights, separate runners
+    assert ra.lora_rank == rb.lora_rank == 0  # untrained adapters: no side path
     ids = [1, 2, 3]
-    expect = trained.forward(ids).clone()
-    adapters.reset("b")
-    assert adapters.runner() is untrained  # back to the untrained contents
+    base = rb.forward(ids).clone()
+    tensors = {k: v + 0.05 for k, v in adapters.state_dict("b").items()}
     adapters.load_state_dict("b", tensors)
-    again = adapters.runner()
-    assert again is trained and torch.equal(again.forward(ids), expect)  # reset: no stale cache
+    assert adapters.runner() is rb and rb.lora_rank == 4
+    trained = rb.forward(ids).clone()
+    assert not torch.allclose(trained, base)
+    adapters.activate("a")
+    ra.reset()
+    torch.testing.assert_close(adapters.runner().forward(ids), base)  # a is still untrained
+    adapters.activate("b")
+    adapters.reset("b")
+    assert adapters.runner().lora_rank == 0
+    torch.testing.assert_close(rb.forward(ids), base)
+    adapters.load_state_dict("b", tensors)
+    torch.testing.assert_close(adapters.runner().forward(ids), trained)  # set_lora resets the cache
 
 
 def test_teacher_forced_agreement_hand_computation():

@@ -165,6 +165,68 @@ def test_native_kernels_match_dequantized_weights(isa):
     torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=0)
 
 
+def lora_pair(model, seed: int = 11, rank: int = 4):
+    """``model`` (left untouched) and a peft copy of it with a random, non-trivial LoRA adapter
+    on every Linear of the decoder, plus that adapter's matrices in ``set_lora``'s format."""
+    from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+
+    adapters = DrafterAdapters(copy.deepcopy(model), LoraSpec(rank=rank), drafter_weights="fp32")
+    adapters.add("t")
+    torch.manual_seed(seed)
+    adapters.load_state_dict("t", {k: 0.1 * torch.randn_like(v) for k, v in adapters.state_dict("t").items()})
+    return adapters, adapters.lora_layers(adapters.active)
+
+
+@pytest.mark.parametrize("label", ["fp32", "bf16", *(f"int8-native-{isa}" for isa in NATIVE_ISAS)])
+def test_lora_path_matches_peft_on_the_same_base(label):
+    """An adapter on the packed base equals peft's forward of the same adapter over the same
+    (for int8: group-quantized) base weights: the low-rank path is applied unquantized."""
+    kind = kind_of(label)
+    # int8: unit norm gains, or the reference's quantized weights would differ from the packed
+    # ones (the runner quantizes weights with the gains folded in); fp32/bf16 check the folding
+    model = tiny_llama(tied=False, seed=12, bias=True, unit_norms=kind[0] == "int8")
+    base = model
+    if kind[0] == "int8":  # the reference: HF on the dequantized int8 weights
+        base = copy.deepcopy(model)
+        with torch.no_grad():
+            for mod in base.modules():
+                if isinstance(mod, torch.nn.Linear) and mod.weight.shape[1] % 64 == 0:
+                    g = mod.weight.view(mod.weight.shape[0], -1, 64)
+                    s = g.abs().amax(-1, keepdim=True) / 127
+                    mod.weight.copy_((torch.round(g / s) * s).view_as(mod.weight))
+    adapters, layers = lora_pair(base)
+    ref_runner = ModelRunner(adapters.peft)
+    ref = torch.cat(script(ref_runner))
+    plain = torch.cat(script(ModelRunner(base)))
+    fast = make(model, kind, prefill_weights=None)
+    fast.set_lora(layers)
+    got = torch.cat(script(fast))
+    scale = ref.abs().max().item()
+    assert (ref - plain).abs().max() > 0.05 * scale  # the adapter changes the logits a lot
+    tol = {"fp32": 1e-4, "bf16": 0.03, "int8": 2e-3}[kind[0]]
+    torch.testing.assert_close(got, ref, atol=tol * scale, rtol=0)
+    fast.set_lora(None)  # removed again: the base model's logits
+    assert (torch.cat(script(fast)) - plain).abs().max() < max(tol, 2e-3) * 20 * scale
+
+
+def test_lora_on_the_prefill_kernels_and_forks():
+    """The bf16 prefill path applies the adapter too; a fork shares the packed weights, keeps
+    its own KV cache and adapter."""
+    model = tiny_llama(tied=True, seed=13)
+    adapters, layers = lora_pair(model)
+    ref = script(ModelRunner(adapters.peft))
+    base = FastLlamaRunner(model, weights="int8", prefill_weights="fp32", prefill_min_tokens=4, max_positions=64)
+    fork = base.fork()
+    fork.set_lora(layers)
+    plain = script(base)  # the base runner has no adapter and its own cache
+    got = script(fork)
+    for r, g in zip(ref, got):
+        assert (g - r).abs().max() <= 0.05 * r.abs().max()
+    assert torch.equal(torch.cat(script(base)), torch.cat(plain))
+    with pytest.raises(ValueError, match="layers"):
+        fork.set_lora(layers[:1])
+
+
 def test_prefill_path_switch():
     """int8 with a bf16 prefill: blocks longer than prefill_min_tokens take the other kernels."""
     model = tiny_llama(tied=True, seed=9)
