@@ -21,6 +21,18 @@ from the same untrained global adapter:
 
 A recipe is ``LOCAL[;server=KIND,slr=X]``, LOCAL being ``adamw|sgd,lr=X,epochs=N``; a leading
 ``NAME:`` labels it.
+
+Two more commands compare the global adapters a simulation committed (``--run``, the
+``--out`` of ``simulations/run.py``; versions ``adapter-v<N>.safetensors`` of the target):
+
+* ``score``: each version's teacher-forced agreement on the probe samples of ``--samples``
+  (what ``sweep`` measures);
+* ``decode``: each version's acceptance when decoding, drafting exactly ``--k`` tokens per
+  round, the held-out prompts of the run's first training devices that serve the target (their
+  text stays in the run's ``devices/`` folders on this machine), with an empty n-gram cache.
+
+    python scripts/fed_sweep.py score --target gemma3-270m --samples fed-samples.pt --run runs/x
+    python scripts/fed_sweep.py decode --target gemma3-270m --run runs/x --prompts 30 --translate text
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -137,6 +150,66 @@ def sweep(args) -> None:
                           "seconds": round(time.perf_counter() - t0, 1), "curve": curve}), flush=True)
 
 
+def _versions(args) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """The run's committed global adapters of ``args.target`` as (version, tensors), oldest first."""
+    from safetensors.torch import load_file
+
+    folder = Path(args.run) / "coordinator" / "targets" / args.target
+    found = sorted((int(f.stem.rpartition("-v")[2]), f) for f in folder.glob("adapter-v*.safetensors"))
+    if args.versions:
+        wanted = {int(v) for v in args.versions.split(",")}
+        found = [(v, f) for v, f in found if v in wanted]
+    if not found:
+        raise ValueError(f"no global adapter versions of {args.target!r} under {folder}")
+    return [(v, load_file(str(f))) for v, f in found]
+
+
+def _run_lora(args) -> LoraSpec:
+    """The LoRA settings the run's coordinator registered for the target."""
+    from omnidraft.proto import fleet_pb2
+    from omnidraft.shared.fleet_wire import lora_spec
+
+    spec = fleet_pb2.TargetSpec()
+    spec.ParseFromString((Path(args.run) / "coordinator" / "targets" / args.target / "spec.pb").read_bytes())
+    return lora_spec(spec)
+
+
+def score_versions(args) -> None:
+    saved = torch.load(args.samples, weights_only=False)
+    heldout = [s for d in saved["devices"] if d["probe"] for s in d["samples"]]
+    versions = _versions(args)
+    engine = Engine.load(DRAFTER, args.target, args.dtype)
+    adapters = DrafterAdapters(engine.drafter.model, _run_lora(args), drafter_weights=engine.drafter_weights)
+    adapters.add("global")
+    for version, tensors in versions:
+        adapters.load_state_dict("global", tensors)
+        print(json.dumps({"version": version, "samples": len(heldout), **score(adapters, "global", heldout)}), flush=True)
+
+
+def decode_versions(args) -> None:
+    from omnidraft.client.adapt_run import evaluate_fixed_k
+
+    prompts = []
+    for folder in sorted((Path(args.run) / "devices").iterdir()):
+        profile = json.loads((folder / "profile.json").read_text())
+        if profile["target"] == args.target and not profile["probe"]:
+            prompts += profile["heldout"]
+    prompts = prompts[: args.prompts]
+    if not prompts:
+        raise ValueError(f"no training device of {args.run!r} serves {args.target!r}")
+    versions = _versions(args)
+    engine = Engine.load(DRAFTER, args.target, args.dtype)
+    session = DeviceSession(engine, target_name=args.target, adaptive=False, learn=False, grow_cache=False,
+                            lora=_run_lora(args), translate=args.translate)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    for version, tensors in versions:
+        session.adapters.load_state_dict(args.target, tensors)
+        t0 = time.perf_counter()
+        out = evaluate_fixed_k(session, prompts, config, args.k)
+        print(json.dumps({"version": version, "prompts": len(prompts), "translate": args.translate, **out,
+                          "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -161,9 +234,23 @@ def main() -> None:
     s.add_argument("--rank", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--dtype", default="int8")
+    for name in ("score", "decode"):
+        v = sub.add_parser(name)
+        v.add_argument("--target", required=True)
+        v.add_argument("--run", required=True, help="a simulations/run.py --out folder")
+        v.add_argument("--versions", help="comma-separated versions (default: all)")
+        v.add_argument("--dtype", default="int8")
+        if name == "score":
+            v.add_argument("--samples", required=True)
+        else:
+            v.add_argument("--prompts", type=int, default=30)
+            v.add_argument("--k", type=int, default=4)
+            v.add_argument("--translate", default="ngram", choices=("ngram", "text"))
+            v.add_argument("--max-new-tokens", type=int, default=32)
     args = p.parse_args()
+    commands = {"collect": collect, "sweep": sweep, "score": score_versions, "decode": decode_versions}
     try:
-        collect(args) if args.command == "collect" else sweep(args)
+        commands[args.command](args)
     except (CatalogError, OSError, ValueError, RuntimeError) as exc:  # a missing samples file, an unknown target
         raise SystemExit(f"fed_sweep: {exc}") from None
 
