@@ -107,6 +107,11 @@ def local_update(adapters: DrafterAdapters, name: str, inter: Intersection, samp
     return adapters.state_dict(name)
 
 
+def probe_samples(saved: dict) -> list:
+    """The probe devices' held-out samples of a ``collect`` file (what every score uses)."""
+    return [s for d in saved["devices"] if d["probe"] for s in d["samples"]]
+
+
 def score(adapters: DrafterAdapters, name: str, samples) -> dict:
     adapters.activate(name)
     return teacher_forced_agreement(*adapters.decoder_and_head(), samples)
@@ -118,7 +123,7 @@ def sweep(args) -> None:
     engine = Engine.load(DRAFTER, args.target, args.dtype)
     inter = Intersection(engine.bridge, engine.drafter.logit_rows)
     members = [d for d in saved["devices"] if not d["probe"]]
-    heldout = [s for d in saved["devices"] if d["probe"] for s in d["samples"]]
+    heldout = probe_samples(saved)
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=args.rank), drafter_weights=engine.drafter_weights)
     torch.manual_seed(args.seed)
     adapters.add("global")
@@ -157,8 +162,7 @@ def _versions(args) -> list[tuple[int, dict[str, torch.Tensor]]]:
     folder = Path(args.run) / "coordinator" / "targets" / args.target
     found = sorted((int(f.stem.rpartition("-v")[2]), f) for f in folder.glob("adapter-v*.safetensors"))
     if args.versions:
-        wanted = {int(v) for v in args.versions.split(",")}
-        found = [(v, f) for v, f in found if v in wanted]
+        found = [(v, f) for v, f in found if v in args.versions]
     if not found:
         raise ValueError(f"no global adapter versions of {args.target!r} under {folder}")
     return [(v, load_file(str(f))) for v, f in found]
@@ -175,8 +179,7 @@ def _run_lora(args) -> LoraSpec:
 
 
 def score_versions(args) -> None:
-    saved = torch.load(args.samples, weights_only=False)
-    heldout = [s for d in saved["devices"] if d["probe"] for s in d["samples"]]
+    heldout = probe_samples(torch.load(args.samples, weights_only=False))
     versions = _versions(args)
     engine = Engine.load(DRAFTER, args.target, args.dtype)
     adapters = DrafterAdapters(engine.drafter.model, _run_lora(args), drafter_weights=engine.drafter_weights)
@@ -188,12 +191,16 @@ def score_versions(args) -> None:
 
 def decode_versions(args) -> None:
     from omnidraft.client.adapt_run import evaluate_fixed_k
+    from omnidraft.client.fleet_device import DeviceProfile
 
     prompts = []
     for folder in sorted((Path(args.run) / "devices").iterdir()):
-        profile = json.loads((folder / "profile.json").read_text())
-        if profile["target"] == args.target and not profile["probe"]:
-            prompts += profile["heldout"]
+        try:
+            profile = DeviceProfile.load(folder)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ValueError(f"{folder} holds no readable device profile (not a simulations/run.py output?)") from None
+        if profile.target == args.target and not profile.probe:
+            prompts += profile.heldout
     prompts = prompts[: args.prompts]
     if not prompts:
         raise ValueError(f"no training device of {args.run!r} serves {args.target!r}")
@@ -208,6 +215,26 @@ def decode_versions(args) -> None:
         out = evaluate_fixed_k(session, prompts, config, args.k)
         print(json.dumps({"version": version, "prompts": len(prompts), "translate": args.translate, **out,
                           "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+
+
+def _version_list(text: str) -> set[int]:
+    try:
+        versions = {int(v) for v in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of versions: {text!r}") from None
+    if min(versions) < 0:
+        raise argparse.ArgumentTypeError("versions are >= 0")
+    return versions
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return value
 
 
 def main() -> None:
@@ -238,13 +265,13 @@ def main() -> None:
         v = sub.add_parser(name)
         v.add_argument("--target", required=True)
         v.add_argument("--run", required=True, help="a simulations/run.py --out folder")
-        v.add_argument("--versions", help="comma-separated versions (default: all)")
+        v.add_argument("--versions", type=_version_list, help="comma-separated versions (default: all)")
         v.add_argument("--dtype", default="int8")
         if name == "score":
             v.add_argument("--samples", required=True)
         else:
-            v.add_argument("--prompts", type=int, default=30)
-            v.add_argument("--k", type=int, default=4)
+            v.add_argument("--prompts", type=_positive, default=30)
+            v.add_argument("--k", type=_positive, default=4)
             v.add_argument("--translate", default="ngram", choices=("ngram", "text"))
             v.add_argument("--max-new-tokens", type=int, default=32)
     args = p.parse_args()

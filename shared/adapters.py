@@ -6,10 +6,9 @@ active adapter's LoRA matrices require gradients (the base weights and the LM he
 
 Drafting runs on ``FastLlamaRunner`` kernels (int8 or bf16 weights): the base weights are
 packed once and each adapter runs beside them as a float32 low-rank path
-(``FastLlamaRunner.set_lora``), never merged into the quantized weights, whose rounding would
-erase most of a small update (measured: an adapter that raised fixed-length acceptance by 0.12
-with float32 weights raised it by 0.01 merged into int8 ones). Switching devices or adapters
-costs a copy of the LoRA matrices, not a re-packing.
+(``FastLlamaRunner.set_lora``), as peft computes it, never merged into the packed weights.
+Switching devices or adapters, or taking an update, costs a copy of the LoRA matrices (~12 ms
+for rank 8 on SmolLM2-135M), not a re-packing (~1 s).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ import threading
 import warnings
 from functools import partial
 from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -240,6 +241,28 @@ def _make_linear(kind: str, w: torch.Tensor, b: torch.Tensor | None):
     raise ValueError(f"unknown weights kind {kind!r}: choose one of {', '.join(WEIGHT_KINDS)}")
 
 
+def _lora_piece(ab: tuple[torch.Tensor, torch.Tensor] | None, name: str, r: int, k: int, n: int,
+                gain: torch.Tensor | None, rows: torch.Tensor | None, mult: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Linear's LoRA matrices ``(A [r, k], B [n, r])`` folded like its packed weight: the
+    norm ``gain`` into A's inputs, the RoPE row permutation ``rows`` and the query scale
+    ``mult`` into B's outputs; zeros where the Linear has no adapter (``ab`` None)."""
+    if ab is None:
+        return torch.zeros(r, k), torch.zeros(n, r)
+    a, b = (t.detach().float() for t in ab)
+    if tuple(a.shape) != (r, k) or tuple(b.shape) != (n, r):
+        raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
+    return (a if gain is None else a * gain[None, :]), (b if rows is None else b[rows]) * mult
+
+
+def _fuse_lora(*pieces: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The pieces of a fused matrix as ``(A [pieces * r, in], Bt [r, out])``; None when no
+    piece has an adapter (every B zero)."""
+    if all(not bool(b.any()) for _, b in pieces):
+        return None
+    return (torch.cat([a for a, _ in pieces]).contiguous(),
+            torch.cat([b for _, b in pieces]).t().contiguous())
+
+
 def _lora_delta(ab: tuple[torch.Tensor, torch.Tensor], splits: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
     """A fused matrix's LoRA term ``[m, sum(splits)]`` for inputs ``x`` [m, in]: row block
     ``p`` (``splits[p]`` rows) uses the rank-r slice ``p`` of ``A x`` (see ``set_lora``)."""
@@ -376,7 +399,8 @@ class FastLlamaRunner:
         self._layers = {k: [] for k in torch_kinds}
         self._q_perm, self._k_perm = q_perm, k_perm
         self._folds: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # per layer: norm gains (input, post-attention), query scale
-        self._lora: list[tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]] | None = None
+        self._lora: list[tuple[Callable | None, ...]] | None = None  # per layer: LoRA terms of (qkv, o, gate_up, down)
+        self._no_lora = [(None,) * 4] * self.num_layers
         self.lora_rank = 0
         native_tensors: list[torch.Tensor] = []  # keeps the native buffers alive
         layer_ptrs = []
@@ -458,17 +482,17 @@ class FastLlamaRunner:
     # ------------------------------------------------------------------------------------------
     def set_lora(self, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] | None) -> None:
         """Apply a LoRA adapter as a float32 low-rank path beside the packed base weights
-        (``y = W x + B (A x)``): the base stays quantized, the adapter is not, so a small
-        adapter update is not lost to the base's rounding (merging it into int8 or bf16
-        weights erases most of it). ``layers[i]`` maps a Linear's name in decoder layer ``i``
-        (``q_proj`` ... ``down_proj``) to ``(A [r, in], B [out, r])`` with the LoRA scaling
-        already in ``B``; absent names have no adapter. ``None`` removes the adapter. The
-        KV cache is reset (its positions were computed with the previous weights)."""
+        (``y = W x + B (A x)``, as peft computes it): the packed weights never change, so
+        switching adapters costs a copy of the LoRA matrices, not a re-packing.
+        ``layers[i]`` maps a Linear's name in decoder layer ``i`` (``q_proj`` ... ``down_proj``)
+        to ``(A [r, in], B [out, r])`` with the LoRA scaling already in ``B``; absent names have
+        no adapter. ``None`` removes the adapter. The KV cache is reset (its positions were
+        computed with the previous weights)."""
         self.reset()
+        self._lora, self.lora_rank = None, 0
+        if self._lib is not None:
+            self._fd.lora_r, self._fd.lora_ptrs = 0, None
         if layers is None:
-            self._lora, self.lora_rank = None, 0
-            if self._lib is not None:
-                self._fd.lora_r, self._fd.lora_ptrs = 0, None
             return
         if len(layers) != self.num_layers:
             raise ValueError(f"LoRA for {len(layers)} layers, the model has {self.num_layers}")
@@ -476,35 +500,25 @@ class FastLlamaRunner:
         if len(ranks) != 1:
             raise ValueError("LoRA matrices must share one rank")
         r = ranks.pop()
-        hd = self.head_dim
-        widths = {"q_proj": self.n_heads * hd, "k_proj": self.n_kv * hd, "v_proj": self.n_kv * hd,
-                  "o_proj": self.hidden, "gate_proj": self.intermediate, "up_proj": self.intermediate,
-                  "down_proj": self.hidden}
+        d, q_w, kv_w, inter = self.hidden, self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.intermediate
         fused = []
         for mods, (g_in, g_post, scale) in zip(layers, self._folds):
-            def piece(name, k, gain=None, rows=None, mult=1.0):
-                if name not in mods:
-                    return torch.zeros(r, k), torch.zeros(widths[name], r)
-                a, b = (t.detach().float() for t in mods[name])
-                if tuple(a.shape) != (r, k) or tuple(b.shape) != (widths[name], r):
-                    raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
-                return (a if gain is None else a * gain[None, :]), (b if rows is None else b[rows]) * mult
-
-            def fuse(*pieces):
-                if all(not bool(b.any()) for _, b in pieces):
-                    return None  # no adapter on this matrix
-                return (torch.cat([a for a, _ in pieces]).contiguous(),
-                        torch.cat([b for _, b in pieces]).t().contiguous())  # A [pieces * r, in], Bt [r, out]
+            def piece(name, k, n, gain=None, rows=None, mult=1.0):
+                return _lora_piece(mods.get(name), name, r, k, n, gain, rows, mult)
 
             fused.append((
-                fuse(piece("q_proj", self.hidden, g_in, self._q_perm, scale), piece("k_proj", self.hidden, g_in, self._k_perm),
-                     piece("v_proj", self.hidden, g_in)),
-                fuse(piece("o_proj", self.n_heads * hd)),
-                fuse(piece("gate_proj", self.hidden, g_post), piece("up_proj", self.hidden, g_post)),
-                fuse(piece("down_proj", self.intermediate))))
-        self._lora, self.lora_rank = fused, r
+                _fuse_lora(piece("q_proj", d, q_w, g_in, self._q_perm, scale),
+                           piece("k_proj", d, kv_w, g_in, self._k_perm), piece("v_proj", d, kv_w, g_in)),
+                _fuse_lora(piece("o_proj", q_w, d)),
+                _fuse_lora(piece("gate_proj", d, inter, g_post), piece("up_proj", d, inter, g_post)),
+                _fuse_lora(piece("down_proj", inter, d))))
+        splits = ((q_w, kv_w, kv_w), (d,), (inter, inter), (d,))
+        # per layer, the torch paths' LoRA terms (they also keep the native path's matrices alive)
+        self._lora = [tuple(None if ab is None else partial(_lora_delta, ab, sp) for ab, sp in zip(mats, splits))
+                      for mats in fused]
+        self.lora_rank = r
         if self._lib is not None:
-            ptrs = [t.data_ptr() if f is not None else 0 for mats in fused for f in mats for t in (f or (None, None))]
+            ptrs = [t.data_ptr() if ab is not None else 0 for mats in fused for ab in mats for t in (ab or (None, None))]
             self._lora_ptrs = torch.tensor(ptrs, dtype=torch.int64)
             self._fd.lora_r, self._fd.lora_ptrs = r, self._lora_ptrs.data_ptr()
 
@@ -595,11 +609,9 @@ class FastLlamaRunner:
         positions = torch.arange(p, t)
         blk, lane = positions // 16, positions % 16
         nblk = -(-t // 16)
-        kv_width = n_kv * hd
-        splits = ((q_width, kv_width, kv_width), (self.hidden,), (inter, inter), (self.hidden,))
-        loras = self._lora or [(None,) * 4] * self.num_layers
-        for (f_qkv, f_o, f_gu, f_down), lora, k_l, v_l in zip(self._layers[kind], loras, self._kcache, self._vcache):
-            l_qkv, l_o, l_gu, l_down = (None if ab is None else partial(_lora_delta, ab, sp) for ab, sp in zip(lora, splits))
+        loras = self._lora or self._no_lora
+        for (f_qkv, f_o, f_gu, f_down), (l_qkv, l_o, l_gu, l_down), k_l, v_l in zip(
+                self._layers[kind], loras, self._kcache, self._vcache):
             x = rms_norm(h, norm_shape, None, eps)
             qkv = f_qkv(x)
             if qkv.dtype != torch.float32:
