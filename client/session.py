@@ -30,6 +30,7 @@ class DeviceSession:
 
     ``learn``: train the adapter online; ``adaptive``: train and use the acceptance head (the
     draft-stopping rule of ``config.draft_stop`` drafts until the head has trained); ``translate``: the proposal translator;
+    ``heal``: token healing when drafting (``omnidraft.shared.token_healing``);
     ``grow_cache``: add committed n-grams to the cache (off: the cache stays as loaded);
     ``state_key``: a key file (created if missing, outside ``state_dir``) that encrypts the
     state at rest (``client.state_key``). ``gamma``: a fixed stop threshold for the acceptance
@@ -40,11 +41,12 @@ class DeviceSession:
                  adapters: DrafterAdapters | None = None, lora: LoraSpec = LoraSpec(),
                  online: OnlineConfig | None = None, translate: str = "text",
                  learn: bool = True, adaptive: bool = True, grow_cache: bool = True,
-                 state_key=None, gamma: float | None = None) -> None:
+                 state_key=None, gamma: float | None = None, heal: bool = True) -> None:
         self.engine = engine
         self.target = target_name or str(engine.target.path)
         self.drafter_name = engine.drafter_name
         self.translate = translate
+        self.heal = heal
         self.learn = learn
         self.adaptive = adaptive
         self.grow_cache = grow_cache
@@ -99,7 +101,7 @@ class DeviceSession:
                                  e.cache, expand_map=e.expand_map, translate=self.translate,
                                  target_tokenizer=e.target.tokenizer, head=head,
                                  gamma=0.5 if gamma is None else gamma, grow_cache=self.grow_cache,
-                                 stopper=self.stopper)
+                                 stopper=self.stopper, heal=self.heal)
 
     @torch.inference_mode(False)
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,

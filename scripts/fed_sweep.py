@@ -29,7 +29,8 @@ Two more commands compare the global adapters a simulation committed (``--run``,
   (what ``sweep`` measures);
 * ``decode``: each version's acceptance when decoding, drafting exactly ``--k`` tokens per
   round, the held-out prompts of the run's first training devices that serve the target (their
-  text stays in the run's ``devices/`` folders on this machine), with an empty n-gram cache.
+  text stays in the run's ``devices/`` folders on this machine), with an empty n-gram cache
+  (``--no-heal``: without token healing).
 
     python scripts/fed_sweep.py score --target gemma3-270m --samples fed-samples.pt --run runs/x
     python scripts/fed_sweep.py decode --target gemma3-270m --run runs/x --prompts 30 --translate text
@@ -207,13 +208,14 @@ def decode_versions(args) -> None:
     versions = _versions(args)
     engine = Engine.load(DRAFTER, args.target, args.dtype)
     session = DeviceSession(engine, target_name=args.target, adaptive=False, learn=False, grow_cache=False,
-                            lora=_run_lora(args), translate=args.translate)
+                            lora=_run_lora(args), translate=args.translate, heal=not args.no_heal)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     for version, tensors in versions:
         session.adapters.load_state_dict(args.target, tensors)
         t0 = time.perf_counter()
         out = evaluate_fixed_k(session, prompts, config, args.k)
-        print(json.dumps({"version": version, "prompts": len(prompts), "translate": args.translate, **out,
+        print(json.dumps({"version": version, "prompts": len(prompts), "translate": args.translate,
+                          "heal": not args.no_heal, **out,
                           "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
@@ -273,6 +275,7 @@ def main() -> None:
             v.add_argument("--prompts", type=_positive, default=30)
             v.add_argument("--k", type=_positive, default=4)
             v.add_argument("--translate", default="ngram", choices=("ngram", "text"))
+            v.add_argument("--no-heal", action="store_true", help="draft without token healing")
             v.add_argument("--max-new-tokens", type=int, default=32)
     args = p.parse_args()
     commands = {"collect": collect, "sweep": sweep, "score": score_versions, "decode": decode_versions}

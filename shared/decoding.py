@@ -4,7 +4,10 @@ One round of ``CrossVocabDecoder``:
   1. the drafter proposes up to ``k_max`` of its own tokens (its argmax, with KV cache),
      stopping early when one more token no longer raises the expected tokens per second
      (``CostAwareStop``: the machine's measured costs and the measured acceptance), or with
-     ``draft_stop="confidence"`` when its confidence falls under ``config.confidence``;
+     ``draft_stop="confidence"`` when its confidence falls under ``config.confidence``; with
+     token healing (``omnidraft.shared.token_healing``, on by default) it may first re-spell
+     the last token of its context, when the committed text ended inside what it would write
+     as one token;
   2. the drafted block is translated into target tokens (``omnidraft.shared.translation``:
      the target tokenizer on the drafted text, or the paper's n-gram-cache merge with the
      direct map); the cache is frozen during the round;
@@ -20,6 +23,8 @@ One round of ``CrossVocabDecoder``:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+
 import torch
 
 from omnidraft.shared.draft_context import DraftContext, common_prefix_len, text_encoder
@@ -32,6 +37,17 @@ from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.sampling import sample, verify_sampled, warp
 from omnidraft.shared.translation import TRANSLATORS, NgramTranslator, TextTranslator
 from omnidraft.shared.vocab_bridge import VocabBridge
+
+
+@dataclass
+class Draft:
+    """One round's drafted block: drafter ``ids``, of which the first ``healing`` only re-spell
+    committed text and the first ``overlap`` bytes are committed text (token healing; 0 without
+    it). The drafted tokens proper (stop rules, acceptance) are ``ids[healing:]``."""
+
+    ids: list[int]
+    overlap: int = 0
+    healing: int = 0
 
 
 def _decode_bytes(token_bytes, ids: list[int]) -> str:
@@ -112,6 +128,7 @@ class CrossVocabDecoder:
         gamma: float = 0.5,
         grow_cache: bool = True,
         stopper: CostAwareStop | None = None,
+        heal: bool = True,
     ) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
         self.drafter = ModelRunner(drafter) if isinstance(drafter, torch.nn.Module) else drafter
@@ -119,12 +136,13 @@ class CrossVocabDecoder:
         self.bridge = bridge
         self.cache = cache
         self._encode = text_encoder(draft_tokenizer)
+        encode_target = text_encoder(target_tokenizer) if target_tokenizer is not None else None
         if translate == "ngram":
-            self.translate = NgramTranslator(bridge, cache, expand_map or {})
+            self.translate = NgramTranslator(bridge, cache, expand_map or {}, encode_target)
         elif translate == "text":
             if target_tokenizer is None:
                 raise ValueError("the text translator needs the target tokenizer")
-            self.translate = TextTranslator(bridge, text_encoder(target_tokenizer))
+            self.translate = TextTranslator(bridge, encode_target)
         else:
             raise ValueError(f"unknown translator {translate!r}: choose one of {', '.join(TRANSLATORS)}")
         # learned adaptive drafting: stop once P(any rejection so far) > gamma (a trained head
@@ -133,6 +151,7 @@ class CrossVocabDecoder:
         self.gamma = gamma
         self.grow_cache = grow_cache  # False: committed tokens never become cache entries
         self.stopper = stopper  # cost-aware draft stopping (config.draft_stop "cost" / "auto")
+        self.healer = bridge.draft_healer if heal else None  # token healing (None: off)
 
     def _cost_stop(self, config: GenerationConfig) -> CostAwareStop | None:
         """The cost-aware stopper when this request uses it (no head: a head has its own rule)."""
@@ -144,40 +163,72 @@ class CrossVocabDecoder:
 
     # -- drafting --------------------------------------------------------------------------
     def _draft(self, context_ids: list[int], fed: list[int], config: GenerationConfig,
-               stats: GenerationStats, stopper: CostAwareStop | None) -> tuple[list[int], list[int]]:
-        """Propose up to ``k_max`` drafter tokens after ``context_ids``.
+               stats: GenerationStats, stopper: CostAwareStop | None, heal: bool) -> tuple[Draft, list[int]]:
+        """Propose up to ``k_max`` drafter tokens after ``context_ids`` (healing tokens aside).
 
-        ``fed`` lists the ids whose keys/values sit in the drafter KV cache. Returns the
-        drafted ids and the new ``fed`` list.
+        ``fed`` lists the ids whose keys/values sit in the drafter KV cache; ``heal``: whether
+        the last context token may be re-spelled. Returns the drafted block and the new
+        ``fed`` list.
         """
-        keep = min(common_prefix_len(fed, context_ids), len(context_ids) - 1)
+        heal = heal and self.healer is not None and len(context_ids) >= 2
+        rows = 2 if heal else 1  # with healing, also the logits that predicted the last token
+        keep = min(common_prefix_len(fed, context_ids), len(context_ids) - rows)
         self.drafter.crop(keep)
         fed = context_ids[:]
-        logits = self.drafter.forward(context_ids[keep:], last_only=True)[-1]
-        drafts: list[int] = []
+        out = self.drafter.forward(context_ids[keep:], logits_to_keep=rows)
+        logits = out[-1]
+        pending = b""  # committed bytes the next drafted token must re-spell
+        if heal:
+            last = context_ids[-1]
+            allowed = self.healer.candidates(self.bridge.draft_bytes[last] or b"")
+            if allowed.numel() > 1 and int(allowed[out[0].index_select(0, allowed).argmax()]) != last:
+                self.drafter.crop(len(context_ids) - 1)  # re-draft the last token
+                fed.pop()
+                logits, pending = out[0], self.bridge.draft_bytes[last]
+                stats.healed_rounds += 1
+        draft = Draft([])
         head = self.head
+        head_current = not pending  # the runner's last hidden state is the one that predicts `logits`
         all_accepted = 1.0  # the head's P(every drafted token so far is accepted)
         if stopper is not None:
             stopper.begin(config.k_max)
             t_step = time.perf_counter()
         while True:
             stats.drafter_steps += 1
+            if pending:
+                # first the last context token's candidates, then what completes a dropped space
+                allowed = self.healer.extensions(pending) if draft.ids else self.healer.candidates(pending)
+                logits = torch.full_like(logits, float("-inf")).index_copy_(0, allowed, logits.index_select(0, allowed))
             if head is None:
                 probs = torch.softmax(logits, dim=-1)
                 conf, tok = probs.max(dim=-1)
-                if stopper is not None:
+            else:
+                tok = logits.argmax(dim=-1)
+            tok = int(tok)
+            draft.ids.append(tok)
+            healing_only = False
+            if pending:  # healing: the token (one of `allowed`) covers committed bytes first
+                size = len(self.bridge.draft_bytes[tok])
+                used = min(size, len(pending))
+                draft.overlap += used
+                pending = pending[used:]
+                healing_only = used == size
+            if healing_only:
+                draft.healing += 1
+            else:
+                if head is not None:
+                    if head_current:
+                        all_accepted *= float(torch.sigmoid(head(self.drafter.last_hidden())))
+                    stop = 1.0 - all_accepted > self.gamma
+                elif stopper is not None:
                     stop = not stopper.keep_drafting(float(conf))
                 else:
                     stop = float(conf) < config.confidence
-            else:
-                tok = logits.argmax(dim=-1)
-                all_accepted *= float(torch.sigmoid(head(self.drafter.last_hidden())))
-                stop = 1.0 - all_accepted > self.gamma
-            drafts.append(int(tok))
-            if stop or len(drafts) >= config.k_max:
-                return drafts, fed
-            logits = self.drafter.forward([drafts[-1]], last_only=True)[-1]
-            fed.append(drafts[-1])
+                if stop or len(draft.ids) - draft.healing >= config.k_max:
+                    return draft, fed
+            logits = self.drafter.forward([tok], logits_to_keep=1)[-1]
+            fed.append(tok)
+            head_current = True
             if stopper is not None:
                 now = time.perf_counter()
                 stopper.time_step((now - t_step) * 1000)
@@ -209,8 +260,10 @@ class CrossVocabDecoder:
         if stopper is not None:
             stopper.start_sequence()
         while not stop.done:
-            drafts, fed = self._draft(context.ids, fed, config, stats, stopper)
-            units = self.translate(drafts)
+            # the prompt's end is a boundary both models were given: heal from the first commit on
+            draft, fed = self._draft(context.ids, fed, config, stats, stopper, heal=bool(stop.generated))
+            drafts = draft.ids
+            units = self.translate(drafts, draft.overlap)
             budget = config.max_new_tokens - len(stop.generated)
             units = units[: max(0, budget - 1)]
             proposal = [u.target_id for u in units]
@@ -229,7 +282,8 @@ class CrossVocabDecoder:
             stats.proposed_tokens += len(proposal)
             stats.accepted_tokens += accepted
             if stopper is not None:
-                stopper.observe(self._accepted_drafts(drafts, proposal[:accepted]), len(drafts), len(proposal))
+                stopper.observe(self._accepted_drafts(draft, proposal[:accepted]), len(drafts) - draft.healing,
+                                len(proposal))
             for unit in units[:accepted]:
                 if unit.ngram:
                     stats.ngram_hits += 1
@@ -252,17 +306,16 @@ class CrossVocabDecoder:
             result.training_sample = recorder.finish(context, len(prompt_text.encode("utf-8")), target_bytes)
         return result
 
-    def _accepted_drafts(self, drafts: list[int], accepted: list[int]) -> int:
-        """How many leading drafted tokens the accepted target tokens spell in full (bytes)."""
-        if not accepted:
-            return 0
-        budget = sum(len(self.bridge.target_bytes[t] or b"") for t in accepted)
+    def _accepted_drafts(self, draft: Draft, accepted: list[int]) -> int:
+        """How many drafted tokens proper (healing tokens aside) the accepted target tokens
+        spell in full (bytes)."""
+        budget = draft.overlap + sum(len(self.bridge.target_bytes[t] or b"") for t in accepted)
         draft_bytes, n = self.bridge.draft_bytes, 0
-        for d in drafts:
+        for j, d in enumerate(draft.ids):
             budget -= len(draft_bytes[d] or b"") if d < len(draft_bytes) else 0
             if budget < 0:
                 break
-            n += 1
+            n += j >= draft.healing
         return n
 
 

@@ -300,8 +300,8 @@ def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor |
 class FastLlamaRunner:
     """Incremental forward passes over one sequence for a Llama-architecture causal LM.
 
-    Same interface as ``ModelRunner``: ``forward(ids, last_only)`` appends ``ids`` and returns
-    float32 logits ``[len(ids), vocab]`` (``[1, vocab]`` when ``last_only``); ``crop(n)``
+    Same interface as ``ModelRunner``: ``forward(ids, logits_to_keep)`` appends ``ids`` and returns
+    float32 logits ``[len(ids), vocab]`` (of the last ``logits_to_keep`` positions when > 0); ``crop(n)``
     keeps the first ``n`` positions; ``reset()`` empties the cache; ``length`` is the number
     of cached positions and ``forward_calls`` counts ``forward`` calls.
 
@@ -547,8 +547,9 @@ class FastLlamaRunner:
             self.length = length
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], last_only: bool = False) -> torch.Tensor:
-        """Append ``ids``; return float32 logits ``[len(ids), vocab]`` (``[1, vocab]`` if ``last_only``)."""
+    def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
+        """Append ``ids``; return float32 logits of the last ``logits_to_keep`` positions
+        ``[min(logits_to_keep, len(ids)), vocab]`` (0: every position, ``[len(ids), vocab]``)."""
         m = len(ids)
         if m == 0:
             raise ValueError("forward needs at least one token id")
@@ -563,14 +564,14 @@ class FastLlamaRunner:
         if h.dtype != torch.float32:
             h = h.float()
         if kind == "int8" and self._lib is not None:
-            out = torch.empty(1 if last_only else m, self._head_pad)
-            rc = self._lib.fd_forward(self._fd_ref, m, h.data_ptr(), p, int(last_only), out.data_ptr(),
+            out = torch.empty(min(logits_to_keep, m) or m, self._head_pad)
+            rc = self._lib.fd_forward(self._fd_ref, m, h.data_ptr(), p, logits_to_keep, out.data_ptr(),
                                       self.threads or torch.get_num_threads())
             if rc != 0:
                 raise MemoryError("native forward failed to allocate its work buffers")
             logits = out[:, : self.head_rows] if self._head_pad != self.head_rows else out
         else:
-            logits = self._forward_torch(kind, h, p, m, last_only)
+            logits = self._forward_torch(kind, h, p, m, logits_to_keep)
         self._last_residual = h[-1]  # both kernel paths leave the final residual stream in h
         if self.vocab_rows is not None:
             full = torch.full((logits.shape[0], self.vocab), float("-inf"))
@@ -589,7 +590,7 @@ class FastLlamaRunner:
         h = self._last_residual
         return torch.rms_norm(h, (self.hidden,), self._final_norm, self.eps)
 
-    def _forward_torch(self, kind: str, h: torch.Tensor, p: int, m: int, last_only: bool) -> torch.Tensor:
+    def _forward_torch(self, kind: str, h: torch.Tensor, p: int, m: int, logits_to_keep: int) -> torch.Tensor:
         t = p + m
         n_kv, g, hd = self.n_kv, self.group, self.head_dim
         q_width = self.n_heads * hd
@@ -649,8 +650,8 @@ class FastLlamaRunner:
             if l_down:
                 h.add_(l_down(a))
 
-        if last_only:
-            h = h[-1:]
+        if logits_to_keep:
+            h = h[-logits_to_keep:]
         logits = self._head[kind](rms_norm(h, norm_shape, None, eps))
         if logits.dtype != torch.float32:
             logits = logits.float()

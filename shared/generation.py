@@ -65,6 +65,7 @@ class GenerationStats:
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     ngram_hits: int = 0
+    healed_rounds: int = 0  # rounds that began by re-spelling the context's last drafter token
     new_tokens: int = 0
     prompt_tokens: int = 0
     wall_s: float = 0.0

@@ -86,15 +86,15 @@ class ModelRunner:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], last_only: bool = False) -> torch.Tensor:
-        """Append ``ids`` to the sequence; return float32 logits ``[len(ids), vocab]``
-        (or ``[1, vocab]`` for the last position when ``last_only``)."""
+    def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
+        """Append ``ids`` to the sequence; return float32 logits ``[len(ids), vocab]``, or of
+        the last ``logits_to_keep`` positions only when it is > 0 (as in transformers)."""
         if self.cache is None:
             self.reset()
         input_ids = torch.tensor([ids], dtype=torch.long)
         out = self.model(
             input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-            logits_to_keep=1 if last_only else 0,
+            logits_to_keep=logits_to_keep,
         )
         self.length += len(ids)
         self.forward_calls += 1

@@ -43,7 +43,7 @@ def _time_block(runner, context: int, block: int, repeats: int) -> float:
     for _ in range(repeats):
         runner.crop(context)
         t0 = time.perf_counter()
-        runner.forward(ids, last_only=block == 1)
+        runner.forward(ids, logits_to_keep=int(block == 1))
         best = min(best, time.perf_counter() - t0)
     return best * 1000
 
@@ -57,7 +57,7 @@ def measure_block_ms(runner, blocks: tuple[int, ...] | list[int], repeats: int =
     context = max(1, min(CONTEXT_TOKENS, (limit or CONTEXT_TOKENS * 2) - max(blocks) - 1))
     runner.reset()
     runner.forward(_ids(context))
-    runner.forward([7], last_only=True)  # first-call initialization outside the timing
+    runner.forward([7], logits_to_keep=1)  # first-call initialization outside the timing
     return {b: _time_block(runner, context, b, repeats) for b in blocks}
 
 

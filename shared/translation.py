@@ -15,6 +15,11 @@ Two translators, chosen per decoder (``--translate``):
 
 Either way verification keeps the output the target's own: a translator only decides what is
 proposed.
+
+A block may begin by re-spelling committed text (``skip`` bytes, token healing:
+``omnidraft.shared.token_healing``): those bytes are not proposed again. The n-gram translator
+proposes the new bytes of the token that straddles that boundary as the target's tokenization
+of them (a healed ``" if"`` after a committed ``"\n    "`` proposes ``"if"``).
 """
 
 from __future__ import annotations
@@ -42,14 +47,36 @@ class Unit:
 class NgramTranslator:
     """Cache merge, then direct map, then one-to-many expansion; stop at the first gap."""
 
-    def __init__(self, bridge: VocabBridge, cache: NgramCache, expand_map: dict[int, tuple[int, ...]]):
+    def __init__(self, bridge: VocabBridge, cache: NgramCache, expand_map: dict[int, tuple[int, ...]],
+                 encode_target: Callable[[str], list[int]] | None = None):
+        """``encode_target``: the target tokenizer (without special tokens), for the new bytes of
+        a token that straddles the end of the committed text; without it such a block proposes
+        nothing."""
         self.d2t = bridge.d2t
+        self.draft_bytes = bridge.draft_bytes
+        self.target_bytes = bridge.target_bytes
         self.cache = cache
         self.expand = expand_map
+        self.encode = encode_target
 
-    def __call__(self, drafts: list[int]) -> list[Unit]:
+    def __call__(self, drafts: list[int], skip: int = 0) -> list[Unit]:
+        """Translate ``drafts`` whose first ``skip`` bytes re-spell committed text."""
         units: list[Unit] = []
         i, k = 0, len(drafts)
+        while skip and i < k:
+            size = len(self.draft_bytes[drafts[i]])
+            if size > skip:  # straddles: propose the target's tokenization of its new bytes
+                text = _complete_utf8(self.draft_bytes[drafts[i]][skip:])
+                ids = self.encode(text) if text and self.encode is not None else []
+                if not ids or b"".join(self.target_bytes[t] or b"" for t in ids) != text.encode("utf-8"):
+                    return units
+                units.extend(Unit(t, i, 1) for t in ids)
+                if len(text.encode("utf-8")) < size - skip:  # an incomplete character: stop here
+                    return units
+                skip = 0
+            else:
+                skip -= size
+            i += 1
         d2t, n_d2t = self.d2t, len(self.d2t)
         while i < k:
             hit = self.cache.match(drafts, i, k)
@@ -83,7 +110,8 @@ class TextTranslator:
         self.special = bridge.special_draft_to_target
         self.encode = encode_target
 
-    def __call__(self, drafts: list[int]) -> list[Unit]:
+    def __call__(self, drafts: list[int], skip: int = 0) -> list[Unit]:
+        """Translate ``drafts`` whose first ``skip`` bytes re-spell committed text."""
         raw = bytearray()
         tail: list[Unit] = []
         for d in drafts:
@@ -93,7 +121,7 @@ class TextTranslator:
                     tail.append(Unit(self.special[d]))
                 break
             raw += b
-        text = _complete_utf8(bytes(raw))
+        text = _complete_utf8(bytes(raw[skip:]))
         return [Unit(t) for t in self.encode(text)] + tail if text else tail
 
 

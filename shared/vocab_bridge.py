@@ -28,10 +28,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Iterable, Sequence
 
 import torch
+
+from omnidraft.shared.token_healing import TokenHealer
 
 __all__ = [
     "TokenScheme",
@@ -315,6 +317,11 @@ class VocabBridge:
     draft_stop_ids: frozenset[int]
     special_draft_to_target: dict[int, int]
     num_direct: int
+
+    @cached_property
+    def draft_healer(self) -> TokenHealer:
+        """The drafter vocabulary's token-healing index (built on first use, then shared)."""
+        return TokenHealer(self.draft_bytes)
 
     @classmethod
     def from_tokenizers(

@@ -12,6 +12,8 @@ from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, buil
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.sampling import warp
+from omnidraft.shared.token_healing import TokenHealer
+from omnidraft.shared.translation import NgramTranslator, TextTranslator
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 from omnidraft.shared.tiny_models import build_pair
@@ -97,6 +99,100 @@ def test_greedy_identity_over_corpus_prompts_and_cache_learns(pair, bridge, tran
         calls_ar += expected.stats.target_calls
     assert calls_spd < calls_ar  # speculation saved target calls
     assert len(cache) > 0  # merged n-grams were learned from committed text
+
+
+def test_token_healer_candidates():
+    table = [b"\n", b"\n   ", b"\n    ", b"\n        ", b" if", b" ", b"ret", b"return", b"re", None, b"retry"]
+    healer = TokenHealer(table)
+    names = lambda ids: sorted(table[i] for i in ids.tolist())
+    # a whitespace run ending in a space: itself, its extensions, and itself minus that space
+    assert names(healer.candidates(b"\n    ")) == [b"\n   ", b"\n    ", b"\n        "]
+    # a word piece: itself and its extensions, never a shorter piece
+    assert names(healer.candidates(b"ret")) == [b"ret", b"retry", b"return"]
+    assert names(healer.extensions(b" ")) == [b" ", b" if"]
+    assert healer.extensions(b"").numel() == 0
+
+
+def test_translators_propose_only_new_bytes_of_a_healed_block():
+    """A block whose first bytes re-spell committed text proposes only what follows them."""
+    draft = [b"\n   ", b" if", b" x", b"ret", b"return"]
+    target = [b"\n", b"    ", b"if", b" if", b" x", b"urn", b"    if"]
+    bridge = type("B", (), {"d2t": [-1, 3, 4, -1, -1], "draft_bytes": draft, "target_bytes": target,
+                            "special_draft_to_target": {}})()
+
+    def encode(text: str) -> list[int]:  # the target's own tokenization of the few texts used here
+        return {"if": [2], "urn": [5], "    if": [6], " if x": [3, 4], "if x": [2, 4]}[text]
+
+    ngram = NgramTranslator(bridge, NgramCache(), {}, encode)
+    # committed "\n    ": "\n   " re-spells, " if" straddles (new bytes "if"), " x" maps directly
+    assert [u.target_id for u in ngram([0, 1, 2], skip=5)] == [2, 4]
+    assert [u.target_id for u in ngram([4, 2], skip=3)] == [5, 4]  # "ret" committed, "return" healed
+    assert [u.target_id for u in ngram([1, 2])] == [3, 4]  # nothing committed: as before
+    assert [u.target_id for u in NgramTranslator(bridge, NgramCache(), {})([0, 1, 2], skip=5)] == []
+    text = TextTranslator(bridge, encode)
+    assert [u.target_id for u in text([0, 1, 2], skip=5)] == [2, 4]
+    assert [u.target_id for u in text([1, 2])] == [3, 4]
+
+
+class _TableRunner:
+    """A drafter whose next token is a fixed function of the last one (logits 10 vs 0)."""
+
+    def __init__(self, following: dict[int, int], vocab: int) -> None:
+        self.following, self.vocab, self.ids = following, vocab, []
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def crop(self, length: int) -> None:
+        del self.ids[length:]
+
+    def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
+        self.ids += ids
+        rows = torch.zeros(len(ids), self.vocab)
+        for row, t in zip(rows, ids):
+            row[self.following.get(t, 0)] = 10.0
+        return rows[-logits_to_keep:] if logits_to_keep else rows
+
+
+def test_drafting_heals_a_context_that_ends_inside_a_drafter_word(pair, bridge):
+    """The context ends in indentation ("a" + "\\n    ") while the drafter writes "\\n   " + " if":
+    it re-spells the last token and drafts " if" after it, whose new bytes are "if"."""
+    from omnidraft.shared.generation import GenerationStats
+
+    table = [b"a", b"\n   ", b"\n    ", b" if", b" x", b":"]
+    following = {0: 1, 1: 3, 2: 5, 3: 4, 4: 5}  # after "a" the drafter writes "\n   ", ...
+    spd, _ = make_decoders(pair, bridge)
+    spd.bridge = type("B", (), {"draft_bytes": table})()
+    spd.healer = TokenHealer(table)
+    spd.drafter = _TableRunner(following, len(table))
+    config = GenerationConfig(k_max=3, confidence=0.0)
+    stats = GenerationStats()
+    draft, fed = spd._draft([0, 2], [], config, stats, None, heal=True)
+    assert [table[t] for t in draft.ids] == [b"\n   ", b" if", b" x", b":"]
+    assert (draft.overlap, draft.healing, stats.healed_rounds) == (5, 1, 1)
+    assert fed == [0, 1, 3, 4]  # the re-spelled token replaced the last one in the drafter's cache
+    # without healing (or where the last token is what the drafter writes) it drafts after it
+    draft, _ = spd._draft([0, 2], [], config, stats, None, heal=False)
+    assert [table[t] for t in draft.ids] == [b":", b"a", b"\n   "] and draft.overlap == 0
+    draft, _ = spd._draft([0, 1], [], config, stats, None, heal=True)
+    assert [table[t] for t in draft.ids] == [b" if", b" x", b":"] and draft.healing == 0
+
+
+def test_token_healing_keeps_greedy_identity(pair, bridge, translate):
+    """With healing on (the default) and off, the output is the target's own."""
+    spd, ar = make_decoders(pair, bridge, translate=translate)
+    plain = CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, pair.target, bridge, NgramCache(),
+                              expand_map=build_expand_map(bridge, pair.target_tokenizer), translate=translate,
+                              target_tokenizer=pair.target_tokenizer, heal=False)
+    tt = pair.target_tokenizer
+    config = GenerationConfig(max_new_tokens=32, k_max=4, confidence=0.0)
+    for text in pair.texts[:25]:
+        prompt = text[: len(text) // 2]
+        ids = tt.encode(prompt)
+        expected = ar.generate(ids, config).token_ids
+        assert spd.generate(prompt, ids, config).token_ids == expected, prompt
+        assert plain.generate(prompt, ids, config).token_ids == expected, prompt
 
 
 def test_max_new_tokens_and_eos_exact(pair, bridge):

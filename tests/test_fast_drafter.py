@@ -70,7 +70,8 @@ def script(runner) -> list[torch.Tensor]:
     runner.crop(22)  # drop 7 positions, then continue from position 22 with other tokens
     out.append(runner.forward(ids[40:43]))
     out += [runner.forward([t]) for t in ids[43:46]]
-    out.append(runner.forward(ids[46:56], last_only=True))
+    out.append(runner.forward(ids[46:56], logits_to_keep=1))
+    out.append(runner.forward(ids[56:59], logits_to_keep=2))
     runner.crop(3)
     out.append(runner.forward(ids[10:14]))
     assert runner.length == 7
@@ -118,10 +119,10 @@ def test_crop_equals_never_fed(kind):
     a.forward([junk[5]])
     a.forward(junk[6:])
     a.crop(20)
-    got = [a.forward(ids[20:24]), a.forward([ids[24]]), a.forward(ids[25:27], last_only=True)]
+    got = [a.forward(ids[20:24]), a.forward([ids[24]]), a.forward(ids[25:27], logits_to_keep=1)]
     b = make(model, kind, prefill_weights=None)
     b.forward(ids[:20])
-    want = [b.forward(ids[20:24]), b.forward([ids[24]]), b.forward(ids[25:27], last_only=True)]
+    want = [b.forward(ids[20:24]), b.forward([ids[24]]), b.forward(ids[25:27], logits_to_keep=1)]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert a.length == b.length == 27
@@ -248,7 +249,7 @@ def test_limits_and_errors():
         r.forward([1])
     r.crop(10)
     assert r.length == 10
-    assert r.forward([1, 2], last_only=True).shape == (1, VOCAB)
+    assert r.forward([1, 2], logits_to_keep=1).shape == (1, VOCAB)
     with pytest.raises(ValueError):
         FastLlamaRunner(model, weights="int4")
 
@@ -267,18 +268,18 @@ def test_smollm2_greedy_agreement():
     prompt = AutoTokenizer.from_pretrained(path).encode(
         "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     hf = ModelRunner(model)
-    logits = hf.forward(prompt, last_only=True)
+    logits = hf.forward(prompt, logits_to_keep=1)
     path = []
     for _ in range(50):  # HF's greedy continuation
         path.append(int(logits[-1].argmax()))
-        logits = hf.forward([path[-1]], last_only=True)
+        logits = hf.forward([path[-1]], logits_to_keep=1)
     for weights, minimum in (("fp32", 1.0), ("int8", 0.9)):
         fast = FastLlamaRunner(model, weights=weights)
-        logits = fast.forward(prompt, last_only=True)
+        logits = fast.forward(prompt, logits_to_keep=1)
         agree = 0
         for t in path:  # teacher-forced along HF's path: does the runner pick the same token?
             agree += int(logits[-1].argmax()) == t
-            logits = fast.forward([t], last_only=True)
+            logits = fast.forward([t], logits_to_keep=1)
         rate = agree / len(path)
         print(f"SmolLM2 {weights} ({fast.backend}) greedy agreement with HF fp32: {rate:.2f}")
         assert rate >= minimum, (weights, rate)

@@ -89,7 +89,7 @@ static void lora_add(int M, int K, const float* x, int ldx, const float* A, cons
     }
 }
 
-int fd_forward(const fd_model* md, int M, float* h, int pos, int last_only, float* logits, int nthreads) {
+int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep, float* logits, int nthreads) {
     const int D = md->D, H = md->H, KV = md->KV, HD = md->HD, I = md->I, NQ = md->n_qkv;
     const int qw = H * HD, half = HD / 2;
     int KMAX = D > I ? D : I;
@@ -169,7 +169,7 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int last_only, floa
     }
     {
         // --- final norm (gain folded into the head) and LM head
-        const int m0 = last_only ? M - 1 : 0;
+        const int m0 = (logits_to_keep > 0 && logits_to_keep < M) ? M - logits_to_keep : 0;
         const int MO = M - m0;
         for (int m = 0; m < MO; m++) {
             const float* hm = h + (size_t)(m0 + m) * D;
