@@ -44,21 +44,25 @@ class TokenHealer:
         pairs = sorted((b, i) for i, b in enumerate(draft_bytes) if b)
         self._keys = [b for b, _ in pairs]
         self._ids = [i for _, i in pairs]
-        self._cache: dict[tuple[bytes, bool], torch.Tensor] = {}
+        self._cache: dict[tuple[bytes, str], torch.Tensor] = {}  # (bytes, kind) -> ids
         self._max_cached = max_cached
 
     def candidates(self, last: bytes) -> torch.Tensor:
         """Drafter ids that may replace a last context token spelling ``last``: ``last`` and
         its extensions, and ``last`` minus a final space (sorted, int64)."""
-        ids = self.extensions(last)
-        if len(last) > 1 and last.endswith(b" "):
-            ids = torch.unique(torch.cat([ids, self.extensions(last[:-1], exact=True)]))
-        return ids
+        if not (len(last) > 1 and last.endswith(b" ")):
+            return self.extensions(last)
+        key = (last, "candidates")
+        hit = self._cache.get(key)
+        if hit is None:  # once per token: this runs every drafting round
+            hit = torch.unique(torch.cat([self.extensions(last), self.extensions(last[:-1], exact=True)]))
+            self._remember(key, hit)
+        return hit
 
     def extensions(self, pending: bytes, exact: bool = False) -> torch.Tensor:
         """Drafter ids whose bytes start with ``pending`` (or, with ``exact``, equal it);
         sorted, int64; empty when ``pending`` is empty."""
-        key = (pending, exact)
+        key = (pending, "exact" if exact else "extensions")
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -68,7 +72,10 @@ class TokenHealer:
             ids.append(self._ids[j])
             j += 1
         out = torch.tensor(sorted(ids), dtype=torch.long)
+        self._remember(key, out)
+        return out
+
+    def _remember(self, key: tuple[bytes, str], ids: torch.Tensor) -> None:
         if len(self._cache) >= self._max_cached:
             self._cache.clear()
-        self._cache[key] = out
-        return out
+        self._cache[key] = ids

@@ -67,11 +67,12 @@ class NgramTranslator:
             size = len(self.draft_bytes[drafts[i]])
             if size > skip:  # straddles: propose the target's tokenization of its new bytes
                 text = _complete_utf8(self.draft_bytes[drafts[i]][skip:])
+                raw = text.encode("utf-8")
                 ids = self.encode(text) if text and self.encode is not None else []
-                if not ids or b"".join(self.target_bytes[t] or b"" for t in ids) != text.encode("utf-8"):
+                if not ids or b"".join(self.target_bytes[t] or b"" for t in ids) != raw:
                     return units
                 units.extend(Unit(t, i, 1) for t in ids)
-                if len(text.encode("utf-8")) < size - skip:  # an incomplete character: stop here
+                if len(raw) < size - skip:  # an incomplete character: stop here
                     return units
                 skip = 0
             else:
