@@ -12,7 +12,7 @@ from the same untrained global adapter:
 * the coordinator aggregates the updates weighted by trained tokens and applies the server
   step (``omnidraft.coordinator.server_opt``: plain FedAvg, server momentum, or server Adam);
 * after every round the global adapter is scored on the probe devices' held-out samples by the
-  drafter's teacher-forced agreement with the target (``top1``, ``k4``; see
+  drafter's teacher-forced agreement with the target (``top1``, ``k4``, ``rounds_k4``; see
   ``omnidraft.shared.distill.teacher_forced_agreement``).
 
     python scripts/fed_sweep.py collect --target qwen2.5-coder-0.5b --out fed-samples.pt
@@ -32,8 +32,14 @@ Two more commands compare the global adapters a simulation committed (``--run``,
   text stays in the run's ``devices/`` folders on this machine), with an empty n-gram cache
   (``--no-heal``: without token healing).
 
+* ``pooled``: one adapter trained on *all* the training devices' samples of ``--samples``
+  (the fleet's data pooled on one device, ``--epochs`` passes), scored both ways before and
+  after each pass: the upper bound of what the fleet's data can teach the drafter.
+
     python scripts/fed_sweep.py score --target gemma3-270m --samples fed-samples.pt --run runs/x
     python scripts/fed_sweep.py decode --target gemma3-270m --run runs/x --prompts 30 --translate text
+    python scripts/fed_sweep.py pooled --target gemma3-270m --samples fed-samples.pt --run runs/x \\
+        --epochs 2 --translate text
 """
 
 from __future__ import annotations
@@ -190,8 +196,9 @@ def score_versions(args) -> None:
         print(json.dumps({"version": version, "samples": len(heldout), **score(adapters, "global", heldout)}), flush=True)
 
 
-def decode_versions(args) -> None:
-    from omnidraft.client.adapt_run import evaluate_fixed_k
+def _heldout_prompts(args) -> list[str]:
+    """The first ``args.prompts`` held-out prompts of the run's training devices that serve
+    ``args.target`` (their text stays in the run's ``devices/`` folders on this machine)."""
     from omnidraft.client.fleet_device import DeviceProfile
 
     prompts = []
@@ -202,21 +209,70 @@ def decode_versions(args) -> None:
             raise ValueError(f"{folder} holds no readable device profile (not a simulations/run.py output?)") from None
         if profile.target == args.target and not profile.probe:
             prompts += profile.heldout
-    prompts = prompts[: args.prompts]
     if not prompts:
         raise ValueError(f"no training device of {args.run!r} serves {args.target!r}")
-    versions = _versions(args)
+    return prompts[: args.prompts]
+
+
+def _decoding_session(args) -> tuple[Engine, DeviceSession]:
+    """An engine and a non-learning session with the run's LoRA settings, for fixed-k decoding."""
     engine = Engine.load(DRAFTER, args.target, args.dtype)
     session = DeviceSession(engine, target_name=args.target, adaptive=False, learn=False, grow_cache=False,
                             lora=_run_lora(args), translate=args.translate, heal=not args.no_heal)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    return engine, session
+
+
+def _decoded(args, session: DeviceSession, prompts: list[str]) -> dict:
+    """Fixed-k decoding of ``prompts`` with the session's current adapter."""
+    from omnidraft.client.adapt_run import evaluate_fixed_k
+
+    t0 = time.perf_counter()
+    out = evaluate_fixed_k(session, prompts, GenerationConfig(max_new_tokens=args.max_new_tokens), args.k)
+    return {"prompts": len(prompts), "translate": args.translate, "heal": not args.no_heal, **out,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def decode_versions(args) -> None:
+    prompts = _heldout_prompts(args)
+    versions = _versions(args)
+    _, session = _decoding_session(args)
     for version, tensors in versions:
         session.adapters.load_state_dict(args.target, tensors)
+        print(json.dumps({"version": version, **_decoded(args, session, prompts)}), flush=True)
+
+
+def pooled(args) -> None:
+    """The fleet's data pooled on one device: the upper bound of what it can teach the drafter.
+
+    One adapter (the run's LoRA settings, from the untrained state) trains on every training
+    device's samples of ``--samples`` in order, ``interval`` samples per update as a device
+    does, for ``--epochs`` passes; before training and after each pass it is scored by
+    teacher-forced agreement on the probe samples and by fixed-k decoding of the run's held-out
+    prompts (as ``score`` and ``decode``)."""
+    saved = torch.load(args.samples, weights_only=False)
+    train = [s for d in saved["devices"] if not d["probe"] for s in d["samples"]]
+    heldout = probe_samples(saved)
+    prompts = _heldout_prompts(args)
+    engine, session = _decoding_session(args)
+    name = args.target
+
+    def report(epoch: int, seconds: float = 0.0) -> None:
+        print(json.dumps({"epoch": epoch, "trained-tokens": epoch * tokens, "train-s": round(seconds, 1),
+                          "teacher-forced": score(session.adapters, name, heldout),
+                          "decoded": _decoded(args, session, prompts)}), flush=True)
+
+    tokens = sum(s.target_tokens for s in train)
+    report(0)
+    learner = OnlineLearner(session.adapters, name, Intersection(engine.bridge, engine.drafter.logit_rows), None,
+                            OnlineConfig(interval=args.interval, lr=args.lr, head=False))
+    train_s = 0.0
+    for epoch in range(1, args.epochs + 1):
         t0 = time.perf_counter()
-        out = evaluate_fixed_k(session, prompts, config, args.k)
-        print(json.dumps({"version": version, "prompts": len(prompts), "translate": args.translate,
-                          "heal": not args.no_heal, **out,
-                          "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+        for i in range(0, len(train), args.interval):
+            learner.buffer = train[i: i + args.interval]
+            learner.update()
+        train_s += time.perf_counter() - t0
+        report(epoch, train_s)
 
 
 def _version_list(text: str) -> set[int]:
@@ -263,22 +319,28 @@ def main() -> None:
     s.add_argument("--rank", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--dtype", default="int8")
-    for name in ("score", "decode"):
+    for name in ("score", "decode", "pooled"):
         v = sub.add_parser(name)
         v.add_argument("--target", required=True)
         v.add_argument("--run", required=True, help="a simulations/run.py --out folder")
-        v.add_argument("--versions", type=_version_list, help="comma-separated versions (default: all)")
         v.add_argument("--dtype", default="int8")
-        if name == "score":
-            v.add_argument("--samples", required=True)
-        else:
+        if name != "pooled":
+            v.add_argument("--versions", type=_version_list, help="comma-separated versions (default: all)")
+        if name != "decode":
+            v.add_argument("--samples", required=True, help="a collect file")
+        if name == "pooled":
+            v.add_argument("--epochs", type=_positive, default=1)
+            v.add_argument("--lr", type=float, default=1e-3)
+            v.add_argument("--interval", type=_positive, default=8, help="samples per update")
+        if name != "score":
             v.add_argument("--prompts", type=_positive, default=30)
             v.add_argument("--k", type=_positive, default=4)
             v.add_argument("--translate", default="ngram", choices=("ngram", "text"))
             v.add_argument("--no-heal", action="store_true", help="draft without token healing")
             v.add_argument("--max-new-tokens", type=int, default=32)
     args = p.parse_args()
-    commands = {"collect": collect, "sweep": sweep, "score": score_versions, "decode": decode_versions}
+    commands = {"collect": collect, "sweep": sweep, "score": score_versions, "decode": decode_versions,
+                "pooled": pooled}
     try:
         commands[args.command](args)
     except (CatalogError, OSError, ValueError, RuntimeError) as exc:  # a missing samples file, an unknown target

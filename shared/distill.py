@@ -131,23 +131,37 @@ def teacher_forced_agreement(decoder: torch.nn.Module, lm_head: torch.nn.Module,
 
     * ``top1``: share of the responses' drafter tokens that are the drafter's argmax;
     * ``k4`` (``k`` = 4): mean over response positions of min(k, run of consecutive argmax hits
-      from there) / k, a stand-in for the acceptance rate of k-token drafts;
+      from there) / k;
+    * ``rounds_k4``: the acceptance rate of k-token drafts replayed on the fixed text: a round
+      starts at the response's first token, accepts the run of hits from there (at most k) and
+      the next round starts after the accepted tokens plus the target's own token. Unlike ``k4``,
+      which weighs every position alike, it visits positions as decoding does: a hard stretch
+      starts a round at almost every token, an easy one only every k + 1 tokens;
     * ``dm_top1``: ``top1`` on direct-mapped tokens only.
 
     Under greedy decoding the responses do not depend on the drafter, so the same samples
     compare adapters without the noise of decoding (or its cost)."""
     hits = total = dm_hits = dm_total = 0
     runs = 0.0
+    accepted = proposed = 0
     for s in samples:
         ids = torch.tensor([s.draft_ids])
         hidden = decoder(input_ids=ids).last_hidden_state[0]
         ok = lm_head(hidden[s.seq_start - 1:-1]).argmax(-1) == ids[0, s.seq_start:]
         hits, total = hits + int(ok.sum()), total + ok.numel()
-        run = 0  # run of hits starting at each position, from the end
+        run, run_from = 0, []  # run of hits starting at each position, from the end
         for hit in reversed(ok.tolist()):
             run = run + 1 if hit else 0
+            run_from.append(run)
             runs += min(k, run) / k
+        run_from.reverse()
+        i = 0
+        while i < len(run_from):  # replayed k-token drafting rounds
+            got = min(k, run_from[i])
+            accepted, proposed = accepted + got, proposed + min(k, len(run_from) - i)
+            i += got + 1
         dm = lm_head(hidden.index_select(0, s.dm_pos - 1)).argmax(-1)
         dm_hits += int((dm == ids[0, s.dm_pos]).sum())
         dm_total += s.dm_pos.numel()
-    return {"top1": hits / max(1, total), f"k{k}": runs / max(1, total), "dm_top1": dm_hits / max(1, dm_total)}
+    return {"top1": hits / max(1, total), f"k{k}": runs / max(1, total),
+            f"rounds_k{k}": accepted / max(1, proposed), "dm_top1": dm_hits / max(1, dm_total)}

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ffa", action="store_true", default=None, help="FFA-LoRA: freeze A, train and average only B (exact averaging)")
     a("--secagg", action="store_true", default=None,
       help="sum each target's adapter updates with Flower's SecAgg+ (the coordinator sees only their mean)")
-    a("--translate", choices=["ngram", "text"])
+    a("--translate", choices=["ngram", "text"],
+      help="drafted block -> target tokens: text (the target tokenizer; the default scenario) or ngram (the paper's cache merge)")
     a("--dtype", choices=["bf16", "fp32", "int8"],
       help="target precision (int8: the native int8 runtime where the CPU has AVX-512 VNNI or AVX2)")
     a("--draft-stop", choices=["auto", "cost", "confidence"],

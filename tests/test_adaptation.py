@@ -265,6 +265,12 @@ def test_teacher_forced_agreement_hand_computation():
     assert got["top1"] == pytest.approx(3 / 4)
     # runs of hits from each response position, capped at k = 2: 2, 1, 0, 1
     assert got["k2"] == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
+    # replayed rounds: 2 drafted, 2 accepted, then the target's own token covers the miss at 4;
+    # the last round has one position left: 1 drafted, 1 accepted
+    assert got["rounds_k2"] == pytest.approx(3 / 3)
+    sample_miss_first = SimpleNamespace(draft_ids=[0, 0, 0, 0, 0, 2], seq_start=2, dm_pos=torch.tensor([3]))
+    # hits: miss, hit, miss, hit -> rounds at 0 (0 of 2), 1 (1 of 2), 3 (1 of 1)
+    assert teacher_forced_agreement(decoder, head, [sample_miss_first], k=2)["rounds_k2"] == pytest.approx(2 / 5)
     assert got["dm_top1"] == pytest.approx(1 / 2)
 
 
