@@ -114,6 +114,25 @@ def local_update(adapters: DrafterAdapters, name: str, inter: Intersection, samp
     return adapters.state_dict(name)
 
 
+def load_samples(path: str) -> dict:
+    """A ``collect`` file: ``{"devices": [{"probe", "samples", "labels"}, ...], "args"}``."""
+    import pickle
+
+    try:
+        saved = torch.load(path, weights_only=False)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, AttributeError, ImportError):
+        raise ValueError(f"{path} is not a fed_sweep collect file") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("devices"), list)
+            and all(isinstance(d, dict) and {"probe", "samples"} <= d.keys() for d in saved["devices"])):
+        raise ValueError(f"{path} is not a fed_sweep collect file")
+    return saved
+
+
+def training_samples(saved: dict) -> list:
+    """The training devices' samples of a ``collect`` file, device by device."""
+    return [s for d in saved["devices"] if not d["probe"] for s in d["samples"]]
+
+
 def probe_samples(saved: dict) -> list:
     """The probe devices' held-out samples of a ``collect`` file (what every score uses)."""
     return [s for d in saved["devices"] if d["probe"] for s in d["samples"]]
@@ -126,7 +145,7 @@ def score(adapters: DrafterAdapters, name: str, samples) -> dict:
 
 def sweep(args) -> None:
     recipes = [parse_recipe(r) for r in args.recipes]  # bad recipes fail before anything loads
-    saved = torch.load(args.samples, weights_only=False)
+    saved = load_samples(args.samples)
     engine = Engine.load(DRAFTER, args.target, args.dtype)
     inter = Intersection(engine.bridge, engine.drafter.logit_rows)
     members = [d for d in saved["devices"] if not d["probe"]]
@@ -186,7 +205,7 @@ def _run_lora(args) -> LoraSpec:
 
 
 def score_versions(args) -> None:
-    heldout = probe_samples(torch.load(args.samples, weights_only=False))
+    heldout = probe_samples(load_samples(args.samples))
     versions = _versions(args)
     engine = Engine.load(DRAFTER, args.target, args.dtype)
     adapters = DrafterAdapters(engine.drafter.model, _run_lora(args), drafter_weights=engine.drafter_weights)
@@ -249,9 +268,9 @@ def pooled(args) -> None:
     does, for ``--epochs`` passes; before training and after each pass it is scored by
     teacher-forced agreement on the probe samples and by fixed-k decoding of the run's held-out
     prompts (as ``score`` and ``decode``)."""
-    saved = torch.load(args.samples, weights_only=False)
-    train = [s for d in saved["devices"] if not d["probe"] for s in d["samples"]]
-    heldout = probe_samples(saved)
+    saved = load_samples(args.samples)
+    train, heldout = training_samples(saved), probe_samples(saved)
+    tokens = sum(s.target_tokens for s in train)
     prompts = _heldout_prompts(args)
     engine, session = _decoding_session(args)
     name = args.target
@@ -261,7 +280,6 @@ def pooled(args) -> None:
                           "teacher-forced": score(session.adapters, name, heldout),
                           "decoded": _decoded(args, session, prompts)}), flush=True)
 
-    tokens = sum(s.target_tokens for s in train)
     report(0)
     learner = OnlineLearner(session.adapters, name, Intersection(engine.bridge, engine.drafter.logit_rows), None,
                             OnlineConfig(interval=args.interval, lr=args.lr, head=False))
@@ -292,6 +310,16 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, not {text!r}")
     return value
 
 
@@ -330,7 +358,7 @@ def main() -> None:
             v.add_argument("--samples", required=True, help="a collect file")
         if name == "pooled":
             v.add_argument("--epochs", type=_positive, default=1)
-            v.add_argument("--lr", type=float, default=1e-3)
+            v.add_argument("--lr", type=_positive_float, default=1e-3)
             v.add_argument("--interval", type=_positive, default=8, help="samples per update")
         if name != "score":
             v.add_argument("--prompts", type=_positive, default=30)

@@ -59,9 +59,9 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
