@@ -28,6 +28,7 @@ from omnidraft.shared.atomic_io import write_bytes_atomic
 from omnidraft.shared.distill import LossConfig
 from omnidraft.shared.generation import GenerationConfig, GenerationStats
 from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.recorded_target import RecordedTarget
 
 
 @dataclass
@@ -86,19 +87,33 @@ def evaluate(session: DeviceSession, prompts: list[str], config: GenerationConfi
 
 
 def evaluate_fixed_k(session: DeviceSession, prompts: list[str], config: GenerationConfig, k: int,
-                     label: str | None = None) -> dict:
+                     label: str | None = None, recordings: list[list[int]] | None = None) -> dict:
     """Acceptance and tokens per target call on ``prompts`` when every round drafts exactly ``k``
     drafter tokens (the paper's protocol: no acceptance head, no stopping rule); ``label``
-    names a progress bar (None: no bar)."""
+    names a progress bar (None: no bar). ``recordings`` (greedy ``config`` only): the target's
+    greedy output ids for each prompt (``target_alone``), replayed instead of running the
+    target (``RecordedTarget``: the same figures, at the drafter's cost)."""
+    if recordings is not None and (not config.greedy or len(recordings) != len(prompts)):
+        raise ValueError("replayed acceptance needs greedy decoding and one recording per prompt")
     fixed = replace(config, draft_stop="confidence", confidence=0.0, k_max=k)
     phase = Phase()
-    decoder = session.decoder(gamma=None)  # without gamma the head is not used
-    for prompt in tqdm(prompts, desc=label, unit="prompt", leave=False, disable=label is None):
+    vocab = session.engine.target.logit_rows
+    for i, prompt in enumerate(tqdm(prompts, desc=label, unit="prompt", leave=False, disable=label is None)):
         text, ids = session.engine.prompt_ids(prompt)
+        target = RecordedTarget(ids + recordings[i], vocab) if recordings is not None else None
+        decoder = session.decoder(gamma=None, target=target)  # without gamma the head is not used
         phase.add(decoder.generate(text, ids, fixed))
     summary = phase.summary()
     return {"k": k, "acceptance_rate": summary["acceptance_rate"],
             "tokens_per_target_call": summary["tokens_per_target_call"], "new_tokens": summary["new_tokens"]}
+
+
+def target_alone(session: DeviceSession, prompts: list[str], config: GenerationConfig) -> list:
+    """The target alone on each prompt (its ``GenerationResult``s): with greedy ``config`` their
+    ``token_ids`` are the recordings ``evaluate_fixed_k`` replays; their tok/s is the speed
+    baseline."""
+    decoder = session.engine.ar()
+    return [decoder.generate(session.engine.prompt_ids(prompt)[1], config) for prompt in prompts]
 
 
 def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConfig,

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from omnidraft.client.adapt_run import Phase, evaluate_fixed_k
+from omnidraft.client.adapt_run import Phase, evaluate_fixed_k, target_alone
 from omnidraft.client.device_state import sha256 as _sha256, slug
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.resource_policy import (
@@ -143,6 +143,7 @@ class DeviceProfile:
     joins_at_round: int = 1  # the device is not part of the fleet before this round
     probe: bool = False
     offers: dict[str, str] = field(default_factory=dict)
+    speed_prompts: int = 0  # held-out prompts an evaluation decodes adaptively, timed (0: all)
     drift_round: int | None = None
     drift_prompts: list[str] = field(default_factory=list)
     drift_heldout: list[str] = field(default_factory=list)
@@ -443,13 +444,17 @@ class FleetDevice:
     def evaluate(self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0,
                  adaptive: bool = True) -> dict:
         """Decode the held-out prompts with the global state (or, ``use_global=False``, with the
-        device's local state alone), without learning. ``measure_ar``: also the target alone on
-        the same prompts, once per (target, prompts, length): its greedy output and speed do not
-        change between rounds, so later evaluations reuse the measured tok/s. ``fixed_k``: also
-        decode them drafting exactly ``fixed_k`` drafter tokens per round (the paper's protocol;
-        ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft).
-        ``adaptive=False`` (with ``fixed_k``) decodes at the fixed length only: no adaptive
-        pass, no tok/s, no speedup."""
+        device's local state alone), without learning.
+
+        ``adaptive``: decode the first ``profile.speed_prompts`` of them (0: all) as the device
+        decodes (adaptive draft length; acceptance, tok/s), and with ``measure_ar`` compare with
+        the target alone on the same prompts (``speedup``). ``fixed_k``: also score all of them
+        drafting exactly ``fixed_k`` drafter tokens per round (the paper's protocol;
+        ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft). With
+        greedy decoding that pass replays the target's recorded output (``RecordedTarget``)
+        instead of running the target. The target alone's output and speed do not change between
+        rounds, so it runs once per (target, prompts, length) and its record is kept in
+        ``fleet.json``."""
         if not adaptive and not fixed_k:
             raise ValueError("an evaluation without the adaptive pass needs a fixed draft length")
         session = self.session(use_global=use_global)
@@ -458,31 +463,43 @@ class FleetDevice:
         if not p.heldout:  # a deployed device: its latest served prompts
             p = replace(p, heldout=[prompt for _, prompt in self.request_log().since(0)[-EVAL_PROMPTS:]])
         t0 = time.perf_counter()
+        replay = bool(fixed_k) and p.generation.greedy
+        alone = self._target_alone(session, p) if replay or (adaptive and measure_ar) else None
         metrics = {}
         if adaptive:
-            metrics = self._evaluate_adaptive(session, p, measure_ar)
+            metrics = self._evaluate_adaptive(session, p, alone if measure_ar else None)
         if fixed_k:
-            fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k)
+            recordings = [r["ids"] for r in alone] if replay else None
+            fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k, recordings=recordings)
             metrics.update({"fixed-k-acceptance": fixed["acceptance_rate"],
                             "fixed-k-tokens-per-call": fixed["tokens_per_target_call"]})
             metrics.setdefault("generated-tokens", fixed["new_tokens"])
         return {**metrics, "eval-s": time.perf_counter() - t0}
 
-    def _evaluate_adaptive(self, session: DeviceSession, p: DeviceProfile, measure_ar: bool) -> dict:
-        """The held-out prompts decoded as the device decodes (adaptive draft length)."""
+    def _target_alone(self, session: DeviceSession, p: DeviceProfile) -> list[dict]:
+        """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
+        "s": seconds}, run once per (target, prompts, generation length and stops) and kept in
+        ``fleet.json`` (only the latest set: a deployed device's prompts change)."""
+        g = p.generation
+        key = _sha256(json.dumps([p.target_model, p.heldout, g.max_new_tokens, list(g.stop_strings),
+                                  g.temperature]).encode())[:16]
+        held = self._fleet_meta().get("target-alone", {})
+        if held.get("key") != key:
+            held = {"key": key, "runs": [{"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": r.stats.wall_s}
+                                         for r in target_alone(session, p.heldout, g)]}
+            self._save_fleet_meta({**self._fleet_meta(), "target-alone": held})
+        return held["runs"]
+
+    def _evaluate_adaptive(self, session: DeviceSession, p: DeviceProfile, alone: list[dict] | None) -> dict:
+        """The first ``speed_prompts`` held-out prompts decoded as the device decodes (adaptive
+        draft length); ``alone``: the target alone's runs on the held-out prompts (speedup)."""
+        n = p.speed_prompts or len(p.heldout)
         ar_tps = None
-        if measure_ar:
-            key = _sha256(json.dumps([p.target, p.heldout, p.generation.max_new_tokens]).encode())[:16]
-            meta = self._fleet_meta()
-            ar_tps = meta.get("ar-tokens-per-s", {}).get(key)
-            if ar_tps is None:
-                ar, ar_decoder = Phase(), session.engine.ar()
-                for prompt in p.heldout:
-                    ar.add(ar_decoder.generate(session.engine.prompt_ids(prompt)[1], p.generation))
-                ar_tps = ar.summary()["tokens_per_s"]
-                self._save_fleet_meta({**meta, "ar-tokens-per-s": {**meta.get("ar-tokens-per-s", {}), key: ar_tps}})
+        if alone:
+            runs = alone[:n]
+            ar_tps = sum(r["tokens"] for r in runs) / max(sum(r["s"] for r in runs), 1e-9)
         phase = Phase()
-        for prompt in p.heldout:
+        for prompt in p.heldout[:n]:
             phase.add(session.generate(prompt, p.generation, learn=False, explore=False))
         out = phase.summary(ar_tps)
         return {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],

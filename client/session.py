@@ -82,10 +82,11 @@ class DeviceSession:
         return self.engine.cache
 
     # -- decoding -------------------------------------------------------------------------------
-    def decoder(self, gamma: float | None = None) -> CrossVocabDecoder:
+    def decoder(self, gamma: float | None = None, target=None) -> CrossVocabDecoder:
         """A decoder with the current adapter (merged into the drafting runner); with ``gamma``
         the trained acceptance head decides the draft length, else ``config.draft_stop``'s rule
-        (cost-aware by default)."""
+        (cost-aware by default). ``target``: a runner that stands in for the engine's target
+        (``RecordedTarget``)."""
         self.adapters.activate(self.target)
         e = self.engine
         head = self.head if gamma is not None and self.head is not None and self.head.ready else None
@@ -97,7 +98,7 @@ class DeviceSession:
                     self.stopper.load_calibration(self._saved_stop)
                 except ValueError as exc:
                     self.problems.append(f"{exc}: draft stopping starts uncalibrated")
-        return CrossVocabDecoder(runner, e.drafter.tokenizer, e.target_runner, e.bridge,
+        return CrossVocabDecoder(runner, e.drafter.tokenizer, target or e.target_runner, e.bridge,
                                  e.cache, expand_map=e.expand_map, translate=self.translate,
                                  target_tokenizer=e.target.tokenizer, head=head,
                                  gamma=0.5 if gamma is None else gamma, grow_cache=self.grow_cache,

@@ -30,7 +30,8 @@ Two more commands compare the global adapters a simulation committed (``--run``,
 * ``decode``: each version's acceptance when decoding, drafting exactly ``--k`` tokens per
   round, the held-out prompts of the run's first training devices that serve the target (their
   text stays in the run's ``devices/`` folders on this machine), with an empty n-gram cache
-  (``--no-heal``: without token healing).
+  (``--no-heal``: without token healing; ``--replay``: the target runs once per prompt and its
+  greedy output is replayed for every version, the same figures at the drafter's cost).
 
 * ``pooled``: one adapter trained on *all* the training devices' samples of ``--samples``
   (the fleet's data pooled on one device, ``--epochs`` passes), scored both ways before and
@@ -241,23 +242,35 @@ def _decoding_session(args) -> tuple[Engine, DeviceSession]:
     return engine, session
 
 
-def _decoded(args, session: DeviceSession, prompts: list[str]) -> dict:
-    """Fixed-k decoding of ``prompts`` with the session's current adapter."""
+def _decoded(args, session: DeviceSession, prompts: list[str], recordings: list[list[int]] | None = None) -> dict:
+    """Fixed-k decoding of ``prompts`` with the session's current adapter (``recordings``: the
+    target's greedy outputs, replayed instead of running the target)."""
     from omnidraft.client.adapt_run import evaluate_fixed_k
 
     t0 = time.perf_counter()
-    out = evaluate_fixed_k(session, prompts, GenerationConfig(max_new_tokens=args.max_new_tokens), args.k)
-    return {"prompts": len(prompts), "translate": args.translate, "heal": not args.no_heal, **out,
-            "seconds": round(time.perf_counter() - t0, 1)}
+    out = evaluate_fixed_k(session, prompts, GenerationConfig(max_new_tokens=args.max_new_tokens), args.k,
+                           recordings=recordings)
+    return {"prompts": len(prompts), "translate": args.translate, "heal": not args.no_heal,
+            "replayed": recordings is not None, **out, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _recordings(args, session: DeviceSession, prompts: list[str]) -> list[list[int]] | None:
+    """With ``--replay``: the target alone's greedy output on each prompt (run once)."""
+    from omnidraft.client.adapt_run import target_alone
+
+    if not args.replay:
+        return None
+    return [r.token_ids for r in target_alone(session, prompts, GenerationConfig(max_new_tokens=args.max_new_tokens))]
 
 
 def decode_versions(args) -> None:
     prompts = _heldout_prompts(args)
     versions = _versions(args)
     _, session = _decoding_session(args)
+    recordings = _recordings(args, session, prompts)
     for version, tensors in versions:
         session.adapters.load_state_dict(args.target, tensors)
-        print(json.dumps({"version": version, **_decoded(args, session, prompts)}), flush=True)
+        print(json.dumps({"version": version, **_decoded(args, session, prompts, recordings)}), flush=True)
 
 
 def pooled(args) -> None:
@@ -273,12 +286,13 @@ def pooled(args) -> None:
     tokens = sum(s.target_tokens for s in train)
     prompts = _heldout_prompts(args)
     engine, session = _decoding_session(args)
+    recordings = _recordings(args, session, prompts)
     name = args.target
 
     def report(epoch: int, seconds: float = 0.0) -> None:
         print(json.dumps({"epoch": epoch, "trained-tokens": epoch * tokens, "train-s": round(seconds, 1),
                           "teacher-forced": score(session.adapters, name, heldout),
-                          "decoded": _decoded(args, session, prompts)}), flush=True)
+                          "decoded": _decoded(args, session, prompts, recordings)}), flush=True)
 
     report(0)
     learner = OnlineLearner(session.adapters, name, Intersection(engine.bridge, engine.drafter.logit_rows), None,
@@ -366,6 +380,9 @@ def main() -> None:
             v.add_argument("--translate", default="ngram", choices=("ngram", "text"))
             v.add_argument("--no-heal", action="store_true", help="draft without token healing")
             v.add_argument("--max-new-tokens", type=int, default=32)
+            v.add_argument("--replay", action="store_true",
+                           help="run the target once per prompt and replay its greedy output for every "
+                                "adapter (the same acceptance, at the drafter's cost)")
     args = p.parse_args()
     commands = {"collect": collect, "sweep": sweep, "score": score_versions, "decode": decode_versions,
                 "pooled": pooled}

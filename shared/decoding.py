@@ -73,8 +73,8 @@ class _TargetSide:
             raise ValueError("the prompt is empty")
         config.validate()
         self.runner.reset()
-        if len(prompt_ids) > 1:
-            self.runner.forward(prompt_ids[:-1])
+        if len(prompt_ids) > 1:  # the prefill's logits are not used: keep one row, not [n, vocab]
+            self.runner.forward(prompt_ids[:-1], logits_to_keep=1)
         generator = torch.Generator()
         generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         return StopChecker(config, self.stop_ids, self.token_bytes, on_tokens), generator

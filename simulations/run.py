@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prompts-per-round", type=int)
     a("--max-new-tokens", type=int)
     a("--probes", type=int, help="evaluation-only devices per target (a fixed panel)")
-    a("--probe-heldout", type=int, help="held-out prompts per probe device")
+    a("--probe-heldout", type=int, help="held-out prompts per probe device (fixed-k acceptance)")
+    a("--probe-speed-prompts", type=int,
+      help="of the probe's held-out prompts, how many are also decoded adaptively and timed (0: all)")
     a("--newcomer-evals", type=int, help="new devices per target and round measured warm and cold")
     a("--late-joiners", type=int, help="devices that join late (at --join-round, default the last round)")
     a("--join-round", type=int)

@@ -134,7 +134,8 @@ class Scenario:
     prompts_per_round: int = 4
     max_new_tokens: int = 32
     probes: int = 2  # evaluation-only devices per target
-    probe_heldout: int = 4  # held-out prompts per probe device
+    probe_heldout: int = 4  # held-out prompts per probe device (fixed-k acceptance)
+    probe_speed_prompts: int = 0  # of them, decoded adaptively and timed every round (0: all)
     newcomer_evals: int = 2  # per target and round, new devices measured warm and cold
     late_joiners: int = 0
     join_round: int | None = None  # the late joiners' round (None: the last round)
@@ -178,6 +179,8 @@ class Scenario:
             raise ValueError("alpha must be > 0")
         if self.probe_heldout < 1:
             raise ValueError("probe held-out prompts must be >= 1")
+        if not 0 <= self.probe_speed_prompts <= self.probe_heldout:
+            raise ValueError("probe speed prompts must be in 0..probe_heldout (0: all of them)")
         if self.probes < 0 or self.newcomer_evals < 0:
             raise ValueError("probes and newcomer evaluations must be >= 0")
         if not 0 <= self.late_joiners < self.devices:
@@ -385,6 +388,7 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
             generation=GenerationConfig(max_new_tokens=scenario.max_new_tokens, draft_stop=scenario.draft_stop),
             online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr, epochs=scenario.local_epochs),
             translate=scenario.translate, probe=probe, fleet_key=fleet_key,
+            speed_prompts=scenario.probe_speed_prompts if probe else 0,
             gamma=None if scenario.gamma == "tune" else float(scenario.gamma),
             joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1)
         if scenario.rollout is not None and not probe:  # every member can run the new target

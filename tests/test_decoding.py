@@ -317,3 +317,46 @@ def test_bad_config_rejected(pair, bridge):
             spd.generate(PROMPTS[0], ids, bad)
     with pytest.raises(ValueError):
         ar.generate([], GenerationConfig())
+
+
+@pytest.mark.parametrize("k_max", [1, 4])
+def test_replaying_the_recorded_target_gives_the_live_decode(pair, bridge, translate, k_max):
+    """Greedy decoding against ``RecordedTarget`` (the target alone's output, replayed) commits
+    the same tokens with the same proposals, acceptances and target calls as the live target,
+    without running it; a stop string ends both at the same point."""
+    from omnidraft.shared.recorded_target import RecordedTarget
+
+    tt = pair.target_tokenizer
+    vocab = pair.target.config.vocab_size
+    for config in (GenerationConfig(max_new_tokens=40, k_max=k_max, confidence=0.0),
+                   GenerationConfig(max_new_tokens=60, k_max=k_max, confidence=0.0, stop_strings=("return",))):
+        for prompt in PROMPTS + [t[: len(t) // 2] for t in pair.texts[:10]]:
+            ids = tt.encode(prompt)
+            live, ar = make_decoders(pair, bridge, translate=translate)  # each with an empty cache
+            recorded = ar.generate(ids, config).token_ids
+            live = live.generate(prompt, ids, config)
+            replay, _ = make_decoders(pair, bridge, translate=translate)
+            replay.side.runner = RecordedTarget(ids + recorded, vocab)
+            got = replay.generate(prompt, ids, config)
+            assert got.token_ids == live.token_ids == recorded, prompt
+            for name in ("proposed_tokens", "accepted_tokens", "target_calls", "drafter_steps"):
+                assert getattr(got.stats, name) == getattr(live.stats, name), (prompt, name)
+            assert replay.side.runner.forward_calls == live.stats.target_calls + (len(ids) > 1)
+
+
+def test_recorded_target_rows_and_errors():
+    from omnidraft.shared.recorded_target import RecordedTarget
+
+    target = RecordedTarget([5, 6, 7, 8], vocab_size=10)
+    target.forward([5, 6])  # the prefill: positions 0, 1
+    rows = target.forward([7, 9, 9])  # positions 2, 3, 4 (past the end repeats the last token)
+    assert rows.argmax(-1).tolist() == [8, 8, 8] and target.length == 5
+    assert torch.isinf(rows[0, :8]).all() and rows[0, 8] == 0
+    target.crop(2)
+    assert target.forward([1], logits_to_keep=1).argmax(-1).tolist() == [8]
+    target.reset()
+    assert target.forward([5, 6], logits_to_keep=1).argmax(-1).tolist() == [7]
+    with pytest.raises(ValueError, match="at least one generated"):
+        RecordedTarget([5], vocab_size=10)
+    with pytest.raises(ValueError, match="lie in"):
+        RecordedTarget([5, 10], vocab_size=10)

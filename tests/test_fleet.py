@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -584,3 +585,32 @@ def test_secagg_settings_are_checked():
         SecAggConfig(min_devices=1).validate()
     with pytest.raises(ValueError, match="weighted mean"):
         _scenario(secagg=True, aggregation=AggregationConfig(method="trimmed")).validate()
+
+
+def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatch):
+    """A probe's fixed-k pass scores the drafter against the target's greedy output, recorded
+    once per prompt set and kept in fleet.json: the figures equal a live decode's, later
+    evaluations do not run the target, and the adaptive pass decodes only ``speed_prompts``."""
+    from omnidraft.client import adapt_run, fleet_device
+    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+
+    heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
+    profile = DeviceProfile(device_id="p", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
+                            drafter=str(tiny["tiny-drafter"]), prompts=[], heldout=heldout,
+                            state_dir=tmp_path / "probe", speed_prompts=1, probe=True)
+    device = FleetDevice(profile, EnginePool("fp32", "fp32"))
+    runs = []
+    real_alone = adapt_run.target_alone
+    monkeypatch.setattr(fleet_device, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    first = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    again = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    assert runs == [heldout]  # the target alone ran once, on every held-out prompt
+    assert first["fixed-k-acceptance"] == again["fixed-k-acceptance"] and first["speedup"] > 0
+    session = device.session(use_global=False)
+    live = adapt_run.evaluate_fixed_k(session, heldout, profile.generation, 3)
+    assert first["fixed-k-acceptance"] == live["acceptance_rate"]
+    assert first["fixed-k-tokens-per-call"] == live["tokens_per_target_call"]
+    assert first["generated-tokens"] <= profile.generation.max_new_tokens < live["new_tokens"]  # adaptive: 1 prompt
+    device.profile = replace(profile, heldout=heldout[:2])  # another prompt set: recorded anew
+    device.evaluate(use_global=False, fixed_k=3, adaptive=False)
+    assert runs == [heldout, heldout[:2]]

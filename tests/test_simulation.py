@@ -94,6 +94,7 @@ def test_toml_scenario_and_events(tmp_path):
     Scenario.from_toml(path).validate()
     for text, match in (("devices = 0\n", "devices"), ("bogus = 1\n", "unknown key 'bogus'"),
                         ("gamma = 1.5\n", "gamma"), ("gamma = 'fast'\n", "gamma"),
+                        ("probe_speed_prompts = 30\n", "speed prompts"),
                         ("rollout = 'x@9:0.5'\nrounds = 3\n", "rollout round"), ("devices = [\n", "s.toml")):
         path.write_text(text)
         with pytest.raises(ValueError, match=match):
@@ -113,6 +114,18 @@ def test_shipped_scenarios_are_valid():
     # issue 5's federation: 10 devices from round 1, one fresh device per target at the last round
     assert fleet.devices - fleet.late_joiners == 10 and fleet.late_joiners == len(fleet.target_shares())
     assert fleet.fraction == 1.0 and fleet.newcomer_evals == 0 and fleet.join_round is None
+    default = scenario_from_args(build_parser().parse_args([]))
+    # the main job: >= 100 real devices on a Qwen2.5-Coder target, probes scoring 40 prompts per target
+    assert default.models == "real" and default.devices >= 100 and default.rounds >= 3
+    assert all(t.startswith("qwen2.5-coder") for t in default.target_shares())
+    assert default.probes * default.probe_heldout >= 40 and 0 < default.probe_speed_prompts < default.probe_heldout
+    # the runs BENCHMARKS.md records keep their configuration whatever default.toml becomes
+    old = scenario_from_args(build_parser().parse_args(["--scenario", str(SCENARIOS / "two-targets.toml")]))
+    assert set(old.target_shares()) == {"qwen2.5-coder-0.5b", "gemma3-270m"}
+    assert (old.rounds, old.fraction, old.prompts_per_round, old.probe_heldout, old.probe_speed_prompts) == (4, 0.1, 3, 3, 0)
+    learn = scenario_from_args(build_parser().parse_args(["--scenario", str(SCENARIOS / "learning.toml")]))
+    assert (learn.rounds, learn.fraction, learn.prompts_per_round, learn.heldout_per_device, learn.probe_heldout,
+            learn.measure_ar) == (4, 0.3, 4, 3, 3, False)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, home):
