@@ -190,12 +190,14 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
     cold = [(s["new-cold-acceptance-k"] if fixed else s["new-cold-acceptance"]) or 0.0 for s in summaries]
     vets = [(s["veteran-acceptance-k"] if fixed else s["veteran-acceptance"]) or 0.0 for s in summaries]
     xs = range(len(names))
-    ax.bar([x - 0.27 for x in xs], cold, width=0.27, label="new, cold (no global state)")
-    ax.bar(list(xs), warm, width=0.27, label="new, warm (global state)")
-    ax.bar([x + 0.27 for x in xs], vets, width=0.27, label="veterans (global state)")
+    for offset, values, label in ((-0.27, cold, "new, cold (no global state)"), (0.0, warm, "new, warm (global state)"),
+                                  (0.27, vets, "veterans (global state)")):
+        bars = ax.bar([x + offset for x in xs], values, width=0.27, label=label)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
     ax.set_xticks(list(xs), names, fontsize=8)
     ax.set_ylabel("first-session acceptance" + (", fixed k" if fixed else ""))
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.35 * max([*cold, *warm, *vets, 0.01]))  # headroom: the legend sits above the bars
+    ax.legend(fontsize=7, loc="upper center", ncol=3)
     fig.tight_layout()
     fig.savefig(out / "newcomers.png", dpi=110)
     plt.close(fig)
