@@ -19,7 +19,9 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
 
 * ``"fp32"``: torch ops with ``F.linear`` (MKL) in float32; matches HF's fp32 forward to ~1e-6.
 * ``"bf16"``: torch ops with oneDNN prepacked bf16 weights (``torch.ops.mkldnn._linear_pointwise``,
-  AMX where the CPU has it); residual stream, norms, RoPE and attention stay float32.
+  AMX where the CPU has it; on CPUs oneDNN cannot prepack bf16 for, such as AVX2-only ones,
+  ``F.linear`` on bf16 weights, emulated and slow); residual stream, norms, RoPE and attention
+  stay float32.
 * ``"int8"``: on x86-64 a native C kernel (``shared/native/``, built once with gcc at first use,
   cached under ``$OMNIDRAFT_HOME/fast_drafter``) runs the whole step in one call: int8 weights
   with a float scale per (output row, 64 inputs), 16-bit per-token activations (split into two
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import ctypes
 import hashlib
 import os
@@ -97,6 +100,13 @@ def cpu_has_native_bf16() -> bool:
         return False
     flags = _cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+@functools.cache
+def onednn_bf16_linear() -> bool:
+    """True when oneDNN can prepack bf16 Linear weights on this CPU (it needs AVX512 BW/VL/DQ or
+    AVX-NE-CONVERT; AVX2-only CPUs cannot)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # instruction set -> (gcc flags, /proc/cpuinfo flags it needs), best first
@@ -222,10 +232,13 @@ def _make_linear(kind: str, w: torch.Tensor, b: torch.Tensor | None):
     if kind == "fp32":
         return lambda x: F.linear(x, w, b)
     if kind == "bf16":
-        wb = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16))
-        bb = None if b is None else b.to(torch.bfloat16)
-        lp = torch.ops.mkldnn._linear_pointwise
         bf16 = torch.bfloat16
+        bb = None if b is None else b.to(bf16)
+        if not onednn_bf16_linear():  # e.g. AVX2-only CPUs: torch's own (emulated) bf16 GEMM
+            wt = w.to(bf16)
+            return lambda x: F.linear(x.to(bf16), wt, bb)
+        wb = torch.ops.mkldnn._reorder_linear_weight(w.to(bf16))
+        lp = torch.ops.mkldnn._linear_pointwise
         return lambda x: lp(x.to(bf16), wb, bb, "none", [], "")
     if kind == "int8":
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
@@ -371,7 +384,7 @@ class FastLlamaRunner:
         self._lib = lib
         self.activation_bits = activation_bits if lib else None
         self.native_isa = native_isa if lib else None
-        self.backend = {"fp32": "torch-fp32", "bf16": "onednn-bf16",
+        self.backend = {"fp32": "torch-fp32", "bf16": "onednn-bf16" if onednn_bf16_linear() else "torch-bf16",
                         "int8": ("native-int8" + ("-avx2" if native_isa == "avx2" else "")
                                  + ("-a8" if activation_bits == 8 else "")) if lib
                         else "fbgemm-int8"}[weights]

@@ -108,6 +108,19 @@ def test_quantized_close_to_hf(model, kind):
     assert agree >= min_agree, (kind, agree)
 
 
+def test_bf16_without_onednn_prepacking(model, monkeypatch):
+    """CPUs oneDNN cannot prepack bf16 for (AVX2-only) run bf16 weights on torch's own GEMM."""
+    from omnidraft.shared import fast_drafter
+
+    monkeypatch.setattr(fast_drafter, "onednn_bf16_linear", lambda: False)
+    runner = make(model, kind_of("bf16"), prefill_weights=None)
+    assert runner.backend == "torch-bf16"
+    ref = torch.cat(script(ModelRunner(model)))
+    got = torch.cat(script(runner))
+    assert (got - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_crop_equals_never_fed(kind):
     model = tiny_llama(tied=True, seed=3)
