@@ -3,7 +3,10 @@
 ``run_simulation`` is deprecated in Flower 1.41/1.42 but is the supported in-process entry point;
 it is called only here so it can be swapped for a ``flwr run`` subprocess when it is removed.
 Environment set before Ray starts: Ray binds to 127.0.0.1 only, its accelerator warning is
-silenced, and each worker runs torch with as many threads as the CPUs a device is given.
+silenced, and each worker runs torch with as many threads as the CPUs a device is given. Workers
+of a cluster started elsewhere (``ray start``) do not inherit this process's environment, so when
+joining one this module connects to it itself, with those settings in the job's ``runtime_env``
+(Flower's backend then finds Ray initialised and only passes ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ import warnings
 
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
+
+# environment variables a device worker reads, passed on to every worker of the Ray job
+WORKER_ENV = ("OMNIDRAFT_HOME", "OMNIDRAFT_THREADS", "OMNIDRAFT_NATIVE_ISA", "HF_HUB_DISABLE_PROGRESS_BARS",
+              "TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS", "TOKENIZERS_PARALLELISM")
 
 
 def run_federation(server_app: ServerApp, client_app: ClientApp, devices: int, *,
@@ -34,7 +41,7 @@ def run_federation(server_app: ServerApp, client_app: ClientApp, devices: int, *
 
     init_args: dict = {"include_dashboard": False, "logging_level": "error" if not verbose else "info"}
     if ray_address:
-        init_args["address"] = ray_address
+        _join_cluster(ray_address, init_args)
     else:
         init_args["num_cpus"] = total_cpus or len(os.sched_getaffinity(0))
     flwr_logger = logging.getLogger("flwr")
@@ -50,3 +57,17 @@ def run_federation(server_app: ServerApp, client_app: ClientApp, devices: int, *
                            verbose_logging=verbose)
         finally:
             flwr_logger.setLevel(level)
+
+
+def _join_cluster(address: str, init_args: dict) -> None:
+    """Connect this process to the Ray cluster at ``address``, giving the job's workers the
+    device settings (``WORKER_ENV``) and this process's import path, as Flower gives the latter."""
+    import sys
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {name: os.environ[name] for name in WORKER_ENV if name in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
+    ray.init(address=address, runtime_env={"env_vars": env}, **init_args)

@@ -246,7 +246,8 @@ def write_report(run_dir: str | Path) -> Path:
         f"{cfg['rounds']} rounds, {cfg['fraction']:.0%} of the joined devices sampled per round, "
         f"models `{cfg['models']}`, targets {', '.join(f'`{t}`' for t in cfg['targets'])}, "
         f"seed {cfg['seed']}. Wall time {summary.get('wall_s', 0):.0f} s, peak memory "
-        f"{_gib(summary.get('peak_rss_mb'))} GiB (all processes), on {summary.get('machine', 'this machine')}.",
+        f"{_gib(summary.get('peak_rss_mb'))} GiB ({summary.get('peak_rss_scope', 'all processes')}), "
+        f"on {summary.get('machine', 'this machine')}.",
         "",
         "Acceptance, tokens per target call and speedup are the global state's, measured by the probe "
         "devices (never trained) on the same held-out prompts every round; round 0 is the starting state "

@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.perf_counter()
         memory = PeakMemory()
+        # workers of a cluster joined with --ray-address are not this process's descendants
+        memory_scope = "this process only: devices ran on the Ray cluster" if scenario.ray_address else "all processes"
         try:
             run(scenario, out, on_round, progress=progress)
         finally:
@@ -272,13 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         summaries = {t: report.target_summary(rows) for t, rows in per_target.items()}
         summary = {"config": {**scenario.to_dict(), "devices": scenario.devices},
                    "wall_s": round(time.perf_counter() - t0, 1), "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
-                   "peak_rss_mb": peak_mb, "targets": summaries}
+                   "peak_rss_mb": peak_mb, "peak_rss_scope": memory_scope, "targets": summaries}
         write_bytes_atomic(out / "summary.json", json.dumps(summary, indent=1, default=str).encode())
         if per_target:
             path = report.write_report(out)
             print("\n" + report.summary_table(summaries))
             print(f"\nwrote {out}/: metrics.jsonl, summary.json, plots, {path.name} "
-                  f"({summary['wall_s']:.0f} s, peak memory {peak_mb / 1024:.1f} GiB)")
+                  f"({summary['wall_s']:.0f} s, peak memory {peak_mb / 1024:.1f} GiB, {memory_scope})")
         return 0
     except (ValueError, RegistryError, CatalogError) as exc:
         print(f"error: {exc}", file=sys.stderr)

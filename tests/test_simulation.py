@@ -196,6 +196,7 @@ def test_smoke_run_writes_every_output(smoke):
     assert any("veteran-fixed-k-acceptance" in r for r in records)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["devices"] == 50 and summary["wall_s"] > 0 and summary["peak_rss_mb"] > 100
+    assert summary["peak_rss_scope"] == "all processes"  # a local Ray: the workers are descendants
     assert set(summary["targets"]) == targets
     for name in ("acceptance.png", "speedup.png", "cache.png", "bytes.png", "newcomers.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -272,3 +273,26 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     assert all(h["prompt"] in profile["drift_prompts"] for h in history if h["round"] == 3)
     assert all(h["prompt"] in profile["prompts"] for h in history if h["round"] < 3)
     assert list((out / "devices" / "device-0000").glob("*--tiny-target-*/state.json"))  # the device's own state
+
+
+def test_joining_a_ray_cluster_passes_the_device_settings_to_its_workers(monkeypatch):
+    """Workers of a cluster started with `ray start` do not inherit the driver's environment: the
+    device settings and the import path go in the job's runtime_env, and Flower then finds Ray
+    initialised (it would pass PYTHONPATH alone)."""
+    import ray
+
+    from omnidraft.coordinator import simulation
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("OMNIDRAFT_THREADS", "1")
+    monkeypatch.setenv("OMNIDRAFT_HOME", "/srv/models")
+    monkeypatch.delenv("OMNIDRAFT_NATIVE_ISA", raising=False)
+    simulation._join_cluster("10.0.0.5:6379", {"include_dashboard": False})
+    (kw,) = calls
+    assert kw["address"] == "10.0.0.5:6379" and kw["include_dashboard"] is False
+    env = kw["runtime_env"]["env_vars"]
+    assert env["OMNIDRAFT_THREADS"] == "1" and env["OMNIDRAFT_HOME"] == "/srv/models"
+    assert "OMNIDRAFT_NATIVE_ISA" not in env
+    assert sys.path[0] in env["PYTHONPATH"].split(os.pathsep)
