@@ -68,6 +68,21 @@ def _join_cluster(address: str, init_args: dict) -> None:
 
     if ray.is_initialized():
         return
+    _check_reachable(address)
     env = {name: os.environ[name] for name in WORKER_ENV if name in os.environ}
     env["PYTHONPATH"] = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(address=address, runtime_env={"env_vars": env}, **init_args)
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise ValueError unless ``address`` (``HOST:PORT`` of a Ray head's GCS) accepts a TCP
+    connection within ``timeout_s`` seconds; Ray itself retries an unreachable head for minutes."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address {address!r}: expected HOST:PORT of a Ray head (ray start --head)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ValueError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None

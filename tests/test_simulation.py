@@ -296,3 +296,18 @@ def test_joining_a_ray_cluster_passes_the_device_settings_to_its_workers(monkeyp
     assert env["OMNIDRAFT_THREADS"] == "1" and env["OMNIDRAFT_HOME"] == "/srv/models"
     assert "OMNIDRAFT_NATIVE_ISA" not in env
     assert sys.path[0] in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_an_unreachable_or_malformed_ray_address_is_a_value_error():
+    """run.py turns ValueError into one line and exit 2; Ray alone would retry for minutes."""
+    import socket
+
+    from omnidraft.coordinator.simulation import _check_reachable
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match="cannot reach the Ray cluster"):
+        _check_reachable(f"127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        _check_reachable("nonsense")
