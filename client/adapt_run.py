@@ -98,10 +98,10 @@ def evaluate_fixed_k(session: DeviceSession, prompts: list[str], config: Generat
     fixed = replace(config, draft_stop="confidence", confidence=0.0, k_max=k)
     phase = Phase()
     vocab = session.engine.target.logit_rows
+    live = session.decoder(gamma=None) if recordings is None else None  # without gamma the head is not used
     for i, prompt in enumerate(tqdm(prompts, desc=label, unit="prompt", leave=False, disable=label is None)):
         text, ids = session.engine.prompt_ids(prompt)
-        target = RecordedTarget(ids + recordings[i], vocab) if recordings is not None else None
-        decoder = session.decoder(gamma=None, target=target)  # without gamma the head is not used
+        decoder = live or session.decoder(gamma=None, target=RecordedTarget(ids + recordings[i], vocab))
         phase.add(decoder.generate(text, ids, fixed))
     summary = phase.summary()
     return {"k": k, "acceptance_rate": summary["acceptance_rate"],

@@ -66,6 +66,12 @@ from omnidraft.shared.training_signal import Intersection
 DRAFTER = "smollm2-135m"
 
 
+def _generation(args) -> GenerationConfig:
+    """Greedy decoding of ``--max-new-tokens`` tokens: what ``collect`` records, ``decode`` and
+    ``pooled`` score and ``--replay`` replays."""
+    return GenerationConfig(max_new_tokens=args.max_new_tokens)
+
+
 def collect(args) -> None:
     from omnidraft.simulations import data
 
@@ -73,7 +79,7 @@ def collect(args) -> None:
     parts = data.split(corpus, args.devices + args.probes, args.per_device, alpha=args.alpha, seed=args.seed)
     engine = Engine.load(DRAFTER, args.target, args.dtype)
     session = DeviceSession(engine, target_name=args.target, adaptive=False, grow_cache=False)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    config = _generation(args)
     devices = []
     t0 = time.perf_counter()
     for d, part in enumerate(parts):
@@ -248,8 +254,7 @@ def _decoded(args, session: DeviceSession, prompts: list[str], recordings: list[
     from omnidraft.client.adapt_run import evaluate_fixed_k
 
     t0 = time.perf_counter()
-    out = evaluate_fixed_k(session, prompts, GenerationConfig(max_new_tokens=args.max_new_tokens), args.k,
-                           recordings=recordings)
+    out = evaluate_fixed_k(session, prompts, _generation(args), args.k, recordings=recordings)
     return {"prompts": len(prompts), "translate": args.translate, "heal": not args.no_heal,
             "replayed": recordings is not None, **out, "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -260,7 +265,7 @@ def _recordings(args, session: DeviceSession, prompts: list[str]) -> list[list[i
 
     if not args.replay:
         return None
-    return [r.token_ids for r in target_alone(session, prompts, GenerationConfig(max_new_tokens=args.max_new_tokens))]
+    return [r.token_ids for r in target_alone(session, prompts, _generation(args))]
 
 
 def decode_versions(args) -> None:

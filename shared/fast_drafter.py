@@ -53,8 +53,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import ctypes
+import functools
 import hashlib
 import os
 import platform
