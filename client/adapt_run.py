@@ -3,8 +3,8 @@
 The prompts are split in order: the first ``train_fraction`` is the training stream, the rest
 is held out. Held-out prompts are decoded before training (target alone = ``ar``, interleaved
 with cold ``omnidraft``), then the training stream is decoded once with online learning, then
-the held-out prompts are decoded again with the learned state (no learning, no gamma
-exploration). ``ar`` is measured once (it does not change) and both speedups divide by it.
+the held-out prompts are decoded again with the learned state (no learning; held-out
+generations never join the lookup history, so the second pass cannot look up the first's output). ``ar`` is measured once (it does not change) and both speedups divide by it.
 Greedy outputs after training are compared with ``ar``'s token by token.
 
 Acceptance depends on how long the drafter drafts: a drafter that learned to draft longer runs
@@ -82,7 +82,7 @@ def evaluate(session: DeviceSession, prompts: list[str], config: GenerationConfi
         if ar_decoder is not None:
             _, ids = session.engine.prompt_ids(prompt)
             ar.add(ar_decoder.generate(ids, config))
-        phase.add(session.generate(prompt, config, learn=False, explore=False))
+        phase.add(session.generate(prompt, config, learn=False))
     return phase
 
 
@@ -98,10 +98,10 @@ def evaluate_fixed_k(session: DeviceSession, prompts: list[str], config: Generat
     fixed = replace(config, draft_stop="confidence", confidence=0.0, k_max=k)
     phase = Phase()
     vocab = session.engine.target.logit_rows
-    live = session.decoder(gamma=None) if recordings is None else None  # without gamma the head is not used
+    live = session.decoder() if recordings is None else None
     for i, prompt in enumerate(tqdm(prompts, desc=label, unit="prompt", leave=False, disable=label is None)):
         text, ids = session.engine.prompt_ids(prompt)
-        decoder = live or session.decoder(gamma=None, target=RecordedTarget(ids + recordings[i], vocab))
+        decoder = live or session.decoder(target=RecordedTarget(ids + recordings[i], vocab))
         phase.add(decoder.generate(text, ids, fixed))
     summary = phase.summary()
     return {"k": k, "acceptance_rate": summary["acceptance_rate"],
@@ -155,8 +155,10 @@ def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConf
         "train_prompts": len(train), "heldout_prompts": len(test), "train_wall_s": train_s,
         "update_seconds_mean": sum(update_s) / len(update_s) if update_s else None,
         "identical_to_ar_after": identical,
-        "gamma": session.tuner.best() if session.head is not None and session.head.ready else None,
-        "gamma_history": session.tuner.state(),
+        "speed_after_over_before": (after.summary()["tokens_per_s"] / before.summary()["tokens_per_s"]
+                                    if before.summary()["tokens_per_s"] else None),
+        "throughput_rule": session.rule.state() if session.rule is not None else None,
+        "profile_check": session.engine.check_profile(),
         "problems": session.problems,
     }
 
@@ -176,6 +178,8 @@ def format_table(report: dict) -> str:
                          f"{fk['tokens_per_target_call']:.2f}", "-", "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    if report.get("speed_after_over_before"):
+        lines.append(f"held-out tok/s after / before: {report['speed_after_over_before']:.3f}")
     lines.append(f"held-out prompts: {report['heldout_prompts']}, trained on {report['train_prompts']}; "
                  f"{len(report['updates'])} updates, "
                  + (f"{report['update_seconds_mean']:.2f} s per update; " if report["update_seconds_mean"] else "")

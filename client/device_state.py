@@ -5,7 +5,9 @@ One directory per pair, ``<root>/<drafter>--<target>/``:
 * ``adapter.safetensors``: the target's LoRA adapter (peft tensor names, adapter name removed);
 * ``head.safetensors``: the acceptance head;
 * ``ngram_cache.pb``: the n-gram cache (``omnidraft.v1.NgramCache``);
-* ``state.json``: versions, LoRA settings, counters, the gamma tuner's history, and the sha256
+* ``lookup_history.safetensors``: the device's recent prompts and outputs as target ids, which
+  model-free drafts are looked up in (``omnidraft.shared.lookup_drafts``; never sent);
+* ``state.json``: versions, LoRA settings, counters, the throughput rule's calibration, and the sha256
   and size of each file above. It is written last, so it names a consistent set of files.
 
 Every file is written atomically (temporary file, fsync, rename). On load, a file that is
@@ -39,6 +41,7 @@ FORMAT_VERSION = 1
 ADAPTER_FILE = "adapter.safetensors"
 HEAD_FILE = "head.safetensors"
 CACHE_FILE = "ngram_cache.pb"
+LOOKUP_FILE = "lookup_history.safetensors"
 MANIFEST_FILE = "state.json"
 
 
@@ -59,6 +62,7 @@ class LoadedState:
     adapter: dict[str, torch.Tensor] | None = None
     head: dict[str, torch.Tensor] | None = None
     cache: NgramCache | None = None
+    lookup: torch.Tensor | None = None  # the lookup history's ids
     meta: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -110,7 +114,8 @@ class DeviceState:
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
-             cache: NgramCache, meta: dict, *, if_unchanged: bool = False) -> bool:
+             cache: NgramCache, meta: dict, *, lookup: torch.Tensor | None = None,
+             if_unchanged: bool = False) -> bool:
         """Write every part atomically, then the manifest naming their checksums; with
         ``if_unchanged``, write nothing and return False when another process saved since this
         one last loaded or saved (``changed_on_disk``)."""
@@ -118,15 +123,17 @@ class DeviceState:
         with file_lock(self.lock):
             if if_unchanged and self._manifest_digest() != self.seen:
                 return False
-            self._write(adapter, head, cache, meta)
+            self._write(adapter, head, cache, meta, lookup)
             self.seen = self._manifest_digest()
         return True
 
     def _write(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
-               cache: NgramCache, meta: dict) -> None:
+               cache: NgramCache, meta: dict, lookup: torch.Tensor | None) -> None:
         blobs = {ADAPTER_FILE: save_safetensors(adapter), CACHE_FILE: cache.to_bytes()}
         if head is not None:
             blobs[HEAD_FILE] = save_safetensors(head)
+        if lookup is not None:
+            blobs[LOOKUP_FILE] = save_safetensors({"ids": lookup})
         files = {}
         for name, data in blobs.items():
             data = self._seal(name, data)
@@ -168,18 +175,19 @@ class DeviceState:
         except FileNotFoundError:
             if any(self.dir.iterdir()):
                 self._problem(out, MANIFEST_FILE, "missing (the parts cannot be checked)")
-                for name in (ADAPTER_FILE, HEAD_FILE, CACHE_FILE):
+                for name in (ADAPTER_FILE, HEAD_FILE, CACHE_FILE, LOOKUP_FILE):
                     self._set_aside(self.dir / name)
             return out
         except (OSError, ValueError) as exc:
             self._problem(out, MANIFEST_FILE, f"unreadable ({exc})")
-            for name in (MANIFEST_FILE, ADAPTER_FILE, HEAD_FILE, CACHE_FILE):
+            for name in (MANIFEST_FILE, ADAPTER_FILE, HEAD_FILE, CACHE_FILE, LOOKUP_FILE):
                 self._set_aside(self.dir / name)
             return out
         out.meta = meta
         out.adapter = self._read(out, files, ADAPTER_FILE, load_safetensors)
         out.head = self._read(out, files, HEAD_FILE, load_safetensors)
         out.cache = self._read(out, files, CACHE_FILE, lambda b: NgramCache.from_bytes(b, **cache_kwargs))
+        out.lookup = self._read(out, files, LOOKUP_FILE, _lookup_ids)
         return out
 
     def _read(self, out: LoadedState, files: dict, name: str, parse):
@@ -216,3 +224,12 @@ class DeviceState:
     def _set_aside(path: Path) -> None:
         if path.exists():
             path.rename(path.with_name(f"{path.name}.corrupt-{int(time.time() * 1000)}"))
+
+
+def _lookup_ids(data: bytes) -> torch.Tensor:
+    """The lookup history's ids from its safetensors bytes (ValueError when malformed)."""
+    tensors = load_safetensors(data)
+    ids = tensors.get("ids")
+    if ids is None or set(tensors) != {"ids"}:
+        raise ValueError("expected exactly one tensor 'ids'")
+    return ids

@@ -139,7 +139,6 @@ class DeviceProfile:
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=32))
     online: OnlineConfig = field(default_factory=lambda: OnlineConfig(interval=4))
     translate: str = "ngram"
-    gamma: float | None = None  # the acceptance head's fixed stop threshold (None: tuned online)
     joins_at_round: int = 1  # the device is not part of the fleet before this round
     probe: bool = False
     offers: dict[str, str] = field(default_factory=dict)
@@ -364,10 +363,10 @@ class FleetDevice:
         adapters.reset(local)  # nothing of the previous device in this process
         session = DeviceSession(engine, target_name=local, state_dir=self.dir,
                                 adapters=adapters, lora=adapters.spec, online=self.profile.online,
-                                translate=self.profile.translate, state_key=self.profile.state_key or None,
-                                gamma=self.profile.gamma)
+                                translate=self.profile.translate, state_key=self.profile.state_key or None)
         if manifest is not None:
             adapters.load_state_dict(local, self.global_adapter())
+            session.drafter_changed()
             meta = self._fleet_meta()
             if meta.get("cache-merged") != manifest.cache_sha256:
                 session.cache.merge(NgramCache.from_bytes((self.global_dir / "cache.pb").read_bytes()))
@@ -500,7 +499,7 @@ class FleetDevice:
             ar_tps = sum(r["tokens"] for r in runs) / max(sum(r["s"] for r in runs), 1e-9)
         phase = Phase()
         for prompt in p.heldout[:n]:
-            phase.add(session.generate(prompt, p.generation, learn=False, explore=False))
+            phase.add(session.generate(prompt, p.generation, learn=False))
         out = phase.summary(ar_tps)
         return {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
                 "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,

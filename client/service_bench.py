@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         texts_equal = True
         for prompt in prompts:
             t0 = time.perf_counter()
-            local = session.generate(prompt, config, learn=False, explore=False)
+            local = session.generate(prompt, config, learn=False)
             times["in-process"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             reply = stub.Generate(request(prompt), timeout=600)

@@ -2,10 +2,12 @@
 
 ``DeviceSession`` ties together the engine (drafter + target), the target's LoRA adapter
 (``DrafterAdapters``: one per target on the same drafter; several sessions may share one),
-the acceptance head with its gamma tuner, the n-gram cache, the online learner and the state
-directory. ``generate`` decodes with the current adapter/head and, when learning, hands the
-generation's training sample to the learner *after* the generation returned (updates run
-between requests). ``save``/``load`` persist everything (``DeviceState``).
+the acceptance head, the n-gram cache, the model-free lookup history, the throughput rule, the
+online learner and the state directory. ``generate`` decodes with the current adapter/head and,
+when learning, hands the generation's training sample to the learner *after* the generation
+returned (updates run between requests). Whenever the drafter changes (an update, a loaded
+state) the throughput rule re-fits (``ThroughputRule.drafter_changed``). ``save``/``load``
+persist everything (``DeviceState``).
 """
 
 from __future__ import annotations
@@ -16,32 +18,34 @@ import torch
 
 from omnidraft.client.device_state import DeviceState
 from omnidraft.client.online_learner import OnlineConfig, OnlineLearner, UpdateReport
-from omnidraft.shared.acceptance_head import AcceptanceHead, GammaTuner
+from omnidraft.shared.acceptance_head import AcceptanceHead
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.decoding import CrossVocabDecoder
-from omnidraft.shared.draft_policy import CostAwareStop
+from omnidraft.shared.draft_policy import ThroughputRule
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig, GenerationResult
+from omnidraft.shared.lookup_drafts import lookup_drafter
 from omnidraft.shared.training_signal import Intersection, SignalRecorder
 
 
 class DeviceSession:
     """One (drafter, target) pair on a device (see the module docstring).
 
-    ``learn``: train the adapter online; ``adaptive``: train and use the acceptance head (the
-    draft-stopping rule of ``config.draft_stop`` drafts until the head has trained); ``translate``: the proposal translator;
-    ``heal``: token healing when drafting (``omnidraft.shared.token_healing``);
+    ``learn``: train the adapter online; ``adaptive``: train the acceptance head and, once it
+    has trained, feed its predicted acceptance to the throughput rule; ``translate``: the
+    proposal translator; ``heal``: token healing when drafting (``omnidraft.shared.token_healing``);
     ``grow_cache``: add committed n-grams to the cache (off: the cache stays as loaded);
+    ``lookup``: model-free drafts from this generation and the device's history (``history``),
+    this generation only (``context``) or none (``off``);
     ``state_key``: a key file (created if missing, outside ``state_dir``) that encrypts the
-    state at rest (``client.state_key``). ``gamma``: a fixed stop threshold for the acceptance
-    head (None: the ``GammaTuner`` picks it online from measured tokens per second).
+    state at rest (``client.state_key``).
     """
 
     def __init__(self, engine: Engine, *, target_name: str | None = None, state_dir=None,
                  adapters: DrafterAdapters | None = None, lora: LoraSpec = LoraSpec(),
                  online: OnlineConfig | None = None, translate: str = "text",
                  learn: bool = True, adaptive: bool = True, grow_cache: bool = True,
-                 state_key=None, gamma: float | None = None, heal: bool = True) -> None:
+                 state_key=None, heal: bool = True, lookup: str = "history") -> None:
         self.engine = engine
         self.target = target_name or str(engine.target.path)
         self.drafter_name = engine.drafter_name
@@ -57,9 +61,7 @@ class DeviceSession:
         self.inter = Intersection(engine.bridge, engine.drafter.logit_rows)
         hidden = engine.drafter.model.config.hidden_size
         self.head = AcceptanceHead(hidden) if adaptive else None
-        # the acceptance head's stop threshold: tuned online from measured tokens per second, or
-        # fixed (a run that must be reproducible cannot depend on wall-clock time)
-        self.tuner = GammaTuner() if gamma is None else GammaTuner(candidates=(float(gamma),))
+        self.lookup = lookup_drafter(lookup)
         config = online or OnlineConfig()
         if not adaptive:
             config = replace(config, head=False)
@@ -72,8 +74,9 @@ class DeviceSession:
         self.state = DeviceState(state_dir, self.drafter_name, self.target, cipher) if state_dir is not None else None
         self.problems: list[str] = []
         self.last_update: UpdateReport | None = None  # set when a generation triggered an update
-        self.stopper: CostAwareStop | None = None  # this device's cost-aware draft stopping
-        self._saved_stop: dict | None = None  # its saved calibration, applied when it is built
+        self.rule: ThroughputRule | None = None  # this device's throughput rule (built on first use)
+        self._saved_rule: dict | None = None  # its saved calibration, applied when it is built
+        self._refit_pending = False  # the drafter changed after that calibration was saved
         if self.state is not None:
             self.load()
 
@@ -82,45 +85,44 @@ class DeviceSession:
         return self.engine.cache
 
     # -- decoding -------------------------------------------------------------------------------
-    def decoder(self, gamma: float | None = None, target=None) -> CrossVocabDecoder:
-        """A decoder with the current adapter (merged into the drafting runner); with ``gamma``
-        the trained acceptance head decides the draft length, else ``config.draft_stop``'s rule
-        (cost-aware by default). ``target``: a runner that stands in for the engine's target
+    def decoder(self, target=None) -> CrossVocabDecoder:
+        """A decoder with the current adapter (merged into the drafting runner), the device's
+        throughput rule (fed by the acceptance head once it has trained) and its model-free
+        lookups. ``target``: a runner that stands in for the engine's target
         (``RecordedTarget``)."""
         self.adapters.activate(self.target)
         e = self.engine
-        head = self.head if gamma is not None and self.head is not None and self.head.ready else None
+        head = self.head if self.head is not None and self.head.ready else None
         runner = self.adapters.runner()
-        if self.stopper is None:
-            self.stopper = CostAwareStop(e.cost_profile(runner))
-            if self._saved_stop:
+        if self.rule is None:
+            self.rule = ThroughputRule(e.cost_profile(runner))
+            if self._saved_rule:
                 try:
-                    self.stopper.load_calibration(self._saved_stop)
+                    self.rule.load_calibration(self._saved_rule)
                 except ValueError as exc:
-                    self.problems.append(f"{exc}: draft stopping starts uncalibrated")
+                    self.problems.append(f"{exc}: the throughput rule starts uncalibrated")
+            if self._refit_pending:
+                self.rule.drafter_changed()
+                self._refit_pending = False
         return CrossVocabDecoder(runner, e.drafter.tokenizer, target or e.target_runner, e.bridge,
                                  e.cache, expand_map=e.expand_map, translate=self.translate,
                                  target_tokenizer=e.target.tokenizer, head=head,
-                                 gamma=0.5 if gamma is None else gamma, grow_cache=self.grow_cache,
-                                 stopper=self.stopper, heal=self.heal)
+                                 grow_cache=self.grow_cache, rule=self.rule, lookup=self.lookup,
+                                 heal=self.heal, timings=e.timings if target is None else None)
 
     @torch.inference_mode(False)
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
-                 learn: bool | None = None, explore: bool = True, observe: bool = True,
-                 on_tokens=None) -> GenerationResult:
+                 learn: bool | None = None, observe: bool = True, on_tokens=None) -> GenerationResult:
         """Decode ``prompt``; when learning, feed the learner afterwards (``last_update`` says
-        whether that triggered a drafter update), unless ``observe`` is False: then the result
-        carries the training sample for a later ``learn_from``. ``explore`` lets the gamma tuner
-        try thresholds; without it the best one so far is used. ``on_tokens(ids)`` streams the
-        committed ids."""
+        whether that triggered a drafter update) and add the prompt and output to the lookup
+        history, unless ``observe`` is False: then the result carries the training sample for a
+        later ``learn_from``. Without learning the generation leaves no trace (an evaluation).
+        ``on_tokens(ids)`` streams the committed ids."""
         learn = self.learn if learn is None else learn
-        head_on = self.head is not None and self.head.ready
-        gamma = (self.tuner.choose() if explore else self.tuner.best()) if head_on else None
         text, ids = self.engine.prompt_ids(prompt, chat)
         recorder = SignalRecorder(self.inter) if learn else None
-        result = self.decoder(gamma).generate(text, ids, config, recorder=recorder, on_tokens=on_tokens)
-        if head_on and result.stats.tokens_per_s:
-            self.tuner.record(gamma, result.stats.tokens_per_s)
+        result = self.decoder().generate(text, ids, config, recorder=recorder, on_tokens=on_tokens,
+                                         remember=learn)
         self.last_update = self.learn_from(result) if learn and observe else None
         return result
 
@@ -129,7 +131,18 @@ class DeviceSession:
         ``interval`` samples); returns the update's report, if one ran."""
         if result.training_sample is None:
             return None
-        return self.learner.observe(result.training_sample)
+        report = self.learner.observe(result.training_sample)
+        if report is not None:
+            self.drafter_changed()
+        return report
+
+    def drafter_changed(self) -> None:
+        """The adapter changed (an update, a received global state, another process's save):
+        the rule re-fits (now, or when it is built from a calibration saved before the change)."""
+        if self.rule is not None:
+            self.rule.drafter_changed()
+        else:
+            self._refit_pending = True
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self, *, if_unchanged: bool = False) -> bool:
@@ -141,10 +154,10 @@ class DeviceSession:
         meta = {"lora": self.adapters.spec.as_dict(), "updates": self.learner.updates,
                 "prompts_seen": self.learner.prompts_seen,
                 "head_steps": self.head.trained_steps if self.head is not None else 0,
-                "gamma_history": self.tuner.state(),
-                "draft_stop": self.stopper.calibration() if self.stopper is not None else self._saved_stop}
+                "throughput_rule": self.rule.calibration() if self.rule is not None else self._saved_rule}
+        lookup = self.lookup.history_tensor() if self.lookup is not None else None
         return self.state.save(self.adapters.state_dict(self.target), head, self.engine.cache, meta,
-                               if_unchanged=if_unchanged)
+                               lookup=lookup, if_unchanged=if_unchanged)
 
     def refresh(self) -> bool:
         """Load the state again if another process (a federated round on this device) saved it
@@ -175,8 +188,15 @@ class DeviceSession:
         if loaded.adapter is not None:
             try:
                 self.adapters.load_state_dict(self.target, loaded.adapter)
+                if self.rule is not None:  # a running session adopts another process's adapter
+                    self.rule.drafter_changed()
             except ValueError as exc:
                 self.problems.append(f"saved adapter ignored: {exc}")
+        if loaded.lookup is not None and self.lookup is not None:
+            try:
+                self.lookup.load_history(loaded.lookup, self.engine.target.logit_rows)
+            except ValueError as exc:
+                self.problems.append(f"saved lookup history ignored: {exc}")
         if loaded.head is not None and self.head is not None:
             try:
                 self.head.load_state_dict(loaded.head)
@@ -188,5 +208,4 @@ class DeviceSession:
         if meta:
             self.learner.updates = int(meta.get("updates", 0))
             self.learner.prompts_seen = int(meta.get("prompts_seen", 0))
-            self.tuner.load_state(meta.get("gamma_history", {}))
-            self._saved_stop = meta.get("draft_stop")
+            self._saved_rule = meta.get("throughput_rule")  # applied when the rule is built

@@ -63,9 +63,14 @@ def _build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-new-tokens", type=int, default=128)
         sp.add_argument("--k-max", type=int, default=10, help="most drafter tokens per round")
         sp.add_argument("--draft-stop", default="auto", choices=["auto", "cost", "confidence"],
-                        help="when drafting stops: cost = most expected tokens per second from this "
-                             "machine's measured costs and the measured acceptance; confidence = the "
+                        help="what each round drafts: cost = the throughput rule (a plain target step, a "
+                             "model-free draft from the device's own text or a drafter draft, whichever "
+                             "commits the most tokens per second by this machine's cached costs and the "
+                             "counted acceptance); confidence = always the drafter, stopping under the "
                              "--confidence threshold; auto = cost (confidence where no profile exists)")
+        sp.add_argument("--lookup", default="history", choices=["history", "context", "off"],
+                        help="model-free drafts looked up in this generation and the device's recent "
+                             "ones (history, default), this generation only (context), or none (off)")
         sp.add_argument("--confidence", type=float, default=0.4,
                         help="with --draft-stop confidence: stop drafting when the drafter's top "
                              "probability falls below this")
@@ -91,15 +96,15 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the target's chat template")
     gen.add_argument("--json", action="store_true")
 
-    bench = sub.add_parser("bench", help="compare ar, uag, pld and omnidraft on a dataset")
+    bench = sub.add_parser("bench", help="compare ar, uag, pld, omnidraft, llamacpp and llamacpp-pld on a dataset")
     pair(bench)
-    bench.add_argument("--dataset", required=True, help="humaneval or a JSONL file with a 'prompt' field")
+    bench.add_argument("--dataset", required=True, help="humaneval, pydoc, codebase:<package> (function heads of an installed package) or a JSONL file with a 'prompt' field")
     bench.add_argument("--limit", type=int, default=None)
     bench.add_argument("--methods", default="ar,uag,pld,omnidraft")
     bench.add_argument("--out", default=None, help="write the JSON report here")
     adapt = sub.add_parser("adapt", help="learn online on a prompt stream; held-out speed before/after")
     pair(adapt)
-    adapt.add_argument("--dataset", required=True, help="humaneval or a JSONL file with a 'prompt' field")
+    adapt.add_argument("--dataset", required=True, help="humaneval, pydoc, codebase:<package> (function heads of an installed package) or a JSONL file with a 'prompt' field")
     adapt.add_argument("--limit", type=int, default=None)
     adapt.add_argument("--train-fraction", type=float, default=0.8)
     adapt.add_argument("--out", default=None, help="write the JSON report here")
@@ -395,15 +400,16 @@ def _profile(args) -> int:
     engine = Engine.load(args.drafter, args.target, auto["chosen"] if auto else args.dtype,
                          drafter_weights=args.drafter_weights)
     target = engine.target_runner
-    target_ms = profiling.target_costs(target, engine.target.path, engine.precision, runner_backend(target),
-                                       blocks=blocks, refresh=args.refresh)
-    drafter_ms = profiling.drafter_cost(engine.drafter_runner, engine.drafter.path,
-                                        runner_backend(engine.drafter_runner), refresh=args.refresh)
+    profile = engine.cost_profile(refresh=args.refresh)
+    target_ms = profile.target_ms
+    if args.blocks is not None:  # other block sizes than the profile's: measured (cached) on their own
+        target_ms = profiling.target_costs(target, engine.target.path, engine.precision, runner_backend(target),
+                                           blocks=blocks, refresh=args.refresh)
     report = {"cpu": profiling.cpu_name(), "cpu_capability": profiling.machine_fingerprint()["capability"],
               "threads": profiling.machine_fingerprint()["threads"], "dtype": engine.precision,
               "target_backend": runner_backend(target), "drafter_backend": runner_backend(engine.drafter_runner),
               "target_ms": {str(b): round(ms, 3) for b, ms in target_ms.items()},
-              "drafter_ms_per_token": round(drafter_ms, 3), "auto": auto}
+              **{k: v for k, v in profile.to_dict().items() if k != "target_ms"}, "auto": auto}
     if args.json:
         print(json.dumps(report))
         return 0
@@ -414,7 +420,10 @@ def _profile(args) -> int:
     print(f"target {engine.precision} ({report['target_backend']}):")
     for b, ms in target_ms.items():
         print(f"  forward of {b:>3} new tokens: {ms:8.1f} ms  ({ms / b:6.1f} ms/token)")
-    print(f"drafter step ({report['drafter_backend']}): {drafter_ms:.2f} ms/token")
+    print(f"drafter ({report['drafter_backend']}): step {profile.drafter_ms_per_token:.2f} ms; feeding "
+          + ", ".join(f"{b} tokens {ms:.1f} ms" for b, ms in profile.drafter_block_ms.items()))
+    print(f"work outside the forwards: {profile.round_overhead_ms:.2f} ms per drafter round, "
+          f"{profile.step_overhead_ms:.2f} ms per plain or model-free round")
     return 0
 
 
@@ -458,9 +467,12 @@ def _config(args):
 
 def _engine(args):
     from omnidraft.shared.engine import Engine
+    from omnidraft.shared.lookup_drafts import lookup_drafter
 
-    return Engine.load(args.drafter, args.target, args.dtype,
-                       drafter_weights=args.drafter_weights, seed_cache=args.seed_cache)
+    engine = Engine.load(args.drafter, args.target, args.dtype,
+                         drafter_weights=args.drafter_weights, seed_cache=args.seed_cache)
+    engine.lookup = lookup_drafter(args.lookup)
+    return engine
 
 
 def _session(args, engine, **kwargs):
@@ -468,7 +480,8 @@ def _session(args, engine, **kwargs):
     from omnidraft.client.session import DeviceSession
 
     session = DeviceSession(engine, target_name=args.target, state_dir=args.state_dir,
-                            translate=args.translate, state_key=getattr(args, "state_key", None), **kwargs)
+                            translate=args.translate, state_key=getattr(args, "state_key", None),
+                            lookup=args.lookup, **kwargs)
     for problem in session.problems:
         print(f"warning: {problem}", file=sys.stderr)
     return session
@@ -480,7 +493,7 @@ def _generate(args) -> int:
         raise UsageError("omnidraft generate: --prompt must not be empty")
     engine = _engine(args)
     if args.state_dir and args.method == "omnidraft":
-        result = _session(args, engine).generate(args.prompt, config, chat=args.chat, learn=False, explore=False)
+        result = _session(args, engine).generate(args.prompt, config, chat=args.chat, learn=False)
     else:
         result = engine.generate(args.prompt, config, method=args.method, chat=args.chat,
                                  translate=args.translate)
@@ -505,11 +518,12 @@ def _bench(args) -> int:
     if unknown or not methods:
         raise UsageError(f"omnidraft bench: unknown method(s) {', '.join(unknown) or '(none)'}; "
                          f"choose from {', '.join(bench.METHODS)}")
-    if "llamacpp" in methods and args.target not in catalog.CATALOG:
-        raise UsageError("omnidraft bench: the llamacpp method needs a catalog target (it runs the catalog's GGUF file)")
-    if "llamacpp" in methods and bench.llamacpp_missing():
-        print(f"note: skipping llamacpp: {bench.llamacpp_missing()}", file=sys.stderr)
-        methods.remove("llamacpp")
+    llama = [m for m in methods if m in bench.LLAMACPP_METHODS]
+    if llama and args.target not in catalog.CATALOG:
+        raise UsageError(f"omnidraft bench: {llama[0]} needs a catalog target (it runs the catalog's GGUF file)")
+    if llama and bench.llamacpp_missing():
+        print(f"note: skipping {', '.join(llama)}: {bench.llamacpp_missing()}", file=sys.stderr)
+        methods = [m for m in methods if m not in llama]
         if not methods:
             raise UsageError("omnidraft bench: no method left to run")
     if args.limit is not None and args.limit < 1:

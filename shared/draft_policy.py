@@ -1,151 +1,292 @@
-"""When to stop drafting: maximize expected committed tokens per unit of time.
+"""One throughput rule: what each round drafts, chosen for the most committed tokens per second.
 
-``CostAwareStop`` replaces a fixed confidence threshold with the machine's measured costs
-(``omnidraft.shared.profiling.CostProfile``) and the acceptance measured online.
+Every round of speculative decoding picks one of three things (``ThroughputRule.plan``):
 
-After the drafter has proposed ``n`` tokens with confidences ``c_1..c_n`` (its top
-probability), with ``a(c)`` the calibrated probability that a drafted token is accepted given
-that the ones before it were, ``P_i = a(c_1)...a(c_i)`` and ``r`` the target tokens per drafter
-token (measured), a verification now commits in expectation
+- **a plain target step** (draft length zero): 1 token for ``T(1) + s`` ms;
+- **a model-free draft** of ``j`` target tokens (``omnidraft.shared.lookup_drafts``):
+  ``1 + a + a^2 + ... + a^j`` tokens expected for ``T(1 + j) + s`` ms, with ``a`` the measured
+  acceptance of lookups from that source (this generation / the device's history) and of that
+  match length; ``j`` is the best prefix of the looked-up continuation;
+- **a drafter draft**: expected at the rate of recent drafter rounds (a decayed ratio of the
+  tokens they committed to their modelled cost). Feeding the drafter the ``b`` tokens committed
+  since it last ran (``D(b)``) is not charged to the choice: it is paid once for all the drafter
+  rounds that follow (and the prompt is a prefill, like the target's). Once drafting, the
+  drafter stops token by token
+  (``keep_drafting``): after ``n`` tokens with acceptance estimates ``a_1..a_n`` and
+  ``P_i = a_1...a_i``, with ``r`` target tokens per drafter token (measured), a verification
+  commits in expectation ``E_n = 1 + r (P_1 + ... + P_n)`` tokens in
+  ``t_n = o + D(b) + n d + T(1 + r n)`` ms; drafting goes on while some ``j <= k_max - n`` more
+  tokens (expected at ``a_n`` each) raise ``E/t``.
 
-    E_n = 1 + r * (P_1 + ... + P_n)  target tokens   in   t_n = o + n * d + T(1 + r * n)  ms
+``T(block)``, ``d`` (a drafter step), ``D(block)``, ``o`` and ``s`` (the fixed work of a drafter
+round, and of a plain or model-free round, outside the forward passes) come from the machine's
+cached ``CostProfile``; acceptance comes from counts.
+No wall-clock time taken while decoding enters a decision, so a run is reproducible given its
+inputs and the profile.
 
-(``d`` the drafter's ms per token, ``T(b)`` the target's ms for a block of ``b`` tokens). The
-next tokens are expected to be accepted with ``a(c_n)`` each (their confidences are not known
-before paying for them): ``j`` more give ``E_{n+j} = E_n + r * P_n * (a + ... + a^j)`` in
-``t_{n+j} = t_n + j d + T(1 + r(n+j)) - T(1 + r n)``. Drafting continues while some
-``j <= k_max - n`` gives ``E_{n+j} / t_{n+j} > E_n / t_n`` (looking further than one token
-keeps a bump in the measured block costs from stopping a draft that would pay two tokens on).
-On a machine where verifying 16 tokens costs what one does, it drafts long; where the block
-cost grows steeply (bf16 emulated on AVX2), it drafts short.
+The per-token acceptance estimate ``a`` of a drafted token is calibrated per bucket of a
+feature: the drafter's confidence (its top probability), or, once the device's acceptance head
+has trained, the head's predicted acceptance (a separate table; the head feeds this rule and no
+fixed threshold overrides it). Buckets start from the prior ``a(f) = f`` worth ``PRIOR_WEIGHT``
+observations. A drafted token counts as accepted when the target accepted every byte of its
+text; tokens after the first rejection are not observed.
 
-A round also pays fixed work outside those two forwards (re-feeding the drafter the committed
-tokens, translation, logits masking, bookkeeping): its cost ``o`` is learned as the measured
-round time minus the modelled one (an exponential average) and added to every ``t_n``; a fixed
-cost per round favours longer drafts. ``d`` starts at the profile's drafter step and follows the drafter steps timed during decoding
-(an exponential average: a step in the decoder also pays Python and logits work the profile's
-bare forward does not). ``a(c)`` is calibrated per confidence bucket (10 buckets on [0, 1]) from what verification
-accepted, starting from the prior ``a(c) = c`` worth ``PRIOR_WEIGHT`` observations. A drafted
-token counts as accepted when the target accepted every byte of its text; tokens after the first
-rejection are not observed (their conditional acceptance is unknown).
+**Never slower than the target alone.** The plain step is always a candidate, so when drafter
+rounds stop paying (their measured rate falls below ``1 / (T(1) + s)``) they stop being chosen:
+speculation pauses. After ``RETRY_ROUNDS`` plain rounds in a row one drafter round is tried
+again, so a pause costs at most one unpaid drafter round in ``RETRY_ROUNDS``.
+
+**Following the drafter as it learns.** ``drafter_changed()`` (a local update, a global state
+received, another adapter) keeps only ``REFIT_KEEP`` of the drafter's evidence (acceptance per
+bucket, at most ``REFIT_CAP`` observations each; the rate of its rounds) and retries it at the next plain round, so the rule re-fits within a
+few rounds instead of averaging over drafters that no longer exist. Model-free acceptance does
+not depend on the drafter and is kept. Even without a change, a bucket keeps at most
+``MAX_EVIDENCE`` observations' worth (older ones fade), so a slow drift is followed too.
 """
 
 from __future__ import annotations
-
-import time
 
 from omnidraft.shared.profiling import CostProfile
 
 BUCKETS = 10
 PRIOR_WEIGHT = 4.0
+RATE_DECAY = 0.97  # weight of the previous drafter rounds in the drafter's rate, per round
+REFIT_KEEP = 0.25  # share of the drafter's evidence kept when the drafter changes ...
+REFIT_CAP = 8.0  # ... and at most this many observations per bucket
+MAX_EVIDENCE = 256.0  # observations per bucket beyond which older ones fade (a slow drift is followed)
+RETRY_ROUNDS = 16  # plain rounds in a row after which the drafter is tried again
+PRIOR_ROUNDS = 2.0  # the drafter's rate starts from this many rounds' worth of a prior
+LOOKUP_MATCH_MAX = 8  # match lengths above this share one acceptance cell
+CALIBRATION_VERSION = 2
+PLAIN, LOOKUP, DRAFTER = "target", "lookup", "drafter"
 
 
-class CostAwareStop:
-    """Cost-aware stopping for one drafter/target pair (keeps its calibration across calls)."""
+class AcceptanceTable:
+    """``P(accepted | bucket)`` as counts on top of a prior worth ``weight`` observations."""
+
+    def __init__(self, prior: list[float], weight: float = PRIOR_WEIGHT) -> None:
+        self.prior = list(prior)
+        self.weight = weight
+        self.accepted = [0.0] * len(prior)
+        self.seen = [0.0] * len(prior)
+
+    def rate(self, bucket: int) -> float:
+        return ((self.weight * self.prior[bucket] + self.accepted[bucket])
+                / (self.weight + self.seen[bucket]))
+
+    def count(self, bucket: int, accepted: bool) -> None:
+        if self.seen[bucket] >= MAX_EVIDENCE:
+            keep = (MAX_EVIDENCE - 1.0) / self.seen[bucket]
+            self.seen[bucket] *= keep
+            self.accepted[bucket] *= keep
+        self.seen[bucket] += 1.0
+        self.accepted[bucket] += 1.0 if accepted else 0.0
+
+    def decay(self, keep: float, cap: float = float("inf")) -> None:
+        """Keep ``keep`` of each bucket's evidence, and at most ``cap`` observations of it (the
+        prior stays whole)."""
+        for b, seen in enumerate(self.seen):
+            scale = min(keep, cap / seen) if seen > 0 else 0.0
+            self.seen[b] *= scale
+            self.accepted[b] *= scale
+
+    def observations(self) -> float:
+        return sum(self.seen)
+
+    def to_dict(self) -> dict:
+        return {"accepted": self.accepted, "seen": self.seen}
+
+    def load(self, saved: dict) -> None:
+        accepted = [float(x) for x in saved["accepted"]]
+        seen = [float(x) for x in saved["seen"]]
+        if len(accepted) != len(self.prior) or len(seen) != len(self.prior) or min(seen, default=0) < 0:
+            raise ValueError("saved acceptance table does not fit")
+        self.accepted, self.seen = accepted, seen
+
+
+def _confidence_prior() -> list[float]:
+    return [(b + 0.5) / BUCKETS for b in range(BUCKETS)]
+
+
+def bucket_of(feature: float) -> int:
+    """The calibration bucket of a confidence or predicted acceptance in [0, 1]."""
+    return min(max(int(feature * BUCKETS), 0), BUCKETS - 1)
+
+
+class ThroughputRule:
+    """The throughput rule of one (drafter, target) pair on one machine (module docstring)."""
 
     def __init__(self, profile: CostProfile, max_block: int = 64) -> None:
         self.profile = profile
         self.drafter_ms = profile.drafter_ms_per_token
-        self.accepted = [PRIOR_WEIGHT * (b + 0.5) / BUCKETS for b in range(BUCKETS)]
-        self.seen = [PRIOR_WEIGHT] * BUCKETS
-        self.target_per_draft = 1.0  # measured ratio r (target tokens per drafter token)
-        self.overhead_ms = 0.0  # measured fixed cost per round o
-        self._last_round: float | None = None
-        self._drafted = 0
-        self._proposed = 0
-        # T(1 + r n) is looked up per drafted token: precompute on a grid of block sizes
+        self.overhead_ms = profile.round_overhead_ms  # o of a drafter round
+        self.step_overhead_ms = profile.step_overhead_ms  # o of a plain or model-free round
+        # per-token acceptance of drafted tokens, by the drafter's confidence or the head's output
+        self.tables = {"confidence": AcceptanceTable(_confidence_prior()),
+                       "head": AcceptanceTable(_confidence_prior())}
+        # model-free drafts: per source, by match length (1..LOOKUP_MATCH_MAX); flat prior 0.5
+        self.lookup = {source: AcceptanceTable([0.5] * LOOKUP_MATCH_MAX, weight=2.0)
+                       for source in ("context", "history")}
+        self.target_per_draft = 1.0  # r: target tokens per drafter token (measured)
+        self._drafted = 0.0
+        self._proposed = 0.0
+        # the drafter's rate: decayed committed tokens and modelled ms (catch-up feeding excluded)
+        # of drafter rounds, starting from PRIOR_ROUNDS rounds of 2 drafted tokens accepted at
+        # even odds (one unlucky first round does not pause the drafter)
+        prior_tokens = 1.0 + 0.5 + 0.25
+        prior_ms = self.overhead_ms + 2 * self.drafter_ms + profile.target_cost(3)
+        self._rate_tokens = PRIOR_ROUNDS * prior_tokens
+        self._rate_ms = PRIOR_ROUNDS * prior_ms
+        self.plain_streak = 0  # plain rounds since the drafter last ran
+        self.rounds = {PLAIN: 0, LOOKUP: 0, DRAFTER: 0}
+        # T(block) is looked up per drafted token: precompute on a grid of block sizes
         self._cost = [profile.target_cost(1 + 0.25 * i) for i in range(4 * max_block + 1)]
         self._max = len(self._cost) - 1
         self.begin()
 
-    # -- per round ---------------------------------------------------------------------------
-    def begin(self, k_max: int = 16) -> None:
-        """Start a new drafting round of at most ``k_max`` drafter tokens."""
-        self._k_max = k_max
-        self._n = 0
-        self._p = 1.0       # P_n
-        self._e = 1.0       # E_n
-        self.confidences: list[float] = []
-
+    # -- costs -----------------------------------------------------------------------------------
     def _target_ms(self, block: float) -> float:
         i = min(int(round((block - 1) * 4)), self._max)
         return self._cost[i]
 
-    def calibrated(self, confidence: float) -> float:
-        """``a(c)``: the measured acceptance of tokens drafted with confidence ``c``."""
-        b = min(int(confidence * BUCKETS), BUCKETS - 1)
-        return self.accepted[b] / self.seen[b]
+    def plain_rate(self) -> float:
+        """Tokens per ms of the target alone, one step per token (the floor every plan beats)."""
+        return 1.0 / (self._target_ms(1) + self.step_overhead_ms)
 
-    def keep_drafting(self, confidence: float) -> bool:
-        """Record the token just drafted with ``confidence``; True to draft another one."""
-        self.confidences.append(confidence)
-        a = self.calibrated(confidence)
-        r, d = self.target_per_draft, self.drafter_ms
+    def drafter_rate(self) -> float:
+        """Expected tokens per ms of a drafter round: the decayed ratio of what recent drafter
+        rounds committed to their modelled cost (from a prior of ``PRIOR_ROUNDS`` rounds)."""
+        return self._rate_tokens / self._rate_ms
+
+    def lookup_acceptance(self, source: str, match: int) -> float:
+        return self.lookup[source].rate(min(match, LOOKUP_MATCH_MAX) - 1)
+
+    # -- the choice of a round -------------------------------------------------------------------
+    def plan(self, lookup=None, drafter: bool = True) -> tuple[str, int]:
+        """What this round drafts: ``("target", 0)`` (a plain step), ``("lookup", j)`` (the first
+        ``j`` tokens of ``lookup``, a ``LookupDraft``) or ``("drafter", 0)``. ``drafter``:
+        whether a drafter is usable."""
+        kind, n, best = PLAIN, 0, self.plain_rate()
+        if lookup is not None and lookup.ids:
+            a = self.lookup_acceptance(lookup.source, lookup.match)
+            expected, p = 1.0, 1.0
+            for j in range(1, len(lookup.ids) + 1):
+                p *= a
+                expected += p
+                rate = expected / (self._target_ms(1 + j) + self.step_overhead_ms)
+                if rate > best:
+                    kind, n, best = LOOKUP, j, rate
+        if drafter:
+            rate = self.drafter_rate()
+            if rate > best or (kind == PLAIN and self.plain_streak >= RETRY_ROUNDS):
+                kind, n = DRAFTER, 0
+        self.rounds[kind] += 1
+        self.plain_streak = 0 if kind == DRAFTER else self.plain_streak + (kind == PLAIN)
+        return kind, n
+
+    # -- a drafter round, token by token -----------------------------------------------------------
+    def begin(self, k_max: int = 16, feature: str = "confidence", refeed: int = 0) -> None:
+        """Start a drafter round of at most ``k_max`` drafter tokens whose acceptance is
+        estimated from ``feature`` (``confidence`` or ``head``), after feeding ``refeed`` tokens."""
+        self._k_max = k_max
+        self._table = self.tables[feature]
+        self._fixed_ms = self.overhead_ms + self.profile.drafter_block_cost(refeed)
+        self._n = 0
+        self._p = 1.0  # P_n
+        self._e = 1.0  # E_n
+        self.features: list[float] = []
+
+    def calibrated(self, feature: float, table: str = "confidence") -> float:
+        """``a(f)``: the measured acceptance of tokens drafted with feature value ``f``."""
+        return self.tables[table].rate(bucket_of(feature))
+
+    def keep_drafting(self, feature: float) -> bool:
+        """Record the token just drafted (its confidence or predicted acceptance); True to draft
+        another one."""
+        self.features.append(feature)
+        a = self._table.rate(bucket_of(feature))
+        r, d, fixed = self.target_per_draft, self.drafter_ms, self._fixed_ms
         n = self._n = self._n + 1
         self._p *= a
         self._e += r * self._p
-        o = self.overhead_ms
-        t_now = o + n * d + self._target_ms(1 + r * n)
+        t_now = fixed + n * d + self._target_ms(1 + r * n)
         e_more, p_more = self._e, self._p
         for j in range(1, self._k_max - n + 1):
             p_more *= a
             e_more += r * p_more
-            if e_more * t_now > self._e * (o + (n + j) * d + self._target_ms(1 + r * (n + j))):
+            if e_more * t_now > self._e * (fixed + (n + j) * d + self._target_ms(1 + r * (n + j))):
                 return True
         return False
 
-    def time_step(self, ms: float) -> None:
-        """Record the measured wall time of one drafter step (ms)."""
-        self.drafter_ms += 0.05 * (ms - self.drafter_ms)
-
-    def start_sequence(self) -> None:
-        """A new generation starts (its prompt prefill is no round: not timed)."""
-        self._last_round = None
-
-    def observe(self, accepted_drafts: int, drafted: int, proposed: int) -> None:
-        """After verification: the first ``accepted_drafts`` drafted tokens of the round were
-        accepted; ``drafted`` drafter tokens became ``proposed`` target tokens. Rounds are
-        timed from one ``observe`` to the next."""
-        now = time.perf_counter()
-        if self._last_round is not None:
-            modelled = drafted * self.drafter_ms + self._target_ms(1 + proposed)
-            self.overhead_ms = max(0.0, self.overhead_ms + 0.1 * ((now - self._last_round) * 1000
-                                                                  - modelled - self.overhead_ms))
-        self._last_round = now
-        for i, c in enumerate(self.confidences[: accepted_drafts + 1]):
-            b = min(int(c * BUCKETS), BUCKETS - 1)
-            self.seen[b] += 1.0
-            self.accepted[b] += 1.0 if i < accepted_drafts else 0.0
+    # -- what verification said --------------------------------------------------------------------
+    def observe(self, accepted_drafts: int, drafted: int, proposed: int, committed: int) -> None:
+        """After verifying a drafter round: its first ``accepted_drafts`` drafted tokens were
+        accepted; ``drafted`` drafter tokens became ``proposed`` target tokens; ``committed``
+        tokens were committed (accepted + the correction or bonus token)."""
+        for i, f in enumerate(self.features[: accepted_drafts + 1]):
+            self._table.count(bucket_of(f), i < accepted_drafts)
         self._drafted += drafted
         self._proposed += proposed
         if self._drafted:
             self.target_per_draft = max(self._proposed / self._drafted, 0.25)
+        cost = self.overhead_ms + drafted * self.drafter_ms + self._target_ms(1 + proposed)
+        self._rate_tokens = self._rate_tokens * RATE_DECAY + committed
+        self._rate_ms = self._rate_ms * RATE_DECAY + cost
 
+    def observe_lookup(self, source: str, match: int, proposed: int, accepted: int) -> None:
+        """After verifying a model-free draft of ``proposed`` tokens, ``accepted`` of them kept."""
+        table, cell = self.lookup[source], min(match, LOOKUP_MATCH_MAX) - 1
+        for i in range(min(accepted + 1, proposed)):
+            table.count(cell, i < accepted)
+
+    def drafter_changed(self) -> None:
+        """The drafter's weights changed: keep ``REFIT_KEEP`` of its evidence, retry it soon."""
+        for table in self.tables.values():
+            table.decay(REFIT_KEEP, REFIT_CAP)
+        self._rate_tokens *= REFIT_KEEP
+        self._rate_ms *= REFIT_KEEP
+        self.plain_streak = RETRY_ROUNDS
+
+    # -- persistence and reports -------------------------------------------------------------------
     def calibration(self) -> dict:
-        """What this stopper learned, to persist with a device's state (JSON-able)."""
-        return {"accepted": self.accepted, "seen": self.seen, "drafted": self._drafted,
-                "proposed": self._proposed, "target_per_draft": self.target_per_draft,
-                "drafter_ms": self.drafter_ms, "overhead_ms": self.overhead_ms}
+        """What this rule learned, to persist with a device's state (JSON-able)."""
+        return {"version": CALIBRATION_VERSION,
+                "tables": {k: t.to_dict() for k, t in self.tables.items()},
+                "lookup": {k: t.to_dict() for k, t in self.lookup.items()},
+                "drafted": self._drafted, "proposed": self._proposed,
+                "rate": [self._rate_tokens, self._rate_ms]}
 
     def load_calibration(self, saved: dict) -> None:
         """Restore :meth:`calibration`; raises ValueError when it does not fit."""
         try:
-            accepted = [float(x) for x in saved["accepted"]]
-            seen = [float(x) for x in saved["seen"]]
-            values = {k: float(saved[k]) for k in ("drafted", "proposed", "target_per_draft",
-                                                    "drafter_ms", "overhead_ms")}
-        except (KeyError, TypeError, ValueError):
-            raise ValueError("saved draft-stop calibration is malformed") from None
-        if len(accepted) != BUCKETS or len(seen) != BUCKETS or min(seen) <= 0:
-            raise ValueError("saved draft-stop calibration does not fit")
-        self.accepted, self.seen = accepted, seen
-        self._drafted, self._proposed = values["drafted"], values["proposed"]
-        self.target_per_draft = values["target_per_draft"]
-        self.drafter_ms, self.overhead_ms = values["drafter_ms"], values["overhead_ms"]
+            if saved.get("version") != CALIBRATION_VERSION:
+                raise ValueError
+            for name, table in self.tables.items():
+                table.load(saved["tables"][name])
+            for name, table in self.lookup.items():
+                table.load(saved["lookup"][name])
+            drafted, proposed = float(saved["drafted"]), float(saved["proposed"])
+            tokens, ms = (float(x) for x in saved["rate"])
+            if not (tokens > 0 and ms > 0):
+                raise ValueError
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise ValueError("saved draft-rule calibration does not fit") from None
+        self._drafted, self._proposed = drafted, proposed
+        if drafted:
+            self.target_per_draft = max(proposed / drafted, 0.25)
+        self._rate_tokens, self._rate_ms = tokens, ms
 
     def state(self) -> dict:
-        """The calibration as JSON-able numbers (for reports)."""
-        return {"acceptance_by_confidence": [round(a / s, 4) for a, s in zip(self.accepted, self.seen)],
-                "observations": [round(s - PRIOR_WEIGHT) for s in self.seen],
+        """The calibration as rounded numbers (for reports)."""
+        def rates(t: AcceptanceTable) -> list[float]:
+            return [round(t.rate(b), 4) for b in range(len(t.prior))]
+        rate = self.drafter_rate()
+        return {"acceptance_by_confidence": rates(self.tables["confidence"]),
+                "acceptance_by_head": rates(self.tables["head"]),
+                "lookup_acceptance_by_match": {k: rates(t) for k, t in self.lookup.items()},
+                "observations": {k: round(t.observations()) for k, t in {**self.tables, **{
+                    f"lookup-{s}": t for s, t in self.lookup.items()}}.items()},
                 "target_per_draft": round(self.target_per_draft, 4),
-                "drafter_ms": round(self.drafter_ms, 3), "overhead_ms": round(self.overhead_ms, 3)}
+                "drafter_tokens_per_s": round(rate * 1000, 2),
+                "target_alone_tokens_per_s": round(self.plain_rate() * 1000, 2),
+                "rounds": dict(self.rounds)}

@@ -4,7 +4,8 @@
 or local HF directories), runs the target in the given precision (``omnidraft.shared.precision``;
 ``auto`` measures), builds the vocabulary bridge, the one-to-many expansion map and an n-gram
 cache, and hands out the ``ar`` and ``omnidraft`` decoders over one target runner. The
-machine's measured costs (``cost_profile``) drive the ``omnidraft`` decoder's draft length.
+machine's measured costs (``cost_profile``) drive the ``omnidraft`` decoder's throughput rule;
+the forwards it times while decoding check that profile (``check_profile``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 
 from omnidraft.shared import catalog, model_runner, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
-from omnidraft.shared.draft_policy import CostAwareStop
+from omnidraft.shared.draft_policy import ThroughputRule
 from omnidraft.shared.precision import (
     build_target_runner, load_dtype, precision_name, quantize_linear_int8, runner_backend,
 )
-from omnidraft.shared.profiling import CostProfile
+from omnidraft.shared.lookup_drafts import LookupDrafter
+from omnidraft.shared.profiling import CostProfile, StepTimings
 from omnidraft.shared.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.fast_drafter import FastLlamaRunner
 from omnidraft.shared.model_runner import LoadedModel, ModelRunner
@@ -29,6 +31,10 @@ from omnidraft.shared.vocab_bridge import VocabBridge
 
 
 DRAFTER_WEIGHTS = ("int8", "bf16", "fp32", "hf")
+# what the per-round overhead is measured on: ordinary code, decoded for OVERHEAD_TOKENS tokens
+OVERHEAD_PROMPT = ('import os\n\n\ndef list_files(root: str, suffix: str) -> list[str]:\n'
+                   '    """Return the paths under root that end with suffix, sorted."""\n')
+OVERHEAD_TOKENS = 48
 
 
 def seed_cache_from_bridge(cache: NgramCache, bridge: VocabBridge, drafter_tokenizer) -> int:
@@ -57,7 +63,11 @@ class Engine:
     drafter_weights: str = "int8"
     precision: str = "fp32"
     _profile: CostProfile | None = field(default=None, repr=False)
-    _stopper: CostAwareStop | None = field(default=None, repr=False)
+    _rule: ThroughputRule | None = field(default=None, repr=False)
+    # model-free drafts over this engine's generations (None: off; a device session keeps its own)
+    lookup: LookupDrafter | None = field(default_factory=LookupDrafter, repr=False)
+    # the forwards timed while decoding (profile check; no decision reads them)
+    timings: StepTimings = field(default_factory=StepTimings, repr=False)
 
     @classmethod
     def load(cls, drafter: str, target: str, precision: str | torch.dtype = "fp32", *,
@@ -104,17 +114,70 @@ class Engine:
             return quantize_linear_int8(self.target.model)
         return getattr(runner, "model", self.target.model)
 
-    def cost_profile(self, drafter_runner=None) -> CostProfile:
+    def cost_profile(self, drafter_runner=None, refresh: bool = False) -> CostProfile:
         """This machine's measured costs for the pair (cached on disk per machine, model and
-        precision; measured on first use). ``drafter_runner`` is the runner that drafts
-        (default: the base drafter's)."""
-        if self._profile is None:
+        precision; measured on first use, or again with ``refresh``). ``drafter_runner`` is the
+        runner that drafts (default: the base drafter's)."""
+        if self._profile is None or refresh:
             runner = drafter_runner if drafter_runner is not None else self.drafter_runner
             target_ms = profiling.target_costs(self.target_runner, self.target.path, self.precision,
-                                               runner_backend(self.target_runner))
-            drafter_ms = profiling.drafter_cost(runner, self.drafter.path, runner_backend(runner))
-            self._profile = CostProfile(target_ms, drafter_ms)
+                                               runner_backend(self.target_runner), refresh=refresh)
+            drafter_ms = profiling.drafter_cost(runner, self.drafter.path, runner_backend(runner), refresh=refresh)
+            profile = CostProfile(target_ms, drafter_ms[1], drafter_ms)
+            overhead = profiling.cached(self._overhead_key(runner),
+                                        lambda: self._measure_overheads(runner, profile), refresh)
+            profile.round_overhead_ms = float(overhead["round_ms"])
+            profile.step_overhead_ms = float(overhead["step_ms"])
+            self._profile = profile
         return self._profile
+
+    def _overhead_key(self, runner) -> dict:
+        return {"role": "round-overhead", "drafter": profiling.model_fingerprint(self.drafter.path),
+                "target": profiling.model_fingerprint(self.target.path), "precision": self.precision,
+                "backends": [runner_backend(runner), runner_backend(self.target_runner)],
+                "tokens": OVERHEAD_TOKENS}
+
+    def _measure_overheads(self, runner, profile: CostProfile) -> dict:
+        """The work of a round outside its timed forwards (ms): decode ``OVERHEAD_PROMPT`` with 4
+        drafted tokens per round, then with the target alone, timing every forward; the rest of
+        the wall time, per round, is the overhead (the median of 3 runs each)."""
+        text, ids = self.prompt_ids(OVERHEAD_PROMPT)
+        fixed = GenerationConfig(max_new_tokens=OVERHEAD_TOKENS, draft_stop="confidence", confidence=0.0, k_max=4)
+
+        def per_round(decode) -> float:
+            timings = StepTimings()
+            result = decode(timings)
+            rest = result.stats.wall_s * 1000 - timings.total_ms
+            return max(0.0, rest / max(result.stats.target_calls, 1))
+
+        def spd(timings):
+            return CrossVocabDecoder(runner, self.drafter.tokenizer, self.target_runner, self.bridge,
+                                     NgramCache(), expand_map=self.expand_map, translate="text",
+                                     target_tokenizer=self.target.tokenizer, timings=timings,
+                                     ).generate(text, ids, fixed, remember=False)
+
+        def ar(timings):
+            return TargetOnlyDecoder(self.target_runner, self.bridge, timings).generate(ids, fixed)
+
+        spd(None)  # warm-up
+        rounds = sorted(per_round(spd) for _ in range(3))[1]
+        steps = sorted(per_round(ar) for _ in range(3))[1]
+        return {"round_ms": rounds, "step_ms": steps}
+
+    def check_profile(self) -> dict:
+        """The cached profile against the forwards timed in use so far (``StepTimings.check``);
+        when they contradict it, its cached measurements are dropped, so the next process
+        measures again (this one keeps deciding with the profile it has)."""
+        if self._profile is None:
+            return {"steps": {}, "stale": False}
+        report = self.timings.check(self._profile)
+        if report["stale"]:
+            drafter = self.drafter_runner
+            for key in (profiling.target_key(self.target.path, self.precision, runner_backend(self.target_runner)),
+                        profiling.drafter_key(self.drafter.path, runner_backend(drafter)),
+                        self._overhead_key(drafter)):
+                profiling.forget(key)
+        return report
 
     @cached_property
     def drafter_runner(self) -> ModelRunner | FastLlamaRunner:
@@ -139,15 +202,19 @@ class Engine:
         return prompt, tok.encode(prompt)
 
     def ar(self) -> TargetOnlyDecoder:
-        return TargetOnlyDecoder(self.target_runner, self.bridge)
+        return TargetOnlyDecoder(self.target_runner, self.bridge, self.timings)
+
+    def rule(self) -> ThroughputRule:
+        """The base drafter's throughput rule (kept between calls: what it measured stays)."""
+        if self._rule is None:
+            self._rule = ThroughputRule(self.cost_profile())
+        return self._rule
 
     def omnidraft(self, translate: str = "text") -> CrossVocabDecoder:
-        if self._stopper is None:
-            self._stopper = CostAwareStop(self.cost_profile())
         return CrossVocabDecoder(self.drafter_runner, self.drafter.tokenizer, self.target_runner,
                                  self.bridge, self.cache, expand_map=self.expand_map,
                                  translate=translate, target_tokenizer=self.target.tokenizer,
-                                 stopper=self._stopper)
+                                 rule=self.rule(), lookup=self.lookup, timings=self.timings)
 
     def generate(self, prompt: str, config: GenerationConfig, method: str = "omnidraft",
                  chat: bool = False, translate: str = "text") -> GenerationResult:

@@ -19,10 +19,12 @@ class GenerationConfig:
     """Decoding parameters.
 
     ``temperature`` 0 means greedy. ``k_max`` bounds drafter tokens per round. ``draft_stop``
-    decides when drafting stops earlier: ``cost`` maximizes expected tokens per second from the
-    machine's measured costs and the measured acceptance (``omnidraft.shared.draft_policy``);
-    ``confidence`` stops when the drafter's probability of its own token falls below
-    ``confidence``; ``auto`` is ``cost`` where the decoder has a cost profile, else ``confidence``.
+    decides what a round drafts: ``cost`` is the throughput rule (``omnidraft.shared.draft_policy``:
+    a plain target step, a model-free draft or a drafter draft, whichever is expected to commit
+    the most tokens per second from the machine's cached costs and the counted acceptance; the
+    drafter stops by the same measure); ``confidence`` always drafts with the drafter and stops
+    when its probability of its own token falls below ``confidence``; ``auto`` is ``cost`` where
+    the decoder has a cost profile, else ``confidence``.
     """
 
     max_new_tokens: int = 128
@@ -66,6 +68,10 @@ class GenerationStats:
     accepted_tokens: int = 0
     ngram_hits: int = 0
     healed_rounds: int = 0  # rounds that began by re-spelling the context's last drafter token
+    lookup_rounds: int = 0  # rounds that verified a model-free draft
+    lookup_proposed: int = 0  # target tokens those drafts proposed
+    lookup_accepted: int = 0  # and how many of them were accepted
+    plain_rounds: int = 0  # rounds that verified no draft (one target step)
     new_tokens: int = 0
     prompt_tokens: int = 0
     wall_s: float = 0.0

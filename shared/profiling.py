@@ -1,13 +1,16 @@
 """What a forward pass costs on this machine, measured once and cached.
 
 ``measure_block_ms`` times a runner's forward pass for blocks of new tokens on top of a filled KV
-cache (the minimum over repeats: the least disturbed run). ``target_costs`` and
-``drafter_cost`` wrap it with an on-disk cache under ``$OMNIDRAFT_HOME/profiles/``, keyed by a
-fingerprint of the machine (CPU model, ISA capability, torch version, threads) and of the model
-(its config and weight files) plus the precision and kernel backend: a change of any of them
-measures again. ``CostProfile`` turns the measurements into the cost of any block size, which
-the decoder's cost-aware draft stopping (``omnidraft.shared.draft_policy``) reads, and
-``choose_precision`` resolves ``--dtype auto`` to the precision with the cheapest verification.
+cache: after an untimed warm-up pass, each trial keeps the minimum over repeats, and the median
+of the trials is kept (more trials while they disagree: an outlier trial cannot set the figure).
+``target_costs`` and ``drafter_cost`` wrap it with an on-disk cache under
+``$OMNIDRAFT_HOME/profiles/``, keyed by a fingerprint of the machine (CPU model, ISA capability,
+torch version, threads) and of the model (its config and weight files) plus the precision and
+kernel backend: a change of any of them measures again. ``CostProfile`` turns the measurements
+into the cost of any block size, which the throughput rule (``omnidraft.shared.draft_policy``)
+reads, and ``choose_precision`` resolves ``--dtype auto`` to the precision with the cheapest
+verification. ``StepTimings`` times the forward passes of real decoding and checks the cached
+profile against them; a profile they contradict is dropped and measured again next time.
 """
 
 from __future__ import annotations
@@ -17,18 +20,23 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from omnidraft.shared import catalog
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
 
 CONTEXT_TOKENS = 256
 PROFILE_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16)
-PROFILE_VERSION = 2  # bump when a kernel changes: every cached measurement is then taken again
+DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
+PROFILE_VERSION = 3  # bump when a kernel or the method changes: every cached measurement is taken again
+TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
+MAX_TRIALS = 7  # trials at most, while they disagree
+SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree
+STALE_RATIO = 1.5  # a profile whose steps in use differ from it by more than this is measured again
 
 
 def _ids(n: int, offset: int = 0) -> list[int]:
@@ -37,7 +45,7 @@ def _ids(n: int, offset: int = 0) -> list[int]:
 
 
 def _time_block(runner, context: int, block: int, repeats: int) -> float:
-    """Minimum wall time (ms) of one forward of ``block`` new tokens after the context."""
+    """Minimum wall time (ms) of ``repeats`` forwards of ``block`` new tokens after the context."""
     best = float("inf")
     ids = _ids(block, 11)
     for _ in range(repeats):
@@ -48,17 +56,38 @@ def _time_block(runner, context: int, block: int, repeats: int) -> float:
     return best * 1000
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
 @torch.inference_mode()
-def measure_block_ms(runner, blocks: tuple[int, ...] | list[int], repeats: int = 5) -> dict[int, float]:
+def measure_block_ms(runner, blocks: tuple[int, ...] | list[int], repeats: int = 5,
+                     trials: int = TRIALS, max_trials: int = MAX_TRIALS) -> dict[int, float]:
     """``{block: ms}``: one forward of ``block`` new tokens after ``CONTEXT_TOKENS`` cached ones
     (fewer where the model's positions run out). Leaves the runner holding that context
-    (callers reset it before decoding)."""
+    (callers reset it before decoding).
+
+    One untimed pass over every block size warms the kernels and caches first. Then each trial
+    takes every block size's minimum over ``repeats`` forwards, and a block's figure is the
+    median of its trials; while the trials of some block size disagree by more than
+    ``SPREAD_LIMIT`` (the machine was busy for part of the time: an outlier) more trials are
+    taken, up to ``max_trials``."""
     limit = getattr(runner, "max_positions", None) or getattr(runner.model.config, "max_position_embeddings", 0)
     context = max(1, min(CONTEXT_TOKENS, (limit or CONTEXT_TOKENS * 2) - max(blocks) - 1))
     runner.reset()
     runner.forward(_ids(context))
     runner.forward([7], logits_to_keep=1)  # first-call initialization outside the timing
-    return {b: _time_block(runner, context, b, repeats) for b in blocks}
+    for b in blocks:
+        _time_block(runner, context, b, 1)
+    samples: dict[int, list[float]] = {b: [] for b in blocks}
+    for trial in range(max_trials):
+        for b in blocks:
+            samples[b].append(_time_block(runner, context, b, repeats))
+        if trial + 1 >= trials and all(max(v) <= SPREAD_LIMIT * min(v) for v in samples.values()):
+            break
+    return {b: _median(v) for b, v in samples.items()}
 
 
 def cpu_name() -> str:
@@ -104,74 +133,184 @@ def _cache_file(key: dict) -> Path:
     return profiles_dir() / f"{digest}.json"
 
 
+def _full_key(key: dict) -> dict:
+    return {"version": PROFILE_VERSION, "machine": machine_fingerprint(), **key}
+
+
+def forget(key: dict) -> bool:
+    """Drop the measurement stored under ``key`` (the next use measures again); True if one
+    was stored."""
+    path = _cache_file(_full_key(key))
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _stored(path: Path, key: dict) -> dict | None:
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key:
+            return stored["value"]
+    except (OSError, ValueError):
+        pass  # missing or unreadable: measure again and overwrite
+    return None
+
+
 def cached(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dict:
     """The measurement stored under ``key`` (machine fingerprint added), or ``measure()``'s
-    result, stored atomically for next time. ``refresh`` measures again."""
-    key = {"version": PROFILE_VERSION, "machine": machine_fingerprint(), **key}
+    result, stored atomically for next time. ``refresh`` measures again. Processes that need the
+    same measurement at once (a simulation's workers) take it once: the first measures under a
+    lock, the others wait and read it, so they all decide from the same profile."""
+    key = _full_key(key)
     path = _cache_file(key)
-    if not refresh and path.is_file():
-        try:
-            stored = json.loads(path.read_text())
-            if stored.get("key") == key:
-                return stored["value"]
-        except (OSError, ValueError):
-            pass  # unreadable: measure again and overwrite
-    value = measure()
-    write_bytes_atomic(path, json.dumps({"key": key, "value": value}, indent=1).encode())
+    if not refresh:
+        value = _stored(path, key)
+        if value is not None:
+            return value
+    with file_lock(path.with_suffix(".lock")):
+        value = None if refresh else _stored(path, key)
+        if value is None:
+            value = measure()
+            write_bytes_atomic(path, json.dumps({"key": key, "value": value}, indent=1).encode())
     return value
+
+
+def target_key(model_path: str | Path, precision: str, backend: str,
+               blocks: tuple[int, ...] = PROFILE_BLOCKS) -> dict:
+    """The cache key of a target's costs."""
+    return {"role": "target", "model": model_fingerprint(model_path), "precision": precision,
+            "backend": backend, "blocks": list(blocks), "context": CONTEXT_TOKENS}
+
+
+def drafter_key(model_path: str | Path, backend: str) -> dict:
+    """The cache key of a drafter's costs."""
+    return {"role": "drafter", "model": model_fingerprint(model_path), "backend": backend,
+            "context": CONTEXT_TOKENS, "blocks": list(DRAFTER_BLOCKS)}
 
 
 def target_costs(runner, model_path: str | Path, precision: str, backend: str,
                  blocks: tuple[int, ...] = PROFILE_BLOCKS, refresh: bool = False) -> dict[int, float]:
     """Target forward cost ``{block tokens: ms}`` on this machine (cached)."""
-    key = {"role": "target", "model": model_fingerprint(model_path), "precision": precision,
-           "backend": backend, "blocks": list(blocks), "context": CONTEXT_TOKENS}
+    key = target_key(model_path, precision, backend, blocks)
     value = cached(key, lambda: {str(b): ms for b, ms in measure_block_ms(runner, blocks).items()}, refresh)
     return {int(b): ms for b, ms in value.items()}
 
 
-def drafter_cost(runner, model_path: str | Path, backend: str, refresh: bool = False) -> float:
-    """The drafter's cost of one decode step in ms on this machine (cached)."""
-    key = {"role": "drafter", "model": model_fingerprint(model_path), "backend": backend,
-           "context": CONTEXT_TOKENS}
-    value = cached(key, lambda: {"1": measure_block_ms(runner, (1,), repeats=20)[1]}, refresh)
-    return float(value["1"])
+def drafter_cost(runner, model_path: str | Path, backend: str, refresh: bool = False) -> dict[int, float]:
+    """The drafter's forward cost ``{block tokens: ms}`` on this machine (cached): block 1 is
+    one decode step; larger blocks are what feeding it committed tokens costs."""
+    key = drafter_key(model_path, backend)
+    value = cached(key, lambda: {str(b): ms for b, ms in measure_block_ms(runner, DRAFTER_BLOCKS, repeats=10).items()},
+                   refresh)
+    return {int(b): float(ms) for b, ms in value.items()}
+
+
+def _interpolate(table: dict[int, float], block: float) -> float:
+    """Piecewise linear in the block size between measured sizes, extrapolated from the last
+    two beyond them (proportionally from a single one)."""
+    sizes = sorted(table)
+    if block <= sizes[0]:
+        return table[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if block <= hi:
+            w = (block - lo) / (hi - lo)
+            return table[lo] * (1 - w) + table[hi] * w
+    if len(sizes) == 1:
+        return table[sizes[0]] * block
+    lo, hi = sizes[-2], sizes[-1]
+    return table[hi] + (table[hi] - table[lo]) / (hi - lo) * (block - hi)
+
+
+def _running_max(table: dict[int, float]) -> dict[int, float]:
+    """A larger block never costs less: a measured dip is noise."""
+    top, smooth = 0.0, {}
+    for b in sorted(table):
+        top = max(top, table[b])
+        smooth[b] = top
+    return smooth
 
 
 @dataclass
 class CostProfile:
-    """Measured costs: target forward ms per block size, drafter ms per token."""
+    """Measured costs, all in ms: the target's forward per block size, the drafter's decode
+    step, the drafter's forward per block size (feeding it committed tokens; empty: one step
+    per token) and the fixed work of a decoding round outside the forward passes (a drafter
+    round's, and a plain or model-free round's)."""
 
     target_ms: dict[int, float]
     drafter_ms_per_token: float
+    drafter_block_ms: dict[int, float] = field(default_factory=dict)
+    round_overhead_ms: float = 0.0  # a drafter round's work outside forwards (translation, ...)
+    step_overhead_ms: float = 0.0  # a plain or model-free round's
 
     def __post_init__(self) -> None:
-        # a larger block never costs less: a measured dip is noise (running maximum)
-        top, smooth = 0.0, {}
-        for b in sorted(self.target_ms):
-            top = max(top, self.target_ms[b])
-            smooth[b] = top
-        self.target_ms = smooth
+        self.target_ms = _running_max(self.target_ms)
+        self.drafter_block_ms = _running_max(self.drafter_block_ms)
 
     def target_cost(self, block: float) -> float:
-        """Target forward cost (ms) of ``block`` new tokens: piecewise linear between the
-        measured sizes, extrapolated from the last two beyond them."""
-        sizes = sorted(self.target_ms)
-        if block <= sizes[0]:
-            return self.target_ms[sizes[0]]
-        for lo, hi in zip(sizes, sizes[1:]):
-            if block <= hi:
-                w = (block - lo) / (hi - lo)
-                return self.target_ms[lo] * (1 - w) + self.target_ms[hi] * w
-        if len(sizes) == 1:
-            return self.target_ms[sizes[0]] * block
-        lo, hi = sizes[-2], sizes[-1]
-        slope = (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
-        return self.target_ms[hi] + slope * (block - hi)
+        """Target forward cost (ms) of ``block`` new tokens."""
+        return _interpolate(self.target_ms, block)
+
+    def drafter_block_cost(self, block: float) -> float:
+        """Drafter forward cost (ms) of feeding it ``block`` tokens at once (0 for none)."""
+        if block <= 0:
+            return 0.0
+        if not self.drafter_block_ms:
+            return self.drafter_ms_per_token * block
+        return _interpolate(self.drafter_block_ms, block)
 
     def to_dict(self) -> dict:
-        return {"target_ms": {str(b): ms for b, ms in sorted(self.target_ms.items())},
-                "drafter_ms_per_token": self.drafter_ms_per_token}
+        return {"target_ms": {str(b): round(ms, 3) for b, ms in sorted(self.target_ms.items())},
+                "drafter_ms_per_token": round(self.drafter_ms_per_token, 3),
+                "drafter_block_ms": {str(b): round(ms, 3) for b, ms in sorted(self.drafter_block_ms.items())},
+                "round_overhead_ms": round(self.round_overhead_ms, 3),
+                "step_overhead_ms": round(self.step_overhead_ms, 3)}
+
+
+class StepTimings:
+    """Forward passes timed while decoding, by block size (ms), to check the cached profile
+    against what the machine does in use. Never read by a decision (those use the profile
+    alone); at most ``limit`` samples are kept per block size."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self.target: dict[int, list[float]] = {}
+        self.drafter_steps: list[float] = []
+        self.total_ms = 0.0  # every timed forward (prefills and drafter feeds included)
+
+    def record(self, ms: float) -> None:
+        """A timed forward that is neither a verification nor a drafter step (a prefill, the
+        drafter's catch-up feed): counted in ``total_ms`` only."""
+        self.total_ms += ms
+
+    def record_target(self, block: int, ms: float) -> None:
+        self.total_ms += ms
+        samples = self.target.setdefault(block, [])
+        if len(samples) < self.limit:
+            samples.append(ms)
+
+    def record_drafter_step(self, ms: float) -> None:
+        self.total_ms += ms
+        if len(self.drafter_steps) < self.limit:
+            self.drafter_steps.append(ms)
+
+    def check(self, profile: CostProfile, min_samples: int = 5) -> dict:
+        """In-use medians against the profile, per block size with at least ``min_samples``
+        samples; ``stale`` when one differs by more than ``STALE_RATIO`` either way."""
+        rows = {}
+        for block, samples in sorted(self.target.items()):
+            if len(samples) >= min_samples:
+                rows[f"target:{block}"] = (_median(samples), profile.target_cost(block), len(samples))
+        if len(self.drafter_steps) >= min_samples:
+            rows["drafter:1"] = (_median(self.drafter_steps), profile.drafter_ms_per_token, len(self.drafter_steps))
+        out = {name: {"in_use_ms": round(used, 2), "profile_ms": round(cached, 2), "samples": n,
+                      "ratio": round(used / cached, 3) if cached > 0 else None}
+               for name, (used, cached, n) in rows.items()}
+        stale = any(r["ratio"] is not None and not 1 / STALE_RATIO <= r["ratio"] <= STALE_RATIO
+                    for r in out.values())
+        return {"steps": out, "stale": stale}
 
 
 def verification_score(target_ms: dict[int, float]) -> float:

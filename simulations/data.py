@@ -20,6 +20,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from omnidraft.shared.codebase_prompts import parsed_modules
+
 DOMAINS = {"humaneval": "code", "stdlib": "code", "pydoc": "prose"}
 DEFAULT_SOURCES = ("humaneval", "stdlib", "pydoc")
 MAX_CHARS = 600
@@ -44,13 +46,7 @@ def stdlib_heads(max_chars: int = MAX_CHARS) -> list[str]:
     40+ characters) in the standard library's top-level modules, in file and line order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     heads = []
-    for path in sorted(root.glob("*.py")):
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = source.splitlines()
+    for _, lines, tree in parsed_modules(sorted(root.glob("*.py"))):
         nodes = sorted((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
                        key=lambda n: n.lineno)
         for node in nodes:

@@ -36,16 +36,6 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _gamma(text: str) -> float | str:
-    """``--gamma``: a number or ``tune`` (the range is checked with the rest of the scenario)."""
-    if text == "tune":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1) or 'tune', not {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="simulations/run.py", description=__doc__.splitlines()[0])
     a = p.add_argument
@@ -91,10 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", choices=["bf16", "fp32", "int8"],
       help="target precision (int8: the native int8 runtime where the CPU has AVX-512 VNNI or AVX2)")
     a("--draft-stop", choices=["auto", "cost", "confidence"],
-      help="draft stopping (default confidence: deterministic; cost follows measured machine costs)")
-    a("--gamma", type=_gamma,
-      help="the acceptance head's stop threshold, in (0, 1) (default 0.7), or 'tune': picked online from "
-           "measured tokens per second, which makes runs depend on the machine's timing")
+      help="what each round drafts: auto/cost (default) the throughput rule, from the machine's cached cost "
+           "profile and counted acceptance; confidence: always the drafter, stopping under a confidence threshold")
     a("--no-ar", action="store_true", help="probes do not run the target alone (no speedup figures)")
     a("--aggregation", choices=["fedavg", "median", "trimmed"])
     a("--clip-norm", type=float, help="L2 bound on each device's adapter update")

@@ -149,8 +149,10 @@ class Scenario:
     local_epochs: int = 1  # passes over a round's samples on the device
     translate: str = "ngram"
     dtype: str = "fp32"
-    draft_stop: str = "confidence"  # deterministic; "cost" follows the machine's measured costs
-    gamma: float | str = 0.7  # acceptance head's stop threshold; "tune": online from measured tok/s (not deterministic)
+    # "auto": the throughput rule (the machine's cached cost profile and counted acceptance:
+    # deterministic once the profile is cached; every worker uses the same one); "confidence":
+    # the drafter's confidence threshold, every round drafts
+    draft_stop: str = "auto"
     measure_ar: bool = True  # probes also run the target alone (speedup)
     acceptance_k: int = 4  # probes and newcomers also decode drafting exactly this many tokens (0: not)
     seed: int = 0
@@ -189,8 +191,6 @@ class Scenario:
             raise ValueError(f"the join round must be in 1..{self.rounds}")
         if self.draft_stop not in DRAFT_STOPS:
             raise ValueError(f"draft stop must be one of {', '.join(DRAFT_STOPS)}")
-        if self.gamma != "tune" and (isinstance(self.gamma, (str, bool)) or not 0 < self.gamma < 1):
-            raise ValueError(f"gamma must be in (0, 1) or \"tune\", not {self.gamma!r}")
         shares = self.target_shares()
         if not shares or any(v <= 0 for v in shares.values()):
             raise ValueError("target shares must be > 0")
@@ -277,8 +277,6 @@ def _check_types(raw: dict, source: str) -> None:
     defaults = Scenario()
     for key, value in raw.items():
         default = getattr(defaults, key, None)
-        if key == "gamma":  # a number or "tune": checked by validate()
-            continue
         want = _OPTIONAL_TYPES.get(key) or (type(default) if isinstance(default, (bool, int, float, str)) else None)
         if want is None or (value is None and key in _OPTIONAL_TYPES):
             continue
@@ -389,7 +387,6 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
             online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr, epochs=scenario.local_epochs),
             translate=scenario.translate, probe=probe, fleet_key=fleet_key,
             speed_prompts=scenario.probe_speed_prompts if probe else 0,
-            gamma=None if scenario.gamma == "tune" else float(scenario.gamma),
             joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1)
         if scenario.rollout is not None and not probe:  # every member can run the new target
             p.offers = {scenario.rollout.target: models[scenario.rollout.target]}

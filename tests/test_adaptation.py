@@ -4,6 +4,7 @@ state on disk, and that learning never changes what the target outputs (tiny mod
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 import warnings
 
@@ -13,7 +14,7 @@ import torch
 from omnidraft.client.device_state import ADAPTER_FILE, CACHE_FILE, HEAD_FILE, MANIFEST_FILE, DeviceState
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared.acceptance_head import GammaTuner, ReplayBuffer, soft_labels
+from omnidraft.shared.acceptance_head import ReplayBuffer, soft_labels
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll, sequence_nll
 from omnidraft.shared.engine import Engine
@@ -107,20 +108,6 @@ def test_soft_labels_hand_computation():
     assert float(labels[0]) == pytest.approx(0.5)  # min(1, 0.25 / 0.5)
 
 
-def test_gamma_tuner_tries_every_arm_then_prefers_the_fastest():
-    tuner = GammaTuner(epsilon=0.0)
-    seen = []
-    for _ in range(len(tuner.candidates)):
-        g = tuner.choose()
-        seen.append(g)
-        tuner.record(g, 10.0 if g == 0.7 else 5.0)
-    assert set(seen) == set(tuner.candidates)
-    assert tuner.choose() == 0.7 and tuner.best() == 0.7
-    restored = GammaTuner()
-    restored.load_state(json.loads(json.dumps(tuner.state())))
-    assert restored.best() == 0.7
-
-
 def test_replay_buffer_is_bounded():
     buf = ReplayBuffer(capacity=10)
     for i in range(5):
@@ -154,8 +141,7 @@ def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
     a = DeviceSession(engine, target_name="target-a", adapters=adapters,
                       online=OnlineConfig(interval=2, lr=1e-2))
-    b = DeviceSession(engine, target_name="target-b", adapters=adapters, gamma=0.6)
-    assert b.tuner.candidates == (0.6,) and a.tuner.candidates == GammaTuner().candidates  # fixed vs tuned
+    b = DeviceSession(engine, target_name="target-b", adapters=adapters)
     b_before = adapters.state_dict("target-b")
     for prompt in PROMPTS[:4]:
         a.generate(prompt, CONFIG)
@@ -281,12 +267,14 @@ def test_greedy_output_identical_to_target_after_training(pair_dir):
         session.generate(prompt, CONFIG)
     assert session.learner.updates == 4 and session.head.ready
     ar = engine.ar()
-    for gamma in (None, 0.3, 0.9):  # confidence rule and the learned head
+    # the throughput rule fed by the learned head, and the confidence rule without it
+    for config in (CONFIG, replace(CONFIG, draft_stop="confidence")):
         for prompt in PROMPTS[8:14]:
             text, ids = engine.prompt_ids(prompt)
-            expected = ar.generate(ids, CONFIG).token_ids
-            out = session.decoder(gamma).generate(text, ids, CONFIG)
+            expected = ar.generate(ids, config).token_ids
+            out = session.decoder().generate(text, ids, config)
             assert out.token_ids == expected
+    assert sum(session.rule.tables["head"].seen) > 0  # the head's predictions were calibrated
 
 
 def test_training_sample_alignment(pair_dir):

@@ -99,13 +99,13 @@ def test_bench_writes_report(capsys, tiny_dirs, tmp_path):
                        "--dataset", str(data), "--max-new-tokens", "16", "--methods", "ar,pld,omnidraft",
                        "--out", str(out_file))
     assert code == 0
-    assert "omnidraft" in out and "speedup" in out
+    assert "omnidraft" in out and "vs ar" in out and "worst" in out
     report = json.loads(out_file.read_text())
     assert set(report) == {"config", "methods", "prompts"}
     assert set(report["methods"]) == {"ar", "pld", "omnidraft"}
     for m in report["methods"].values():
         assert {"tokens_per_s", "speedup_vs_ar", "acceptance_rate", "tokens_per_target_call",
-                "identical_to_ar"} <= set(m)
+                "identical_to_ar", "worst_prompt_vs_ar"} <= set(m)
     assert report["methods"]["omnidraft"]["identical_to_ar"] is True
     assert report["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert len(report["prompts"]) == 2

@@ -502,6 +502,9 @@ def test_device_state_stays_on_the_device(federation):
         assert (d / "history.jsonl").is_file() and (d / "global").is_dir()
         pair = d / f"{slug(p.drafter)}--{slug(p.target_model)}"  # where `device serve` keeps it too
         assert (pair / "state.json").is_file() and (pair / "adapter.safetensors").is_file()
+        # the lookup history (the device's own prompts and outputs as target ids) exists, so the
+        # privacy audit above ran with it present: none of its runs reached any payload
+        assert (pair / "lookup_history.safetensors").is_file()
 
 
 def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):

@@ -1,5 +1,6 @@
 """The CPU runtime: target precisions, greedy identity per precision, the native int8 target's
-block invariance, the cached cost profile and the cost-aware draft stopping (tiny models)."""
+block invariance and the cached cost profile (tiny models; the throughput rule itself is in
+test_throughput_rule.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from omnidraft.shared import fast_drafter, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
-from omnidraft.shared.draft_policy import CostAwareStop
+from omnidraft.shared.draft_policy import ThroughputRule
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.fast_drafter import NATIVE_ISAS, FastLlamaRunner, native_error, native_library
 from omnidraft.shared.generation import GenerationConfig
@@ -119,10 +120,10 @@ def test_native_int8_activation_modes_stay_close_to_fp32(bits, tol, isa):
         FastLlamaRunner(model, weights="int8", activation_bits=4)
 
 
-def _decoders(pair, bridge, runner, stopper=None, translate="text"):
+def _decoders(pair, bridge, runner, rule=None, translate="text"):
     spd = CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, runner, bridge, NgramCache(),
                             expand_map=build_expand_map(bridge, pair.target_tokenizer), translate=translate,
-                            target_tokenizer=pair.target_tokenizer, stopper=stopper)
+                            target_tokenizer=pair.target_tokenizer, rule=rule)
     return spd, TargetOnlyDecoder(runner, bridge)
 
 
@@ -136,8 +137,8 @@ def test_greedy_identity_per_precision(pair, bridge, precision, draft_stop):
         pytest.skip(f"exact int8 identity needs the native kernels: {native_error()}")
     model = copy.deepcopy(pair.target)
     runner = build_target_runner(model.double() if precision == "fp64" else model, precision)
-    stopper = CostAwareStop(CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0)) if draft_stop == "cost" else None
-    spd, ar = _decoders(pair, bridge, runner, stopper)
+    rule = ThroughputRule(CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0)) if draft_stop == "cost" else None
+    spd, ar = _decoders(pair, bridge, runner, rule)
     tt = pair.target_tokenizer
     accepted = 0
     for prompt in PROMPTS:
@@ -158,64 +159,34 @@ def test_draft_stop_cost_needs_a_profile(pair, bridge):
         GenerationConfig(draft_stop="sometimes").validate()
 
 
-def drafted_length(stopper: CostAwareStop, confidence: float, k_max: int = 32) -> int:
-    stopper.begin()
-    n = 1
-    while stopper.keep_drafting(confidence) and n < k_max:
-        n += 1
-    return n
-
-
-def test_cost_aware_stop_follows_the_machine_and_the_measured_acceptance():
-    flat = CostAwareStop(CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=1.0))
-    steep = CostAwareStop(CostProfile({1: 100.0, 2: 200.0, 16: 1600.0}, drafter_ms_per_token=1.0))
-    # cheap blocks: keep drafting while tokens are likely accepted; block cost linear in its
-    # size: a second token never pays (it costs a whole target step for < 1 expected token)
-    assert drafted_length(flat, 0.95) > 8
-    assert drafted_length(steep, 0.95) == 1
-    # expensive drafter steps relative to the target: shorter drafts
-    slow = CostAwareStop(CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=40.0))
-    assert drafted_length(slow, 0.95) < drafted_length(flat, 0.95)
-    # calibration: tokens drafted at confidence 0.95 that the target keeps rejecting
-    before = drafted_length(flat, 0.95)
-    for _ in range(200):
-        flat.begin()
-        flat.keep_drafting(0.95)
-        flat.keep_drafting(0.95)
-        flat.observe(accepted_drafts=0, drafted=2, proposed=2)
-    assert flat.calibrated(0.95) < 0.1
-    assert drafted_length(flat, 0.95) < before
-    assert json.dumps(flat.state())
-
-
-def test_cost_aware_stop_learns_the_fixed_cost_of_a_round_and_drafts_longer_for_it(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr("omnidraft.shared.draft_policy.time.perf_counter", lambda: clock[0])
-    stopper = CostAwareStop(CostProfile({1: 50.0, 4: 60.0, 16: 120.0}, drafter_ms_per_token=8.0))
-    stopper.start_sequence()
-    for _ in range(100):  # rounds of 2 drafter tokens, 2 target tokens, 150 ms each
-        stopper.begin()
-        stopper.keep_drafting(0.8)
-        stopper.keep_drafting(0.8)
-        stopper.observe(accepted_drafts=1, drafted=2, proposed=2)
-        clock[0] += 0.150
-    modelled = 2 * 8.0 + stopper.profile.target_cost(3)
-    assert stopper.overhead_ms == pytest.approx(150 - modelled, rel=0.01)
-    no_overhead = copy.deepcopy(stopper)
-    no_overhead.overhead_ms = 0.0
-    assert drafted_length(stopper, 0.7) > drafted_length(no_overhead, 0.7)
-    stopper.start_sequence()  # a new prompt: the gap (its prefill) is not a round
-    clock[0] += 5.0
-    stopper.observe(accepted_drafts=1, drafted=2, proposed=2)
-    assert stopper.overhead_ms == pytest.approx(150 - modelled, rel=0.01)
-
-
 def test_cost_profile_interpolates_and_extrapolates():
     p = CostProfile({1: 10.0, 4: 16.0, 8: 24.0}, 1.0)
     assert p.target_cost(1) == 10.0 and p.target_cost(2) == pytest.approx(12.0)
     assert p.target_cost(6) == pytest.approx(20.0) and p.target_cost(12) == pytest.approx(32.0)
     noisy = CostProfile({1: 10.0, 2: 9.0, 4: 16.0}, 1.0)  # a measured dip is noise
     assert noisy.target_ms == {1: 10.0, 2: 10.0, 4: 16.0}
+    assert p.drafter_block_cost(0) == 0.0 and p.drafter_block_cost(3) == 3.0  # no feed costs: steps
+    fed = CostProfile({1: 10.0}, 2.0, {1: 2.0, 8: 4.0})
+    assert fed.drafter_block_cost(1) == 2.0 and fed.drafter_block_cost(8) == 4.0
+    assert fed.drafter_block_cost(15) == pytest.approx(6.0)  # extrapolated from the last two sizes
+
+
+def test_block_timing_takes_the_median_of_trials_and_retries_outliers(monkeypatch):
+    """One disturbed trial cannot set a figure: each trial keeps its minimum, the median of the
+    trials is kept, and trials continue while they disagree."""
+    trials = iter([9.0, 50.0, 10.0, 11.0, 10.0, 10.5, 10.2])
+    monkeypatch.setattr(profiling, "_time_block", lambda runner, context, block, repeats: next(trials))
+
+    class Runner:
+        max_positions = 512
+
+        def reset(self): ...
+        def forward(self, ids, logits_to_keep=0): ...
+
+    # warm-up pass (1 value), then trials 50, 10, 11 disagree (50 > 1.25 * 10): more until
+    # max_trials; the median of [50, 10, 11, 10, 10.5, 10.2] is 10.35
+    ms = profiling.measure_block_ms(Runner(), (1,), trials=3, max_trials=6)
+    assert ms[1] == pytest.approx(10.35)
 
 
 def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, monkeypatch):
@@ -294,10 +265,11 @@ def test_engine_int8_end_to_end_with_cached_profile(tmp_path, monkeypatch):
             assert got.token_ids == expected.token_ids
     profile = engine.cost_profile()
     assert set(profile.target_ms) == set(profiling.PROFILE_BLOCKS) and profile.drafter_ms_per_token > 0
-    assert len(list((tmp_path / "home" / "profiles").glob("*.json"))) == 2  # target + drafter
+    assert profile.drafter_block_ms and profile.round_overhead_ms >= 0 and profile.step_overhead_ms >= 0
+    assert len(list((tmp_path / "home" / "profiles").glob("*.json"))) == 3  # target, drafter, overheads
 
 
-def test_device_state_keeps_the_draft_stop_calibration(tmp_path, monkeypatch):
+def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path, monkeypatch):
     from omnidraft.client.session import DeviceSession
 
     monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
@@ -307,16 +279,21 @@ def test_device_state_keeps_the_draft_stop_calibration(tmp_path, monkeypatch):
     session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
     for prompt in PROMPTS:
         session.generate(prompt, GenerationConfig(max_new_tokens=16), learn=False)
-    learned = session.stopper.calibration()
-    assert sum(learned["seen"]) > sum(CostAwareStop(engine.cost_profile()).seen)
+    assert len(session.lookup.history) == 0  # generations that do not learn leave no trace
+    session.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16), learn=True, observe=False)
+    assert len(session.lookup.history) > 0
+    learned = session.rule.calibration()
+    fresh = ThroughputRule(engine.cost_profile()).calibration()
+    assert sum(learned["tables"]["confidence"]["seen"]) > sum(fresh["tables"]["confidence"]["seen"])
     session.save()
     again = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
     again.decoder()
-    assert again.stopper.calibration() == learned and not again.problems
+    assert again.rule.calibration() == learned and not again.problems
+    assert again.lookup.history.tokens == session.lookup.history.tokens
     # a damaged calibration is reported and replaced, never a crash
-    again._saved_stop, again.stopper = {"accepted": [1.0]}, None
+    again._saved_rule, again.rule = {"tables": {"confidence": [1.0]}}, None
     again.decoder()
-    assert again.problems and again.stopper.seen == CostAwareStop(engine.cost_profile()).seen
+    assert again.problems and again.rule.calibration() == fresh
 
 
 def test_instruction_set_overrides(monkeypatch):

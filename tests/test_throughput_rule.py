@@ -1,0 +1,269 @@
+"""The throughput rule (draft length including zero, never slower, re-fitting when the drafter
+changes) and model-free drafts from the device's own text: unit behaviour, determinism, greedy
+identity and sampling exactness with lookups (tiny models)."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+
+from omnidraft.shared import decoding
+from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.draft_policy import DRAFTER, LOOKUP, PLAIN, RETRY_ROUNDS, ThroughputRule
+from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.lookup_drafts import SEPARATOR, LookupDraft, LookupDrafter, NgramLookup
+from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.profiling import CostProfile
+from omnidraft.shared.sampling import warp
+from omnidraft.shared.tiny_models import build_pair
+from omnidraft.shared.vocab_bridge import VocabBridge
+from sampling_checks import assert_follows
+
+FLAT = CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=1.0)  # blocks cost what one token does
+
+
+def drafted_length(rule: ThroughputRule, feature: float, k_max: int = 32) -> int:
+    rule.begin(k_max)
+    n = 1
+    while rule.keep_drafting(feature) and n < k_max:
+        n += 1
+    return n
+
+
+def drafter_round(rule: ThroughputRule, accepted: int, drafted: int = 2, feature: float = 0.9) -> None:
+    """One drafter round through the public API: ``drafted`` tokens, ``accepted`` kept."""
+    rule.begin(drafted)
+    for _ in range(drafted):
+        rule.keep_drafting(feature)
+    rule.observe(accepted_drafts=accepted, drafted=drafted, proposed=drafted, committed=accepted + 1)
+
+
+# -- the rule -------------------------------------------------------------------------------------
+def test_draft_length_follows_the_machine_and_the_measured_acceptance():
+    flat = ThroughputRule(FLAT)
+    steep = ThroughputRule(CostProfile({1: 100.0, 2: 200.0, 16: 1600.0}, drafter_ms_per_token=1.0))
+    # cheap blocks: keep drafting while tokens are likely accepted; block cost linear in its
+    # size: a second token never pays (it costs a whole target step for < 1 expected token)
+    assert drafted_length(flat, 0.95) > 8
+    assert drafted_length(steep, 0.95) == 1
+    slow = ThroughputRule(CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=40.0))
+    assert drafted_length(slow, 0.95) < drafted_length(flat, 0.95)
+    # a fixed cost per round (measured into the profile) favours longer drafts
+    busy = ThroughputRule(CostProfile({1: 50.0, 4: 60.0, 16: 120.0}, 8.0, round_overhead_ms=60.0))
+    idle = ThroughputRule(CostProfile({1: 50.0, 4: 60.0, 16: 120.0}, 8.0))
+    assert drafted_length(busy, 0.7) > drafted_length(idle, 0.7)
+    # calibration: tokens drafted at confidence 0.95 that the target keeps rejecting
+    before = drafted_length(flat, 0.95)
+    for _ in range(200):
+        drafter_round(flat, accepted=0, feature=0.95)
+    assert flat.calibrated(0.95) < 0.1
+    assert drafted_length(flat, 0.95) < before
+    assert json.dumps(flat.state())
+
+
+def test_speculation_pauses_when_it_does_not_pay_and_is_retried():
+    # cheap blocks: even before any evidence the prior expects drafting to pay
+    assert ThroughputRule(CostProfile({1: 100.0, 16: 110.0}, drafter_ms_per_token=5.0)).plan() == (DRAFTER, 0)
+    rule = ThroughputRule(CostProfile({1: 100.0, 16: 400.0}, drafter_ms_per_token=30.0))
+    for _ in range(5):  # every drafter round commits one token for more than a plain step costs
+        drafter_round(rule, accepted=0)
+    assert rule.drafter_rate() < rule.plain_rate()
+    kinds = [rule.plan()[0] for _ in range(RETRY_ROUNDS + 1)]
+    assert kinds[:RETRY_ROUNDS] == [PLAIN] * RETRY_ROUNDS  # paused: plain target steps
+    assert kinds[RETRY_ROUNDS] == DRAFTER  # retried after RETRY_ROUNDS plain rounds
+    # a drafter that pays is kept
+    good = ThroughputRule(CostProfile({1: 100.0, 16: 110.0}, drafter_ms_per_token=5.0))
+    for _ in range(5):
+        drafter_round(good, accepted=4, drafted=4)
+    assert good.drafter_rate() > good.plain_rate()
+    assert {good.plan()[0] for _ in range(40)} == {DRAFTER}
+
+
+def test_lookup_drafts_are_chosen_by_expected_tokens_per_cost():
+    rule = ThroughputRule(CostProfile({1: 100.0, 16: 104.0}, drafter_ms_per_token=10.0))
+    for _ in range(5):  # the drafter: 2 tokens for ~125 ms
+        drafter_round(rule, accepted=1)
+    found = LookupDraft(list(range(12)), 4, "context")
+    for _ in range(30):  # long context matches are almost always right
+        rule.observe_lookup("context", 4, proposed=12, accepted=12)
+    kind, n = rule.plan(found)
+    assert (kind, n) == (LOOKUP, 12)
+    for _ in range(200):  # history matches of length 2 are always wrong
+        rule.observe_lookup("history", 2, proposed=4, accepted=0)
+    assert rule.plan(LookupDraft([1, 2, 3], 2, "history"))[0] == DRAFTER
+    assert rule.lookup_acceptance("history", 2) < 0.05 and rule.lookup_acceptance("context", 4) > 0.9
+
+
+def test_rule_refits_when_the_drafter_changes():
+    rule = ThroughputRule(CostProfile({1: 100.0, 16: 400.0}, drafter_ms_per_token=30.0))
+    for _ in range(100):
+        drafter_round(rule, accepted=0, feature=0.85)
+    stale = rule.calibrated(0.85)
+    for _ in range(RETRY_ROUNDS):
+        assert rule.plan()[0] == PLAIN
+    rule.drafter_changed()
+    assert rule.calibrated(0.85) > stale  # most of the old drafter's evidence is gone
+    assert rule.plan()[0] == DRAFTER  # and the new drafter is tried at once
+    for _ in range(6):  # the new drafter is right: the rule believes it within a few rounds
+        drafter_round(rule, accepted=2, feature=0.85)
+    assert rule.calibrated(0.85) > 0.5
+
+
+def test_calibration_round_trips_and_rejects_what_does_not_fit():
+    rule = ThroughputRule(FLAT)
+    drafter_round(rule, accepted=1)
+    rule.observe_lookup("history", 3, proposed=5, accepted=2)
+    saved = json.loads(json.dumps(rule.calibration()))
+    again = ThroughputRule(FLAT)
+    again.load_calibration(saved)
+    assert again.calibration() == rule.calibration()
+    assert again.drafter_rate() == pytest.approx(rule.drafter_rate())
+    for bad in ({}, {"version": 1}, {**saved, "tables": {"confidence": {"accepted": [1], "seen": [1]}}},
+                {**saved, "rate": "fast"}):
+        with pytest.raises(ValueError, match="does not fit"):
+            ThroughputRule(FLAT).load_calibration(bad)
+
+
+# -- model-free lookups ---------------------------------------------------------------------------
+def test_ngram_lookup_finds_the_most_recent_continuation_of_the_longest_match():
+    index = NgramLookup(min_n=2, max_n=3)
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3])
+    # the suffix (1, 2, 3) occurred before, followed by 4 9 2 ...; (2, 3) most recently by 5 6
+    assert index.lookup([1, 2, 3], 3) == (3, [4, 9, 2])
+    assert index.lookup([7, 2, 3], 2) == (2, [5, 6])
+    assert index.lookup([7, 8], 4) == (0, [])
+    assert index.lookup([2, 3], 0) == (0, [])
+    index.extend([SEPARATOR, 7, 7])
+    assert index.lookup([5, 6], 5) == (2, [1, 2, 3])  # never across a separator
+    assert index.lookup([3, 7], 2) == (0, [])  # no n-gram spans a separator
+
+
+def test_lookup_drafter_prefers_this_generation_and_keeps_a_bounded_history():
+    lookup = LookupDrafter(capacity=12, min_n=2, max_n=3)
+    lookup.start([1, 2, 3, 4])
+    lookup.commit([5, 1, 2])
+    assert lookup.propose(4) == LookupDraft([3, 4, 5, 1], 2, "context")
+    lookup.finish()
+    assert lookup.history.tokens == [1, 2, 3, 4, 5, 1, 2]
+    lookup.start([8, 9, 1, 2])
+    assert lookup.propose(2) == LookupDraft([3, 4], 2, "history")
+    lookup.start([1, 2, 7, 1, 2])  # both know (1, 2): this generation's continuation wins
+    assert lookup.propose(3) == LookupDraft([7, 1, 2], 2, "context")
+    lookup.start([8, 4, 5])  # only the history knows what followed (4, 5)
+    assert lookup.propose(3) == LookupDraft([1, 2], 2, "history")
+    lookup.commit([6, 6])
+    lookup.finish()  # 7 + 1 + 5 > 12: the oldest generation goes
+    assert lookup.history.tokens == [8, 4, 5, 6, 6]
+    lookup.remember(list(range(30)))  # a generation longer than the capacity keeps its end
+    assert lookup.history.tokens == list(range(18, 30))
+    saved = lookup.history_tensor()
+    fresh = LookupDrafter(capacity=12, min_n=2, max_n=3)
+    fresh.load_history(saved, vocab_size=64)
+    assert fresh.history.tokens == lookup.history.tokens
+    with pytest.raises(ValueError, match="outside"):
+        fresh.load_history(saved, vocab_size=10)
+    with pytest.raises(ValueError, match="int32"):
+        fresh.load_history(saved.long(), vocab_size=64)
+
+
+# -- decoding with the rule and lookups (tiny models) ---------------------------------------------
+REPETITIVE = [
+    "def alpha_3(beta, gamma):\n    \"\"\"Return beta + gamma.\"\"\"\n    alpha = beta + gamma\n    return alpha\n\n"
+    "def alpha_4(beta, gamma):\n",
+    "def total_1(index, value):\n    total = index * value\n    return total\n\ndef total_2(index, value):\n",
+    "x = 1\n",
+    "def items_9(count, result):\n    items = count // result\n",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = build_pair()
+    p.target.double()  # exact-enough arithmetic: block verification never flips a near-tie
+    return p
+
+
+@pytest.fixture(scope="module")
+def bridge(pair):
+    return VocabBridge.from_tokenizers(pair.draft_tokenizer, pair.target_tokenizer,
+                                       pair.drafter.config.vocab_size, pair.target.config.vocab_size)
+
+
+def spd(pair, bridge, profile: CostProfile, lookup: LookupDrafter | None = None) -> CrossVocabDecoder:
+    return CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, pair.target, bridge, NgramCache(),
+                             expand_map=build_expand_map(bridge, pair.target_tokenizer),
+                             target_tokenizer=pair.target_tokenizer, rule=ThroughputRule(profile),
+                             lookup=lookup if lookup is not None else LookupDrafter())
+
+
+@pytest.mark.parametrize("profile", [
+    CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0),  # speculation pays: drafter and lookups
+    CostProfile({1: 10.0, 2: 20.0, 16: 160.0}, 30.0),  # it never pays: plain steps
+])
+def test_greedy_output_identical_with_lookups_and_plain_steps(pair, bridge, profile):
+    decoder = spd(pair, bridge, profile)
+    ar = TargetOnlyDecoder(pair.target, bridge)
+    kinds = collections.Counter()
+    for _ in range(2):  # the second pass can also look up the first pass's outputs (history)
+        for prompt in REPETITIVE:
+            ids = pair.target_tokenizer.encode(prompt)
+            config = GenerationConfig(max_new_tokens=40)
+            expected = ar.generate(ids, config)
+            got = decoder.generate(prompt, ids, config)
+            assert got.token_ids == expected.token_ids, prompt
+            assert got.finish_reason == expected.finish_reason
+            s = got.stats
+            kinds.update(lookup=s.lookup_rounds, plain=s.plain_rounds,
+                         drafter=s.target_calls - s.lookup_rounds - s.plain_rounds)
+    if profile.target_cost(2) < 2 * profile.target_cost(1):
+        assert kinds["lookup"] > 0 and kinds["drafter"] > 0
+    else:
+        assert kinds["plain"] > kinds["drafter"] and kinds["lookup"] == 0
+
+
+def test_decisions_do_not_depend_on_the_clock(pair, bridge, monkeypatch):
+    """The rule decides from the profile and counts alone: with the clock perturbed, the same
+    inputs take the same rounds."""
+    profile = CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0, round_overhead_ms=3.0, step_overhead_ms=1.0)
+
+    def run() -> list[dict]:
+        decoder = spd(pair, bridge, profile)
+        out = []
+        for prompt in REPETITIVE:
+            r = decoder.generate(prompt, pair.target_tokenizer.encode(prompt), GenerationConfig(max_new_tokens=40))
+            counts = {k: v for k, v in r.stats.to_dict().items() if k not in ("wall_s", "tokens_per_s")}
+            out.append({**counts, "ids": r.token_ids})
+        return out
+
+    first = run()
+    noise = iter(torch.rand(100000, generator=torch.Generator().manual_seed(0)).tolist())
+    monkeypatch.setattr(decoding.time, "perf_counter", lambda: next(noise) * 1e3)
+    assert run() == first
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_with_lookup_drafts_follows_the_target_distribution(pair, bridge, temperature, top_p):
+    """Total variation between the empirical first-token distribution and the exact target
+    distribution stays within sampling noise when the first position is verified against a
+    model-free draft (2000 samples)."""
+    prompt = "def total_1(index, value):\n    total = index * value\n    return total\n\ndef total_2(index,"
+    ids = pair.target_tokenizer.encode(prompt)
+    with torch.inference_mode():
+        logits = pair.target(input_ids=torch.tensor([ids])).logits[0, -1:].float()
+    exact = warp(logits.masked_fill(bridge.target_invalid_mask[: logits.shape[-1]], float("-inf")),
+                 temperature, top_p)[0]
+    # verifying blocks is free and the drafter is slow: lookups are worth proposing
+    profile = CostProfile({1: 10.0, 16: 10.5}, drafter_ms_per_token=50.0)
+    decoder = spd(pair, bridge, profile, LookupDrafter(capacity=0))
+    drafter_round(decoder.rule, accepted=0)  # the drafter has been seen not to pay
+    n, counts, lookup_rounds = 2000, collections.Counter(), 0
+    for seed in range(n):
+        config = GenerationConfig(max_new_tokens=2, temperature=temperature, top_p=top_p, seed=seed)
+        out = decoder.generate(prompt, ids, config)
+        counts[out.token_ids[0]] += 1
+        lookup_rounds += out.stats.lookup_rounds
+    assert lookup_rounds == n  # every first position was verified against a lookup
+    assert_follows(counts, exact)
