@@ -94,8 +94,11 @@ class DeviceSession:
         e = self.engine
         head = self.head if self.head is not None and self.head.ready else None
         runner = self.adapters.runner()
+        profile = e.cost_profile(runner)  # the drafter's costs follow its adapter's rank
+        if self.rule is not None and self.rule.profile is not profile:
+            self.rule.use_profile(profile)
         if self.rule is None:
-            self.rule = ThroughputRule(e.cost_profile(runner))
+            self.rule = ThroughputRule(profile)
             if self._saved_rule:
                 try:
                     self.rule.load_calibration(self._saved_rule)

@@ -40,7 +40,9 @@ again, so a pause costs at most one unpaid drafter round in ``RETRY_ROUNDS``.
 received, another adapter) keeps only ``REFIT_KEEP`` of the drafter's evidence (acceptance per
 bucket, at most ``REFIT_CAP`` observations each; the rate of its rounds) and retries it at the next plain round, so the rule re-fits within a
 few rounds instead of averaging over drafters that no longer exist. Model-free acceptance does
-not depend on the drafter and is kept. Even without a change, a bucket keeps at most
+not depend on the drafter and is kept. A trained adapter's low-rank path makes every drafter
+step dearer: the device session hands the rule the drafter costs measured at the adapter's
+rank (``use_profile``). Even without a change, a bucket keeps at most
 ``MAX_EVIDENCE`` observations' worth (older ones fade), so a slow drift is followed too.
 """
 
@@ -117,10 +119,8 @@ class ThroughputRule:
     """The throughput rule of one (drafter, target) pair on one machine (module docstring)."""
 
     def __init__(self, profile: CostProfile, max_block: int = 64) -> None:
-        self.profile = profile
-        self.drafter_ms = profile.drafter_ms_per_token
-        self.overhead_ms = profile.round_overhead_ms  # o of a drafter round
-        self.step_overhead_ms = profile.step_overhead_ms  # o of a plain or model-free round
+        self._max_block = max_block
+        self.use_profile(profile)
         # per-token acceptance of drafted tokens, by the drafter's confidence or the head's output
         self.tables = {"confidence": AcceptanceTable(_confidence_prior()),
                        "head": AcceptanceTable(_confidence_prior())}
@@ -139,10 +139,18 @@ class ThroughputRule:
         self._rate_ms = PRIOR_ROUNDS * prior_ms
         self.plain_streak = 0  # plain rounds since the drafter last ran
         self.rounds = {PLAIN: 0, LOOKUP: 0, DRAFTER: 0}
-        # T(block) is looked up per drafted token: precompute on a grid of block sizes
-        self._cost = [profile.target_cost(1 + 0.25 * i) for i in range(4 * max_block + 1)]
-        self._max = len(self._cost) - 1
         self.begin()
+
+    def use_profile(self, profile: CostProfile) -> None:
+        """Decide from ``profile``'s costs from now on (another drafter cost: an adapter of
+        another rank). The counted evidence is kept; ``drafter_changed`` decays it."""
+        self.profile = profile
+        self.drafter_ms = profile.drafter_ms_per_token
+        self.overhead_ms = profile.round_overhead_ms  # o of a drafter round
+        self.step_overhead_ms = profile.step_overhead_ms  # o of a plain or model-free round
+        # T(block) is looked up per drafted token: precompute on a grid of block sizes
+        self._cost = [profile.target_cost(1 + 0.25 * i) for i in range(4 * self._max_block + 1)]
+        self._max = len(self._cost) - 1
 
     # -- costs -----------------------------------------------------------------------------------
     def _target_ms(self, block: float) -> float:

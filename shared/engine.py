@@ -10,7 +10,7 @@ the forwards it times while decoding check that profile (``check_profile``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -63,6 +63,8 @@ class Engine:
     drafter_weights: str = "int8"
     precision: str = "fp32"
     _profile: CostProfile | None = field(default=None, repr=False)
+    _profiled_drafter: object = field(default=None, repr=False)  # the runner the profile timed ...
+    _profiled_rank: int = field(default=0, repr=False)  # ... and the rank of its adapter then
     _rule: ThroughputRule | None = field(default=None, repr=False)
     # model-free drafts over this engine's generations (None: off; a device session keeps its own)
     lookup: LookupDrafter | None = field(default_factory=LookupDrafter, repr=False)
@@ -117,9 +119,11 @@ class Engine:
     def cost_profile(self, drafter_runner=None, refresh: bool = False) -> CostProfile:
         """This machine's measured costs for the pair (cached on disk per machine, model and
         precision; measured on first use, or again with ``refresh``). ``drafter_runner`` is the
-        runner that drafts (default: the base drafter's)."""
+        runner that drafts (default: the base drafter's); when it drafts with an adapter of
+        another rank than the runner profiled so far, the drafter's costs are those of that rank
+        (an adapter's low-rank path is paid on every drafter step)."""
+        runner = drafter_runner if drafter_runner is not None else self.drafter_runner
         if self._profile is None or refresh:
-            runner = drafter_runner if drafter_runner is not None else self.drafter_runner
             target_ms = profiling.target_costs(self.target_runner, self.target.path, self.precision,
                                                runner_backend(self.target_runner), refresh=refresh)
             drafter_ms = profiling.drafter_cost(runner, self.drafter.path, runner_backend(runner), refresh=refresh)
@@ -128,7 +132,11 @@ class Engine:
                                         lambda: self._measure_overheads(runner, profile), refresh)
             profile.round_overhead_ms = float(overhead["round_ms"])
             profile.step_overhead_ms = float(overhead["step_ms"])
-            self._profile = profile
+            self._profile, self._profiled_drafter, self._profiled_rank = profile, runner, _lora_rank(runner)
+        elif _lora_rank(runner) != self._profiled_rank:
+            drafter_ms = profiling.drafter_cost(runner, self.drafter.path, runner_backend(runner))
+            self._profile = replace(self._profile, drafter_ms_per_token=drafter_ms[1], drafter_block_ms=drafter_ms)
+            self._profiled_drafter, self._profiled_rank = runner, _lora_rank(runner)
         return self._profile
 
     def _overhead_key(self, runner) -> dict:
@@ -172,9 +180,9 @@ class Engine:
             return {"steps": {}, "stale": False}
         report = self.timings.check(self._profile)
         if report["stale"]:
-            drafter = self.drafter_runner
+            drafter = self._profiled_drafter
             for key in (profiling.target_key(self.target.path, self.precision, runner_backend(self.target_runner)),
-                        profiling.drafter_key(self.drafter.path, runner_backend(drafter)),
+                        profiling.drafter_key(self.drafter.path, runner_backend(drafter), self._profiled_rank),
                         self._overhead_key(drafter)):
                 profiling.forget(key)
         return report
@@ -224,3 +232,8 @@ class Engine:
         if method == "omnidraft":
             return self.omnidraft(translate).generate(text, ids, config)
         raise ValueError(f"unknown method {method!r}: choose omnidraft or ar")
+
+
+def _lora_rank(runner) -> int:
+    """The rank of the adapter a drafting runner applies beside its weights (0: none)."""
+    return int(getattr(runner, "lora_rank", 0) or 0)

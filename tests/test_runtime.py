@@ -19,7 +19,7 @@ from omnidraft.shared.fast_drafter import NATIVE_ISAS, FastLlamaRunner, native_e
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.model_runner import ModelRunner
 from omnidraft.shared.ngram_cache import NgramCache
-from omnidraft.shared.precision import build_target_runner, precision_name, quantize_linear_int8
+from omnidraft.shared.precision import build_target_runner, precision_name, quantize_linear_int8, runner_backend
 from omnidraft.shared.profiling import CostProfile
 from omnidraft.shared.tiny_models import build_pair
 from omnidraft.shared.vocab_bridge import VocabBridge
@@ -294,6 +294,36 @@ def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path
     again._saved_rule, again.rule = {"tables": {"confidence": [1.0]}}, None
     again.decoder()
     assert again.problems and again.rule.calibration() == fresh
+
+
+def test_the_rule_pays_for_the_adapter_the_drafter_runs(tmp_path, monkeypatch):
+    """A trained adapter's low-rank path costs time on every drafter step: the session's rule
+    switches to the drafter costs measured with that rank (cached per rank), and the profile
+    check compares in-use steps with them."""
+    import torch
+    from omnidraft.client.session import DeviceSession
+
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
+    build_pair(tmp_path / "pair")
+    engine = Engine.load(str(tmp_path / "pair" / "drafter"), str(tmp_path / "pair" / "target"), "fp64",
+                         drafter_weights="fp32", progress=False)
+    session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
+    session.decoder()
+    base = session.rule.profile
+    assert session.adapters.runner().lora_rank == 0  # an untrained adapter drafts as the base model
+    with torch.no_grad():  # what an update does: the adapter's B matrices move off zero
+        for name, param in session.adapters.peft.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.01)
+    session.adapters.invalidate()
+    session.drafter_changed()
+    session.generate(PROMPTS[0], GenerationConfig(max_new_tokens=8), learn=False)
+    rank = session.adapters.runner().lora_rank
+    assert rank > 0 and session.rule.profile is not base
+    key = profiling.drafter_key(engine.drafter.path, runner_backend(session.adapters.runner()), rank)
+    assert key["lora_rank"] == rank and profiling.forget(key)  # measured and cached under its rank
+    assert session.rule.drafter_ms == session.rule.profile.drafter_ms_per_token
+    assert session.rule.profile.target_ms == base.target_ms  # the target's costs are unchanged
 
 
 def test_instruction_set_overrides(monkeypatch):
