@@ -119,10 +119,10 @@ class Engine:
     def cost_profile(self, drafter_runner=None, refresh: bool = False) -> CostProfile:
         """This machine's measured costs for the pair (cached on disk per machine, model and
         precision; measured on first use, or again with ``refresh``). ``drafter_runner`` is the
-        runner that drafts (default: the base drafter's); when it drafts with an adapter of
-        another rank than the runner profiled so far, the drafter's costs are those of that rank
-        (an adapter's low-rank path is paid on every drafter step)."""
-        runner = drafter_runner if drafter_runner is not None else self.drafter_runner
+        runner that drafts (default: the one profiled last, else the base drafter's); when it
+        drafts with an adapter of another rank than the runner profiled so far, the drafter's
+        costs are those of that rank (an adapter's low-rank path is paid on every drafter step)."""
+        runner = drafter_runner if drafter_runner is not None else (self._profiled_drafter or self.drafter_runner)
         if self._profile is None or refresh:
             target_ms = profiling.target_costs(self.target_runner, self.target.path, self.precision,
                                                runner_backend(self.target_runner), refresh=refresh)

@@ -324,6 +324,7 @@ def test_the_rule_pays_for_the_adapter_the_drafter_runs(tmp_path, monkeypatch):
     assert key["lora_rank"] == rank and profiling.forget(key)  # measured and cached under its rank
     assert session.rule.drafter_ms == session.rule.profile.drafter_ms_per_token
     assert session.rule.profile.target_ms == base.target_ms  # the target's costs are unchanged
+    assert engine.cost_profile() is session.rule.profile  # a report reads the costs in use
 
 
 def test_instruction_set_overrides(monkeypatch):
