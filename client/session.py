@@ -97,7 +97,7 @@ class DeviceSession:
         profile = e.cost_profile(runner)  # the drafter's costs follow its adapter's rank
         if self.rule is not None and self.rule.profile is not profile:
             self.rule.use_profile(profile)
-        if self.rule is None:
+        elif self.rule is None:
             self.rule = ThroughputRule(profile)
             if self._saved_rule:
                 try:

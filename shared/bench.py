@@ -257,14 +257,10 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
         summary[m] = entry
     fastest_llama = max((m for m in LLAMACPP_METHODS if m in summary and summary[m]["tokens_per_s"]),
                         key=lambda m: summary[m]["tokens_per_s"], default=None)
-    if fastest_llama is not None:
-        for entry in summary.values():
-            entry["speedup_vs_best_llamacpp"] = (entry["tokens_per_s"] / summary[fastest_llama]["tokens_per_s"]
-                                                 if entry["tokens_per_s"] else None)
-    for base in ("ar", "llamacpp"):
+    for name, base in (("ar", "ar"), ("llamacpp", "llamacpp"), ("best_llamacpp", fastest_llama)):
         if base in summary and summary[base]["tokens_per_s"]:
             for entry in summary.values():
-                entry[f"speedup_vs_{base}"] = (entry["tokens_per_s"] / summary[base]["tokens_per_s"]
+                entry[f"speedup_vs_{name}"] = (entry["tokens_per_s"] / summary[base]["tokens_per_s"]
                                                if entry["tokens_per_s"] else None)
     if "ar" in summary and config.greedy:
         for m, entry in summary.items():

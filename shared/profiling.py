@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,12 +57,6 @@ def _time_block(runner, context: int, block: int, repeats: int) -> float:
     return best * 1000
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-
-
 @torch.inference_mode()
 def measure_block_ms(runner, blocks: tuple[int, ...] | list[int], repeats: int = 5,
                      trials: int = TRIALS, max_trials: int = MAX_TRIALS) -> dict[int, float]:
@@ -87,7 +82,7 @@ def measure_block_ms(runner, blocks: tuple[int, ...] | list[int], repeats: int =
             samples[b].append(_time_block(runner, context, b, repeats))
         if trial + 1 >= trials and all(max(v) <= SPREAD_LIMIT * min(v) for v in samples.values()):
             break
-    return {b: _median(v) for b, v in samples.items()}
+    return {b: statistics.median(v) for b, v in samples.items()}
 
 
 def cpu_name() -> str:
@@ -307,9 +302,9 @@ class StepTimings:
         rows = {}
         for block, samples in sorted(self.target.items()):
             if len(samples) >= min_samples:
-                rows[f"target:{block}"] = (_median(samples), profile.target_cost(block), len(samples))
+                rows[f"target:{block}"] = (statistics.median(samples), profile.target_cost(block), len(samples))
         if len(self.drafter_steps) >= min_samples:
-            rows["drafter:1"] = (_median(self.drafter_steps), profile.drafter_ms_per_token, len(self.drafter_steps))
+            rows["drafter:1"] = (statistics.median(self.drafter_steps), profile.drafter_ms_per_token, len(self.drafter_steps))
         out = {name: {"in_use_ms": round(used, 2), "profile_ms": round(cached, 2), "samples": n,
                       "ratio": round(used / cached, 3) if cached > 0 else None}
                for name, (used, cached, n) in rows.items()}
