@@ -94,7 +94,7 @@ class DeviceSession:
         e = self.engine
         head = self.head if self.head is not None and self.head.ready else None
         runner = self.adapters.runner()
-        profile = e.cost_profile(runner)  # the drafter's costs follow its adapter's rank
+        profile = e.cost_profile(runner)
         if self.rule is not None and self.rule.profile is not profile:
             self.rule.use_profile(profile)
         elif self.rule is None:

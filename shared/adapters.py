@@ -5,10 +5,11 @@ target; ``activate(target)`` switches between them without reloading the drafter
 active adapter's LoRA matrices require gradients (the base weights and the LM head stay frozen).
 
 Drafting runs on ``FastLlamaRunner`` kernels (int8 or bf16 weights): the base weights are
-packed once and each adapter runs beside them as a float32 low-rank path
-(``FastLlamaRunner.set_lora``), as peft computes it, never merged into the packed weights.
-Switching devices or adapters, or taking an update, costs a copy of the LoRA matrices (~12 ms
-for rank 8 on SmolLM2-135M), not a re-packing (~1 s).
+packed once; a trained adapter is merged into its own runner's weights (``W + B A``,
+``FastLlamaRunner.set_lora``), so a drafter step costs the same with an adapter of any rank as
+without one. Taking an update, a received state or a switch to another device's adapter
+re-packs that runner once (~0.4 s for SmolLM2-135M on 2 cores); an untrained adapter drafts on
+the shared base packing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 from peft.tuners.lora import LoraLayer
 
 from omnidraft.shared.fast_drafter import FastLlamaRunner
+from omnidraft.shared.precision import build_drafter_runner
 from omnidraft.shared.model_runner import ModelRunner
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -192,17 +194,17 @@ class DrafterAdapters:
 
     @torch.no_grad()
     def runner(self):
-        """The drafting runner for the active adapter. Llama drafters draft on one
-        ``FastLlamaRunner`` packing of the base weights (built once) with each adapter as an
-        unquantized low-rank path (``set_lora``); each adapter has its own KV cache (a fork).
-        Other drafters run the peft model itself."""
+        """The drafting runner for the active adapter. Llama drafters draft on ``FastLlamaRunner``
+        forks of one base packing (built once), each adapter merged into its own runner's
+        weights once trained (``set_lora``), each with its own KV cache. Other drafters run the
+        peft model itself."""
         name = self.active
         if name not in self._fresh:
             if self.drafter_weights == "hf" or self.model.config.model_type != "llama":
                 self._runners[name] = ModelRunner(self.peft)  # plain transformers forward applies the adapter
             else:
                 if self._base is None:
-                    self._base = FastLlamaRunner(self.peft.get_base_model(), weights=self.drafter_weights)
+                    self._base = build_drafter_runner(self.peft.get_base_model(), self.drafter_weights)
                 runner = self._runners.get(name) or self._base.fork()
                 runner.set_lora(self.lora_layers(name))
                 self._runners[name] = runner

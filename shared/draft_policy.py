@@ -40,9 +40,8 @@ again, so a pause costs at most one unpaid drafter round in ``RETRY_ROUNDS``.
 received, another adapter) keeps only ``REFIT_KEEP`` of the drafter's evidence (acceptance per
 bucket, at most ``REFIT_CAP`` observations each; the rate of its rounds) and retries it at the next plain round, so the rule re-fits within a
 few rounds instead of averaging over drafters that no longer exist. Model-free acceptance does
-not depend on the drafter and is kept. A trained adapter's low-rank path makes every drafter
-step dearer: the device session hands the rule the drafter costs measured at the adapter's
-rank (``use_profile``). Even without a change, a bucket keeps at most
+not depend on the drafter and is kept (an adapter is merged into the drafter's weights, so its
+costs do not change). Even without a change, a bucket keeps at most
 ``MAX_EVIDENCE`` observations' worth (older ones fade), so a slow drift is followed too.
 """
 
@@ -142,8 +141,8 @@ class ThroughputRule:
         self.begin()
 
     def use_profile(self, profile: CostProfile) -> None:
-        """Decide from ``profile``'s costs from now on (another drafter cost: an adapter of
-        another rank). The counted evidence is kept; ``drafter_changed`` decays it."""
+        """Decide from ``profile``'s costs from now on (a re-measured profile). The counted
+        evidence is kept."""
         self.profile = profile
         self.drafter_ms = profile.drafter_ms_per_token
         self.overhead_ms = profile.round_overhead_ms  # o of a drafter round

@@ -19,7 +19,7 @@ from omnidraft.shared import catalog, model_runner, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.draft_policy import ThroughputRule
 from omnidraft.shared.precision import (
-    build_target_runner, load_dtype, precision_name, quantize_linear_int8, runner_backend,
+    build_drafter_runner, build_target_runner, load_dtype, precision_name, quantize_linear_int8, runner_backend,
 )
 from omnidraft.shared.lookup_drafts import LookupDrafter
 from omnidraft.shared.profiling import CostProfile, StepTimings
@@ -63,8 +63,7 @@ class Engine:
     drafter_weights: str = "int8"
     precision: str = "fp32"
     _profile: CostProfile | None = field(default=None, repr=False)
-    _profiled_drafter: object = field(default=None, repr=False)  # the runner the profile timed ...
-    _profiled_rank: int = field(default=0, repr=False)  # ... and the rank of its adapter then
+    _profiled_drafter: object = field(default=None, repr=False)  # the runner the profile timed
     _rule: ThroughputRule | None = field(default=None, repr=False)
     # model-free drafts over this engine's generations (None: off; a device session keeps its own)
     lookup: LookupDrafter | None = field(default_factory=LookupDrafter, repr=False)
@@ -119,9 +118,8 @@ class Engine:
     def cost_profile(self, drafter_runner=None, refresh: bool = False) -> CostProfile:
         """This machine's measured costs for the pair (cached on disk per machine, model and
         precision; measured on first use, or again with ``refresh``). ``drafter_runner`` is the
-        runner that drafts (default: the one profiled last, else the base drafter's); when it
-        drafts with an adapter of another rank than the runner profiled so far, the drafter's
-        costs are those of that rank (an adapter's low-rank path is paid on every drafter step)."""
+        runner that drafts (default: the one profiled last, else the base drafter's); an adapter
+        is merged into its runner's weights, so one drafter cost holds for every adapter."""
         runner = drafter_runner if drafter_runner is not None else (self._profiled_drafter or self.drafter_runner)
         if self._profile is None or refresh:
             target_ms = profiling.target_costs(self.target_runner, self.target.path, self.precision,
@@ -132,11 +130,7 @@ class Engine:
                                         lambda: self._measure_overheads(runner, profile), refresh)
             profile.round_overhead_ms = float(overhead["round_ms"])
             profile.step_overhead_ms = float(overhead["step_ms"])
-            self._profile, self._profiled_drafter, self._profiled_rank = profile, runner, _lora_rank(runner)
-        elif _lora_rank(runner) != self._profiled_rank:
-            drafter_ms = profiling.drafter_cost(runner, self.drafter.path, runner_backend(runner))
-            self._profile = replace(self._profile, drafter_ms_per_token=drafter_ms[1], drafter_block_ms=drafter_ms)
-            self._profiled_drafter, self._profiled_rank = runner, _lora_rank(runner)
+            self._profile, self._profiled_drafter = profile, runner
         return self._profile
 
     def _overhead_key(self, runner) -> dict:
@@ -182,7 +176,7 @@ class Engine:
         if report["stale"]:
             drafter = self._profiled_drafter
             for key in (profiling.target_key(self.target.path, self.precision, runner_backend(self.target_runner)),
-                        profiling.drafter_key(self.drafter.path, runner_backend(drafter), self._profiled_rank),
+                        profiling.drafter_key(self.drafter.path, runner_backend(drafter)),
                         self._overhead_key(drafter)):
                 profiling.forget(key)
         return report
@@ -193,7 +187,7 @@ class Engine:
         adapter's runner instead and never needs this one)."""
         model = self.drafter.model
         if self.drafter_weights != "hf" and model.config.model_type == "llama":
-            return FastLlamaRunner(model, weights=self.drafter_weights)
+            return build_drafter_runner(model, self.drafter_weights)
         return ModelRunner(model)
 
     def seed_cache(self) -> int:
@@ -233,7 +227,3 @@ class Engine:
             return self.omnidraft(translate).generate(text, ids, config)
         raise ValueError(f"unknown method {method!r}: choose omnidraft or ar")
 
-
-def _lora_rank(runner) -> int:
-    """The rank of the adapter a drafting runner applies beside its weights (0: none)."""
-    return int(getattr(runner, "lora_rank", 0) or 0)

@@ -63,6 +63,7 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -208,8 +209,7 @@ class _FdModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("D", "H", "KV", "HD", "I", "L", "maxpos", "n_qkv", "n_head")] + [
         ("eps", ctypes.c_float), ("layer_ptrs", ctypes.c_void_p), ("head_ptrs", ctypes.c_void_p),
         ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("cos_t", ctypes.c_void_p),
-        ("sin_t", ctypes.c_void_p), ("act8", ctypes.c_int32), ("lora_r", ctypes.c_int32),
-        ("lora_ptrs", ctypes.c_void_p)]
+        ("sin_t", ctypes.c_void_p), ("act8", ctypes.c_int32)]
 
 
 @contextlib.contextmanager
@@ -254,42 +254,6 @@ def _make_linear(kind: str, w: torch.Tensor, b: torch.Tensor | None):
     raise ValueError(f"unknown weights kind {kind!r}: choose one of {', '.join(WEIGHT_KINDS)}")
 
 
-def _lora_piece(ab: tuple[torch.Tensor, torch.Tensor] | None, name: str, r: int, k: int, n: int,
-                gain: torch.Tensor | None, rows: torch.Tensor | None, mult: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Linear's LoRA matrices ``(A [r, k], B [n, r])`` folded like its packed weight: the
-    norm ``gain`` into A's inputs, the RoPE row permutation ``rows`` and the query scale
-    ``mult`` into B's outputs; zeros where the Linear has no adapter (``ab`` None)."""
-    if ab is None:
-        return torch.zeros(r, k), torch.zeros(n, r)
-    a, b = (t.detach().float() for t in ab)
-    if tuple(a.shape) != (r, k) or tuple(b.shape) != (n, r):
-        raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
-    return (a if gain is None else a * gain[None, :]), (b if rows is None else b[rows]) * mult
-
-
-def _fuse_lora(*pieces: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The pieces of a fused matrix as ``(A [pieces * r, in], Bt [r, out])``; None when no
-    piece has an adapter (every B zero)."""
-    if all(not bool(b.any()) for _, b in pieces):
-        return None
-    return (torch.cat([a for a, _ in pieces]).contiguous(),
-            torch.cat([b for _, b in pieces]).t().contiguous())
-
-
-def _lora_delta(ab: tuple[torch.Tensor, torch.Tensor], splits: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
-    """A fused matrix's LoRA term ``[m, sum(splits)]`` for inputs ``x`` [m, in]: row block
-    ``p`` (``splits[p]`` rows) uses the rank-r slice ``p`` of ``A x`` (see ``set_lora``)."""
-    a, bt = ab
-    t = x.float() @ a.t()
-    if len(splits) == 1:
-        return t @ bt
-    r, out, off = bt.shape[0], [], 0
-    for p, rows in enumerate(splits):
-        out.append(t[:, p * r:(p + 1) * r] @ bt[:, off:off + rows])
-        off += rows
-    return torch.cat(out, dim=1)
-
-
 def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor | None]:
     """Native int8 layout: [uint8 weights (q + 128) as [N/16][K/4][16][4], float scales per
     (row, group of 64 inputs) as [N/16][K/64][16], bias or None], with N padded to 16."""
@@ -310,6 +274,21 @@ def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor |
     return [packed, scales, bias]
 
 
+@dataclass(frozen=True)
+class _Packing:
+    """One set of packed decoder-layer weights: per torch kernel kind, per layer, the four fused
+    Linears (qkv, o, gate_up, down); for the native kernels, their buffers and the pointer table."""
+
+    torch_layers: dict[str, list[tuple[Callable, ...]]]
+    native_tensors: list[torch.Tensor]
+    layer_ptrs: torch.Tensor | None
+
+
+def _lora_deltas(mods: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A layer's LoRA matrices ``{name: (A [r, in], B [out, r])}`` as weight deltas ``B A`` [out, in]."""
+    return {name: b.detach().float() @ a.detach().float() for name, (a, b) in mods.items()}
+
+
 class FastLlamaRunner:
     """Incremental forward passes over one sequence for a Llama-architecture causal LM.
 
@@ -325,14 +304,18 @@ class FastLlamaRunner:
     available, True = require them, False = fbgemm); ``threads`` (native kernels; None = torch's
     setting at each call); ``activation_bits`` (native kernels: 16 = per-token 16-bit activations,
     two VPDPBUSD passes; 8 = 8-bit activations with a scale per token and 64 inputs, one pass:
-    about half the arithmetic for multi-token calls); ``native_isa`` (``"avx512"`` | ``"avx2"``;
+    about half the arithmetic for multi-token calls); ``prefill_activation_bits`` (native
+    kernels, calls with more than ``prefill_min_tokens`` tokens on the int8 kernels; None = as
+    ``activation_bits``; drafters use 8: their prompt prefill only fills the KV cache, so it
+    may be less exact, and it is ~1.6x faster); ``native_isa`` (``"avx512"`` | ``"avx2"``;
     None = ``default_native_isa()``). ``backend`` names the kernels in use.
     """
 
     def __init__(self, model, *, weights: str = "int8", max_positions: int = 4096,
                  vocab_rows: torch.Tensor | None = None, prefill_weights: str | None = "auto",
                  prefill_min_tokens: int = 16, native: bool | None = None,
-                 threads: int | None = None, activation_bits: int = 16, native_isa: str | None = None) -> None:
+                 threads: int | None = None, activation_bits: int = 16, native_isa: str | None = None,
+                 prefill_activation_bits: int | None = None) -> None:
         if weights not in WEIGHT_KINDS:
             raise ValueError(f"unknown weights kind {weights!r}: choose one of {', '.join(WEIGHT_KINDS)}")
         config = model.config
@@ -379,14 +362,17 @@ class FastLlamaRunner:
             if lib is None and native:
                 reason = native_error(native_isa) if dims_ok else "hidden/intermediate sizes must be multiples of 64"
                 raise RuntimeError(f"native int8 kernels unavailable: {reason}")
-        if activation_bits not in (8, 16):
+        prefill_activation_bits = prefill_activation_bits or activation_bits
+        if activation_bits not in (8, 16) or prefill_activation_bits not in (8, 16):
             raise ValueError("activation_bits must be 8 or 16")
         self._lib = lib
         self.activation_bits = activation_bits if lib else None
+        self._prefill_act8 = int(prefill_activation_bits == 8)
         self.native_isa = native_isa if lib else None
         self.backend = {"fp32": "torch-fp32", "bf16": "onednn-bf16" if onednn_bf16_linear() else "torch-bf16",
                         "int8": ("native-int8" + ("-avx2" if native_isa == "avx2" else "")
-                                 + ("-a8" if activation_bits == 8 else "")) if lib
+                                 + ("-a8" if activation_bits == 8 else "")
+                                 + ("-p8" if prefill_activation_bits == 8 and activation_bits != 8 else "")) if lib
                         else "fbgemm-int8"}[weights]
         torch_kinds = [k for k in [weights, prefill_weights] if k is not None and not (k == "int8" and lib)]
 
@@ -409,43 +395,12 @@ class FastLlamaRunner:
         perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
         q_perm = (torch.arange(self.n_heads)[:, None] * hd + perm[None, :]).reshape(-1)
         k_perm = (torch.arange(self.n_kv)[:, None] * hd + perm[None, :]).reshape(-1)
-        self._layers = {k: [] for k in torch_kinds}
         self._q_perm, self._k_perm = q_perm, k_perm
-        self._folds: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # per layer: norm gains (input, post-attention), query scale
-        self._lora: list[tuple[Callable | None, ...]] | None = None  # per layer: LoRA terms of (qkv, o, gate_up, down)
-        self._no_lora = [(None,) * 4] * self.num_layers
+        self._torch_kinds = torch_kinds
+        self._source_layers = decoder.layers  # the model's float weights (a reference): adapters merge into them
         self.lora_rank = 0
-        native_tensors: list[torch.Tensor] = []  # keeps the native buffers alive
-        layer_ptrs = []
-        for layer in decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            g_in = layer.input_layernorm.weight.detach().float()
-            g_post = layer.post_attention_layernorm.weight.detach().float()
-            scale = float(getattr(attn, "scaling", hd ** -0.5))
-            self._folds.append((g_in, g_post, scale))
-            wq = attn.q_proj.weight.detach().float()[q_perm] * scale
-            wk = attn.k_proj.weight.detach().float()[k_perm]
-            wv = attn.v_proj.weight.detach().float()
-            w_qkv = torch.cat([wq, wk, wv]) * g_in[None, :]
-            b_qkv = None
-            if attn.q_proj.bias is not None:
-                b_qkv = torch.cat([attn.q_proj.bias.detach().float()[q_perm] * scale,
-                                   attn.k_proj.bias.detach().float()[k_perm],
-                                   attn.v_proj.bias.detach().float()])
-            w_gu = torch.cat([mlp.gate_proj.weight.detach().float(),
-                              mlp.up_proj.weight.detach().float()]) * g_post[None, :]
-            b_gu = None
-            if mlp.gate_proj.bias is not None:
-                b_gu = torch.cat([mlp.gate_proj.bias.detach().float(), mlp.up_proj.bias.detach().float()])
-            mats = [(w_qkv, b_qkv), (attn.o_proj.weight, attn.o_proj.bias), (w_gu, b_gu),
-                    (mlp.down_proj.weight, mlp.down_proj.bias)]
-            for k in torch_kinds:
-                self._layers[k].append(tuple(_make_linear(k, w, b) for w, b in mats))
-            if lib is not None:
-                for w, b in mats:
-                    bufs = _pack_native(w, b)
-                    native_tensors += [t for t in bufs if t is not None]
-                    layer_ptrs += [0 if t is None else t.data_ptr() for t in bufs]
+        self._base_packing = self._pack_layers()
+        self._packing = self._base_packing
 
         # --- embeddings and (optionally pruned) LM head -------------------------------------
         self._embed = model.get_input_embeddings().weight.detach()
@@ -476,16 +431,14 @@ class FastLlamaRunner:
 
         if lib is not None:
             bufs = _pack_native(w_head, b_head)
-            native_tensors += [t for t in bufs if t is not None]
             head_ptrs = torch.tensor([0 if t is None else t.data_ptr() for t in bufs], dtype=torch.int64)
-            layer_ptrs = torch.tensor(layer_ptrs, dtype=torch.int64)
-            self._native_tensors = native_tensors + [layer_ptrs, head_ptrs]
+            self._head_tensors = [t for t in bufs if t is not None] + [head_ptrs]
             self._head_pad = bufs[0].shape[0] * 16
             n_qkv = (self.n_heads + 2 * self.n_kv) * hd
             self._fd = _FdModel(
                 D=self.hidden, H=self.n_heads, KV=self.n_kv, HD=hd, I=self.intermediate, L=self.num_layers,
                 maxpos=self._pos_pad, n_qkv=n_qkv + (-n_qkv % 16),
-                n_head=self._head_pad, eps=self.eps, layer_ptrs=layer_ptrs.data_ptr(),
+                n_head=self._head_pad, eps=self.eps, layer_ptrs=self._packing.layer_ptrs.data_ptr(),
                 head_ptrs=head_ptrs.data_ptr(), kcache=self._kcache.data_ptr(), vcache=self._vcache.data_ptr(),
                 cos_t=self._cos.data_ptr(), sin_t=self._sin.data_ptr(), act8=int(activation_bits == 8))
             self._fd_ref = ctypes.addressof(self._fd)
@@ -493,19 +446,79 @@ class FastLlamaRunner:
         self.forward_calls = 0
 
     # ------------------------------------------------------------------------------------------
+    def _layer_mats(self, layer, deltas: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """A decoder layer's four fused float32 matrices ``(weight, bias)`` (qkv, o, gate_up,
+        down) with the norm gains, the query scale and the RoPE row order folded in; each
+        Linear's weight plus its ``deltas[name]`` [out, in] where given (a merged adapter)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        hd = self.head_dim
+
+        def weight(parent, name: str) -> torch.Tensor:
+            w = getattr(parent, name).weight.detach().float()
+            return w + deltas[name] if name in deltas else w
+
+        def bias(parent, name: str) -> torch.Tensor | None:
+            b = getattr(getattr(parent, name), "bias", None)
+            return None if b is None else b.detach().float()
+
+        g_in = layer.input_layernorm.weight.detach().float()
+        g_post = layer.post_attention_layernorm.weight.detach().float()
+        scale = float(getattr(attn, "scaling", hd ** -0.5))
+        wq = weight(attn, "q_proj")[self._q_perm] * scale
+        wk = weight(attn, "k_proj")[self._k_perm]
+        w_qkv = torch.cat([wq, wk, weight(attn, "v_proj")]) * g_in[None, :]
+        b_qkv = None
+        if attn.q_proj.bias is not None:
+            b_qkv = torch.cat([bias(attn, "q_proj")[self._q_perm] * scale, bias(attn, "k_proj")[self._k_perm],
+                               bias(attn, "v_proj")])
+        w_gu = torch.cat([weight(mlp, "gate_proj"), weight(mlp, "up_proj")]) * g_post[None, :]
+        b_gu = None
+        if mlp.gate_proj.bias is not None:
+            b_gu = torch.cat([bias(mlp, "gate_proj"), bias(mlp, "up_proj")])
+        return [(w_qkv, b_qkv), (weight(attn, "o_proj"), bias(attn, "o_proj")), (w_gu, b_gu),
+                (weight(mlp, "down_proj"), bias(mlp, "down_proj"))]
+
+    def _pack_layers(self, layer_deltas: list[dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]] | None = None
+                     ) -> _Packing:
+        """Pack every decoder layer's weights (plus ``layer_deltas[i]``, see ``_layer_mats``)
+        for the kernels in use; ``layer_deltas`` may hold callables producing the deltas
+        (one layer's full-size deltas exist at a time)."""
+        torch_layers = {k: [] for k in self._torch_kinds}
+        native_tensors: list[torch.Tensor] = []
+        ptrs: list[int] = []
+        for i, layer in enumerate(self._source_layers):
+            deltas = {} if layer_deltas is None else layer_deltas[i]
+            mats = self._layer_mats(layer, deltas() if callable(deltas) else deltas)
+            for k in self._torch_kinds:
+                torch_layers[k].append(tuple(_make_linear(k, w, b) for w, b in mats))
+            if self._lib is not None:
+                for w, b in mats:
+                    bufs = _pack_native(w, b)
+                    native_tensors += [t for t in bufs if t is not None]
+                    ptrs += [0 if t is None else t.data_ptr() for t in bufs]
+        layer_ptrs = torch.tensor(ptrs, dtype=torch.int64) if self._lib is not None else None
+        return _Packing(torch_layers, native_tensors, layer_ptrs)
+
+    def _use_packing(self, packing: _Packing) -> None:
+        self._packing = packing
+        if self._lib is not None:
+            self._fd.layer_ptrs = packing.layer_ptrs.data_ptr()
+
     def set_lora(self, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] | None) -> None:
-        """Apply a LoRA adapter as a float32 low-rank path beside the packed base weights
-        (``y = W x + B (A x)``, as peft computes it): the packed weights never change, so
-        switching adapters costs a copy of the LoRA matrices, not a re-packing.
+        """Merge a LoRA adapter into this runner's weights and re-pack them (``W + B A``, as
+        peft's ``merge_adapter`` computes it, then quantized like the base weights): drafting
+        with an adapter costs exactly what the base model costs, whatever its rank. Re-packing
+        takes ~0.4 s for SmolLM2-135M on 2 cores, paid once per adapter change (a local update,
+        a received state, a switch), never per token.
         ``layers[i]`` maps a Linear's name in decoder layer ``i`` (``q_proj`` ... ``down_proj``)
         to ``(A [r, in], B [out, r])`` with the LoRA scaling already in ``B``; absent names have
-        no adapter. ``None`` removes the adapter. The KV cache is reset (its positions were
-        computed with the previous weights)."""
-        self.reset()
-        self._lora, self.lora_rank = None, 0
-        if self._lib is not None:
-            self._fd.lora_r, self._fd.lora_ptrs = 0, None
+        no adapter. ``None`` returns to the base weights (shared, no re-packing). The runner's
+        own packing never touches the base packing its forks share. The KV cache is reset (its
+        positions were computed with the previous weights)."""
         if layers is None:
+            self.reset()
+            self._use_packing(self._base_packing)
+            self.lora_rank = 0
             return
         if len(layers) != self.num_layers:
             raise ValueError(f"LoRA for {len(layers)} layers, the model has {self.num_layers}")
@@ -513,39 +526,30 @@ class FastLlamaRunner:
         if len(ranks) != 1:
             raise ValueError("LoRA matrices must share one rank")
         r = ranks.pop()
-        d, q_w, kv_w, inter = self.hidden, self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.intermediate
-        fused = []
-        for mods, (g_in, g_post, scale) in zip(layers, self._folds):
-            def piece(name, k, n, gain=None, rows=None, mult=1.0):
-                return _lora_piece(mods.get(name), name, r, k, n, gain, rows, mult)
-
-            fused.append((
-                _fuse_lora(piece("q_proj", d, q_w, g_in, self._q_perm, scale),
-                           piece("k_proj", d, kv_w, g_in, self._k_perm), piece("v_proj", d, kv_w, g_in)),
-                _fuse_lora(piece("o_proj", q_w, d)),
-                _fuse_lora(piece("gate_proj", d, inter, g_post), piece("up_proj", d, inter, g_post)),
-                _fuse_lora(piece("down_proj", inter, d))))
-        splits = ((q_w, kv_w, kv_w), (d,), (inter, inter), (d,))
-        # per layer, the torch paths' LoRA terms (they also keep the native path's matrices alive)
-        self._lora = [tuple(None if ab is None else partial(_lora_delta, ab, sp) for ab, sp in zip(mats, splits))
-                      for mats in fused]
+        for mods, layer in zip(layers, self._source_layers):  # shapes checked before anything is packed
+            for name, (a, b) in mods.items():
+                parent = layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp
+                if not hasattr(parent, name):
+                    raise ValueError(f"LoRA for unknown Linear {name!r}")
+                out_dim, in_dim = getattr(parent, name).weight.shape
+                if tuple(a.shape) != (r, in_dim) or tuple(b.shape) != (out_dim, r):
+                    raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
+        self.reset()
+        self._use_packing(self._pack_layers([partial(_lora_deltas, mods) for mods in layers]))
         self.lora_rank = r
-        if self._lib is not None:
-            ptrs = [t.data_ptr() if ab is not None else 0 for mats in fused for ab in mats for t in (ab or (None, None))]
-            self._lora_ptrs = torch.tensor(ptrs, dtype=torch.int64)
-            self._fd.lora_r, self._fd.lora_ptrs = r, self._lora_ptrs.data_ptr()
 
     def fork(self) -> FastLlamaRunner:
         """A runner sharing this one's packed base weights (no copy), with its own empty KV
-        cache and no adapter: one packing serves every adapter of the drafter."""
+        cache and no adapter: one base packing serves every adapter's runner until an adapter
+        is merged into it."""
         new = copy.copy(self)
         new._kcache, new._vcache = torch.zeros_like(self._kcache), torch.zeros_like(self._vcache)
-        new._lora, new.lora_rank, new._last_residual = None, 0, None
+        new._packing, new.lora_rank, new._last_residual = self._base_packing, 0, None
         new.length = new.forward_calls = 0
         if self._lib is not None:
             new._fd = _FdModel.from_buffer_copy(self._fd)
             new._fd.kcache, new._fd.vcache = new._kcache.data_ptr(), new._vcache.data_ptr()
-            new._fd.lora_r, new._fd.lora_ptrs = 0, None
+            new._fd.layer_ptrs = self._base_packing.layer_ptrs.data_ptr()
             new._fd_ref = ctypes.addressof(new._fd)
         return new
 
@@ -578,6 +582,7 @@ class FastLlamaRunner:
             h = h.float()
         if kind == "int8" and self._lib is not None:
             out = torch.empty(min(logits_to_keep, m) or m, self._head_pad)
+            self._fd.act8 = self._prefill_act8 if m > self.prefill_min_tokens else int(self.activation_bits == 8)
             rc = self._lib.fd_forward(self._fd_ref, m, h.data_ptr(), p, logits_to_keep, out.data_ptr(),
                                       self.threads or torch.get_num_threads())
             if rc != 0:
@@ -623,15 +628,11 @@ class FastLlamaRunner:
         positions = torch.arange(p, t)
         blk, lane = positions // 16, positions % 16
         nblk = -(-t // 16)
-        loras = self._lora or self._no_lora
-        for (f_qkv, f_o, f_gu, f_down), (l_qkv, l_o, l_gu, l_down), k_l, v_l in zip(
-                self._layers[kind], loras, self._kcache, self._vcache):
+        for (f_qkv, f_o, f_gu, f_down), k_l, v_l in zip(self._packing.torch_layers[kind], self._kcache, self._vcache):
             x = rms_norm(h, norm_shape, None, eps)
             qkv = f_qkv(x)
             if qkv.dtype != torch.float32:
                 qkv = qkv.float()
-            if l_qkv:
-                qkv.add_(l_qkv(x))
             # RoPE on the (pair-interleaved) q and k heads, in place
             torch.view_as_complex(qkv[:, : qk_heads * hd].view(m, qk_heads, hd // 2, 2)).mul_(cis)
             kv_new = qkv[:, q_width:]
@@ -651,17 +652,11 @@ class FastLlamaRunner:
             o = torch.bmm(probs, v_t)  # [n_kv, g*m, hd]
             o = o.view(n_kv, g, m, hd).permute(2, 0, 1, 3).reshape(m, q_width)
             h.add_(f_o(o))
-            if l_o:
-                h.add_(l_o(o))
             x = rms_norm(h, norm_shape, None, eps)
             gu = f_gu(x)
-            if l_gu:
-                gu = gu.float() + l_gu(x)
             a = F.silu(gu[:, :inter])
             a.mul_(gu[:, inter:])
             h.add_(f_down(a))
-            if l_down:
-                h.add_(l_down(a))
 
         if logits_to_keep:
             h = h[-logits_to_keep:]

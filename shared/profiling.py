@@ -179,14 +179,11 @@ def target_key(model_path: str | Path, precision: str, backend: str,
             "backend": backend, "blocks": list(blocks), "context": CONTEXT_TOKENS}
 
 
-def drafter_key(model_path: str | Path, backend: str, lora_rank: int = 0) -> dict:
-    """The cache key of a drafter's costs. ``lora_rank``: the rank of the adapter the runner
-    drafts with (0: none); its low-rank path costs time on every step, whatever its values."""
-    key = {"role": "drafter", "model": model_fingerprint(model_path), "backend": backend,
-           "context": CONTEXT_TOKENS, "blocks": list(DRAFTER_BLOCKS)}
-    if lora_rank:
-        key["lora_rank"] = int(lora_rank)
-    return key
+def drafter_key(model_path: str | Path, backend: str) -> dict:
+    """The cache key of a drafter's costs (adapters are merged into the drafting runner's
+    weights, so they do not change its costs)."""
+    return {"role": "drafter", "model": model_fingerprint(model_path), "backend": backend,
+            "context": CONTEXT_TOKENS, "blocks": list(DRAFTER_BLOCKS)}
 
 
 def target_costs(runner, model_path: str | Path, precision: str, backend: str,
@@ -199,9 +196,8 @@ def target_costs(runner, model_path: str | Path, precision: str, backend: str,
 
 def drafter_cost(runner, model_path: str | Path, backend: str, refresh: bool = False) -> dict[int, float]:
     """The drafter's forward cost ``{block tokens: ms}`` on this machine (cached): block 1 is
-    one decode step; larger blocks are what feeding it committed tokens costs. Measured on
-    ``runner`` as it is, with its adapter, and cached per adapter rank."""
-    key = drafter_key(model_path, backend, getattr(runner, "lora_rank", 0))
+    one decode step; larger blocks are what feeding it committed tokens costs."""
+    key = drafter_key(model_path, backend)
     value = cached(key, lambda: {str(b): ms for b, ms in measure_block_ms(runner, DRAFTER_BLOCKS, repeats=10).items()},
                    refresh)
     return {int(b): float(ms) for b, ms in value.items()}

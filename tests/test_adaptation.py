@@ -204,22 +204,22 @@ def test_epochs_repeat_the_pass_and_the_optimizer_is_configurable(pair_dir):
 
 
 def test_one_packing_serves_every_adapter(pair_dir):
-    """Adapters draft on one packing of the base weights, each with its own KV cache and its
-    LoRA matrices as an unquantized side path: training, loading and resetting an adapter
-    change its runner's logits without re-packing anything."""
+    """Adapters draft on forks of one base packing, each with its own KV cache; a trained
+    adapter is merged into its own runner's weights: training, loading and resetting an
+    adapter change its runner's logits and nobody else's."""
     engine = _engine(pair_dir)
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
     adapters.add("a")
     ra = adapters.runner()
     adapters.add("b")
     rb = adapters.runner()
-    assert rb is not ra and rb._layers is ra._layers  # shared packed weights, separate runners
-    assert ra.lora_rank == rb.lora_rank == 0  # untrained adapters: no side path
+    assert rb is not ra and rb._packing is ra._packing  # shared packed weights, separate runners
+    assert ra.lora_rank == rb.lora_rank == 0  # untrained adapters: the base weights
     ids = [1, 2, 3]
     base = rb.forward(ids).clone()
     tensors = {k: v + 0.05 for k, v in adapters.state_dict("b").items()}
     adapters.load_state_dict("b", tensors)
-    assert adapters.runner() is rb and rb.lora_rank == 4
+    assert adapters.runner() is rb and rb.lora_rank == 4 and rb._packing is not ra._packing  # merged
     trained = rb.forward(ids).clone()
     assert not torch.allclose(trained, base)
     adapters.activate("a")

@@ -296,10 +296,10 @@ def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path
     assert again.problems and again.rule.calibration() == fresh
 
 
-def test_the_rule_pays_for_the_adapter_the_drafter_runs(tmp_path, monkeypatch):
-    """A trained adapter's low-rank path costs time on every drafter step: the session's rule
-    switches to the drafter costs measured with that rank (cached per rank), and the profile
-    check compares in-use steps with them."""
+def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch):
+    """A trained adapter is merged into its runner's weights: the drafter costs the same as
+    without it, so the session's rule keeps deciding with the one profile measured (no second
+    drafter measurement), and the profile check compares the adapter's steps with it."""
     import torch
     from omnidraft.client.session import DeviceSession
 
@@ -310,7 +310,8 @@ def test_the_rule_pays_for_the_adapter_the_drafter_runs(tmp_path, monkeypatch):
     session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
     session.decoder()
     base = session.rule.profile
-    assert session.adapters.runner().lora_rank == 0  # an untrained adapter drafts as the base model
+    untrained = session.adapters.runner()
+    assert untrained.lora_rank == 0  # an untrained adapter drafts on the base weights
     with torch.no_grad():  # what an update does: the adapter's B matrices move off zero
         for name, param in session.adapters.peft.named_parameters():
             if "lora_B" in name:
@@ -318,13 +319,13 @@ def test_the_rule_pays_for_the_adapter_the_drafter_runs(tmp_path, monkeypatch):
     session.adapters.invalidate()
     session.drafter_changed()
     session.generate(PROMPTS[0], GenerationConfig(max_new_tokens=8), learn=False)
-    rank = session.adapters.runner().lora_rank
-    assert rank > 0 and session.rule.profile is not base
-    key = profiling.drafter_key(engine.drafter.path, runner_backend(session.adapters.runner()), rank)
-    assert key["lora_rank"] == rank and profiling.forget(key)  # measured and cached under its rank
-    assert session.rule.drafter_ms == session.rule.profile.drafter_ms_per_token
-    assert session.rule.profile.target_ms == base.target_ms  # the target's costs are unchanged
-    assert engine.cost_profile() is session.rule.profile  # a report reads the costs in use
+    runner = session.adapters.runner()
+    assert runner.lora_rank > 0 and runner._packing is not runner._base_packing  # merged
+    assert session.rule.profile is base and engine.cost_profile() is base
+    drafter_entries = [p for p in (tmp_path / "profiles").glob("*.json")
+                       if json.loads(p.read_text())["key"]["role"] == "drafter"]
+    assert len(drafter_entries) == 1  # measured once, for every adapter
+    assert engine.check_profile()["steps"]  # the adapter's steps are checked against it
 
 
 def test_instruction_set_overrides(monkeypatch):

@@ -22,9 +22,6 @@ typedef struct {
     const float* cos_t;         // [maxpos][HD/2]
     const float* sin_t;         // [maxpos][HD/2]
     int32_t act8;               // 1: 8-bit activations with a scale per (token, 64 inputs); 0: 16-bit split
-    int32_t lora_r;             // LoRA rank of the low-rank path (0: none)
-    const int64_t* lora_ptrs;   // [L][8]: (A, Bt) x (qkv, o, gate_up, down), float32, 0 where absent:
-                                //   A [pieces * r][K] (input gains folded), Bt [r][N] (scaling folded)
 } fd_model;
 
 typedef struct {  // quantized activation rows

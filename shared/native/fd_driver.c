@@ -21,16 +21,12 @@ static void gemm(int nthreads, int M, int N, int K, const qact* a, const int64_t
     gemm_blocks(M, K, a, w, sc, b, y, ldy, accumulate, 0, nblocks);
 }
 
-// RMS-normalize (no gain: it is folded into the weights) and quantize each of the M rows of h;
-// with xf, also keep the normalized rows in float32 (the LoRA path's input).
-static void normalize_rows(const fd_model* md, int M, const float* h, qact* a, float* xf) {
+// RMS-normalize (no gain: it is folded into the weights) and quantize each of the M rows of h.
+static void normalize_rows(const fd_model* md, int M, const float* h, qact* a) {
     const int D = md->D;
     for (int m = 0; m < M; m++) {
         const float* hm = h + (size_t)m * D;
-        const float f = rms_factor(hm, D, md->eps);
-        quant_row(hm, D, a, m, f);
-        if (xf)
-            for (int i = 0; i < D; i++) xf[(size_t)m * D + i] = hm[i] * f;
+        quant_row(hm, D, a, m, rms_factor(hm, D, md->eps));
     }
 }
 
@@ -56,39 +52,6 @@ static void attention(const fd_model* md, int layer, int M, const float* qkv, in
     }
 }
 
-// y[m][0:N] += Bt^T (A x[m]) for a fused matrix of `pieces` row blocks (sizes rows[]): block p
-// reads the rank-r slice p of A x (`t`: room for pieces * r floats). float32 throughout (the adapter is not quantized); the
-// 16-wide accumulators let the compiler vectorize without reassociating sums.
-static void lora_add(int M, int K, const float* x, int ldx, const float* A, const float* Bt, int r,
-                     int pieces, const int* rows, float* y, int ldy, float* t) {
-    int N = 0;
-    for (int p = 0; p < pieces; p++) N += rows[p];
-    for (int m = 0; m < M; m++) {
-        const float* xm = x + (size_t)m * ldx;
-        for (int i = 0; i < pieces * r; i++) {
-            const float* ai = A + (size_t)i * K;
-            float acc[16] = {0};
-            int k = 0;
-            for (; k + 16 <= K; k += 16)
-                for (int j = 0; j < 16; j++) acc[j] += ai[k + j] * xm[k + j];
-            float s = 0.f;
-            for (int j = 0; j < 16; j++) s += acc[j];
-            for (; k < K; k++) s += ai[k] * xm[k];
-            t[i] = s;
-        }
-        float* ym = y + (size_t)m * ldy;
-        int off = 0;
-        for (int p = 0; p < pieces; p++) {
-            for (int j = 0; j < r; j++) {
-                const float c = t[p * r + j];
-                const float* b = Bt + (size_t)j * N + off;
-                for (int n = 0; n < rows[p]; n++) ym[off + n] += c * b[n];
-            }
-            off += rows[p];
-        }
-    }
-}
-
 int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep, float* logits, int nthreads) {
     const int D = md->D, H = md->H, KV = md->KV, HD = md->HD, I = md->I, NQ = md->n_qkv;
     const int qw = H * HD, half = HD / 2;
@@ -106,14 +69,10 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
     float* att = (float*)amalloc(sizeof(float) * (size_t)M * qw);
     float* gu = (float*)amalloc(sizeof(float) * (size_t)M * 2 * I);
     float* act = (float*)amalloc(sizeof(float) * (size_t)M * I);
-    const int R = md->lora_r;
-    float* xf = R ? (float*)amalloc(sizeof(float) * (size_t)M * D) : NULL;  // normalized rows (LoRA input)
-    float* lt = R ? (float*)amalloc(sizeof(float) * 3 * (size_t)R) : NULL;  // A x of one row
-    const int qkv_rows[3] = {H * HD, KV * HD, KV * HD}, o_rows[1] = {D}, gu_rows[2] = {I, I};
     const size_t sstride = ((size_t)pos + M + 32 + 15) / 16 * 16;
     float* scores = (float*)amalloc(sizeof(float) * sstride * (size_t)(nthreads > 1 ? nthreads : 1));
     int rc = 0;
-    if (!a.hi || !a.lo || !a.gs || !a.s || !a.gsc || !qkv || !att || !gu || !act || !scores || (R && (!xf || !lt))) {
+    if (!a.hi || !a.lo || !a.gs || !a.s || !a.gsc || !qkv || !att || !gu || !act || !scores) {
         rc = -1;
         goto done;
     }
@@ -121,13 +80,11 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
 
     for (int l = 0; l < md->L; l++) {
         const int64_t* lp = md->layer_ptrs + (size_t)l * 12;
-        const int64_t* lr = R ? md->lora_ptrs + (size_t)l * 8 : NULL;
         uint16_t* kbase = md->kcache + (size_t)l * KV * head_stride;
         uint16_t* vbase = md->vcache + (size_t)l * KV * head_stride;
         // --- attention block (input RMSNorm gain folded into the QKV weights)
-        normalize_rows(md, M, h, &a, xf);
+        normalize_rows(md, M, h, &a);
         gemm(nthreads, M, NQ, D, &a, lp + 0, qkv, NQ, 0);
-        if (R && lr[0]) lora_add(M, D, xf, D, (const float*)lr[0], (const float*)lr[1], R, 3, qkv_rows, qkv, NQ, lt);
         for (int m = 0; m < M; m++) {
             float* row = qkv + (size_t)m * NQ;
             const int p = pos + m;
@@ -152,11 +109,9 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
         attention(md, l, M, qkv, NQ, pos, att, scores, sstride, nthreads);
         for (int m = 0; m < M; m++) quant_row(att + (size_t)m * qw, qw, &a, m, 1.f);
         gemm(nthreads, M, D, qw, &a, lp + 3, h, D, 1);
-        if (R && lr[2]) lora_add(M, qw, att, qw, (const float*)lr[2], (const float*)lr[3], R, 1, o_rows, h, D, lt);
         // --- MLP block
-        normalize_rows(md, M, h, &a, xf);
+        normalize_rows(md, M, h, &a);
         gemm(nthreads, M, 2 * I, D, &a, lp + 6, gu, 2 * I, 0);
-        if (R && lr[4]) lora_add(M, D, xf, D, (const float*)lr[4], (const float*)lr[5], R, 2, gu_rows, gu, 2 * I, lt);
         for (int m = 0; m < M; m++) {
             const float* g = gu + (size_t)m * 2 * I;
             const float* u = g + I;
@@ -165,7 +120,6 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
             quant_row(y, I, &a, m, 1.f);
         }
         gemm(nthreads, M, D, I, &a, lp + 9, h, D, 1);
-        if (R && lr[6]) lora_add(M, I, act, I, (const float*)lr[6], (const float*)lr[7], R, 1, o_rows, h, D, lt);
     }
     {
         // --- final norm (gain folded into the head) and LM head
@@ -179,6 +133,5 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
     }
 done:
     free(a.hi); free(a.lo); free(a.gs); free(a.s); free(a.gsc); free(qkv); free(att); free(gu); free(act); free(scores);
-    free(xf); free(lt);
     return rc;
 }
