@@ -149,6 +149,7 @@ class DeviceProfile:
     fleet_key: str = ""  # the coordinator's Ed25519 public key(s), hex, comma-separated ("": no check)
     state_key: str = ""  # key file that encrypts the device state at rest ("": not encrypted)
     policy: ResourcePolicy = field(default_factory=ResourcePolicy)  # the owner's limits
+    project: str = ""  # simulations: the codebase the device's user works in ("": not one project)
 
     def at_round(self, round_: int) -> DeviceProfile:
         """The device as it is at ``round_`` (domain drift applied)."""

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rounds", type=int)
     a("--fraction", type=float, help="share of the joined devices sampled per round")
     a("--targets", help="target mix, e.g. qwen2.5-coder-0.5b:0.5,gemma3-270m:0.5")
-    a("--data", help="comma list of humaneval,stdlib,pydoc, or PATH.jsonl (a 'prompt' per line, optional 'label')")
+    a("--data", help="comma list of humaneval,stdlib,pydoc,codebase:<package>; codebases (one installed project "
+                     "per device, by popularity); or PATH.jsonl (a 'prompt' per line, optional 'label')")
     a("--alpha", type=float, help="Dirichlet concentration of each device's mix of sources (default 0.5)")
     a("--prompts-per-device", type=int)
     a("--heldout-per-device", type=int)

@@ -8,7 +8,9 @@ Flower apps that connect them, run on Flower's Simulation Engine.
 
 * Devices are assigned to targets by the ``targets`` shares (interleaved, deterministic); their
   local prompts are disjoint shares of the corpus whose mix of sources is drawn from
-  Dirichlet(``alpha``) (``simulations.data``).
+  Dirichlet(``alpha``), or with ``data = "codebases"`` one project's functions per device,
+  projects drawn by popularity, late joiners from known projects and one unseen project
+  (``simulations.data``).
 * ``probes`` devices per target never train: they evaluate every round's global state on the
   same held-out prompts (and the starting state as round 0), so rounds are comparable.
 * Events: ``late_joiners`` devices join at ``join_round``; ``rollout`` is the operator's
@@ -127,7 +129,9 @@ class Scenario:
     rounds: int = 3
     fraction: float = 1.0  # share of the joined devices sampled to train per round
     targets: dict[str, float] | None = None  # registry name -> share of devices (None: the models' default)
-    data: str | None = None  # comma list of humaneval,stdlib,pydoc or PATH.jsonl (None: all three, or the tiny corpus)
+    # comma list of humaneval,stdlib,pydoc,codebase:<package>, or codebases (one project per
+    # device), or PATH.jsonl (None: humaneval,stdlib,pydoc, or the tiny corpus)
+    data: str | None = None
     alpha: float = 0.5  # Dirichlet concentration of each device's mix of sources (small: skewed)
     prompts_per_device: int = 8
     heldout_per_device: int = 2
@@ -313,8 +317,10 @@ def _models(scenario: Scenario) -> tuple[str, dict[str, str]]:
     return REAL_DRAFTER, {t: t for t in scenario.all_targets()}
 
 
-def _corpora(scenario: Scenario, devices: int):
-    """(first-phase corpus and each device's indices into it, drift corpus and indices or None)."""
+def _corpora(scenario: Scenario, devices: int, newcomers: frozenset[int] = frozenset()):
+    """(first-phase corpus, each device's indices into it, each device's project or None (for
+    codebases: ``data.split_projects``; ``newcomers`` are the late joiners' indices), drift
+    corpus and indices or None)."""
     from omnidraft.simulations import data
 
     per = scenario.prompts_per_device + max(scenario.heldout_per_device, scenario.probe_heldout)
@@ -334,9 +340,13 @@ def _corpora(scenario: Scenario, devices: int):
             drift_set = set(drift.prompts)
             keep = [i for i, p in enumerate(full.prompts) if p not in drift_set]
             main = data.Corpus([full.prompts[i] for i in keep], [full.labels[i] for i in keep])
-    main_parts = data.split(main, devices, per, alpha=scenario.alpha, seed=scenario.seed)
+    projects = None
+    if data.is_codebases(main):
+        main_parts, projects = data.split_projects(main, devices, per, seed=scenario.seed, newcomers=newcomers)
+    else:
+        main_parts = data.split(main, devices, per, alpha=scenario.alpha, seed=scenario.seed)
     drift_parts = data.split(drift, devices, per, alpha=scenario.alpha, seed=scenario.seed + 1) if drift else None
-    return main, main_parts, drift, drift_parts
+    return main, main_parts, projects, drift, drift_parts
 
 
 def assign_targets(shares: dict[str, float], devices: int) -> list[str]:
@@ -371,7 +381,8 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
     shares = scenario.target_shares()
     members = assign_targets(shares, scenario.devices)
     roles = [(t, False) for t in members] + [(t, True) for t in shares for _ in range(scenario.probes)]
-    main, parts, drift, drift_parts = _corpora(scenario, len(roles))
+    late = frozenset(range(scenario.devices - scenario.late_joiners, scenario.devices))
+    main, parts, projects, drift, drift_parts = _corpora(scenario, len(roles), late)
     n = scenario.prompts_per_device
     join_round = scenario.join_round or scenario.rounds
     profiles = []
@@ -387,7 +398,8 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
             online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr, epochs=scenario.local_epochs),
             translate=scenario.translate, probe=probe, fleet_key=fleet_key,
             speed_prompts=scenario.probe_speed_prompts if probe else 0,
-            joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1)
+            joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1,
+            project=projects[i] if projects else "")
         if scenario.rollout is not None and not probe:  # every member can run the new target
             p.offers = {scenario.rollout.target: models[scenario.rollout.target]}
         if drift is not None:

@@ -77,6 +77,39 @@ def test_jsonl_data_without_labels_is_split_iid(tmp_path):
         data.load_corpus(str(tmp_path / "bad.jsonl"))
 
 
+def test_codebase_projects_split_by_popularity_with_unseen_newcomer():
+    """One project per device, drawn by popularity; a contiguous stretch of its functions;
+    newcomers from known projects, the last one from a project nobody else works in."""
+    sizes = {"a": 100, "b": 60, "c": 30, "d": 20, "e": 10, "f": 10}
+    labels = [f"codebase:{n}" for n, k in sizes.items() for _ in range(k)]
+    corpus = data.Corpus([f"def f{i}(): pass" for i in range(len(labels))], labels)
+    assert data.is_codebases(corpus) and not data.is_codebases(data.Corpus(["x"], ["humaneval"]))
+    newcomers = frozenset(range(26, 30))
+    parts, projects = data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers)
+    flat = [i for p in parts for i in p]
+    assert len(flat) == len(set(flat)) == 150
+    for part, project in zip(parts, projects):
+        assert {labels[i] for i in part} == {project} and part == list(range(part[0], part[0] + 5))
+    counts = Counter(projects[:26])
+    assert counts["codebase:a"] > counts.get("codebase:d", 0) and len(counts) >= 3  # popular ones, and a tail
+    known = set(projects[:26])
+    assert all(projects[d] in known for d in (26, 27, 28))
+    assert projects[29] not in known and projects.count(projects[29]) == 1  # a project the fleet never saw
+    assert (parts, projects) == data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers)
+    assert projects != data.split_projects(corpus, 30, 5, seed=2, newcomers=newcomers)[1]
+    with pytest.raises(ValueError, match="too few"):
+        data.split_projects(corpus, 60, 5, seed=0)
+
+
+def test_codebase_sources_are_real_projects():
+    corpus = data.load_corpus("codebase:click,codebase:peft")
+    assert set(corpus.labels) == {"codebase:click", "codebase:peft"} and data.is_codebases(corpus)
+    assert all(len([x for x in corpus.labels if x == lab]) <= data.PROJECT_PROMPTS for lab in set(corpus.labels))
+    assert all("def " in p for p in corpus.prompts)
+    with pytest.raises(ValueError, match="not installed"):
+        data.load_corpus("codebase:no_such_package_here")
+
+
 # -- scenarios -------------------------------------------------------------------------------------
 
 def test_toml_scenario_and_events(tmp_path):
@@ -161,6 +194,27 @@ def test_profiles_apply_rollout_and_drift(tmp_path, home, monkeypatch):
     assert stored.prompts == p.prompts and cached_profile(p.state_dir) == stored
     with pytest.raises(StateMismatch, match="cannot serve"):
         FleetDevice(stored, pool=None).switch("tiny-target-c")
+
+
+def test_profiles_on_personal_codebases(tmp_path, home, monkeypatch):
+    """With codebases each device works in one project: its prompts and held-out prompts come
+    from that project, and the last late joiner's project is one no other member works in."""
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(home))
+    from omnidraft.client.fleet_device import DeviceProfile
+    from omnidraft.simulations.scenario import prepare
+
+    s = Scenario(models="tiny", devices=12, rounds=2, targets={"tiny-target-a": 1.0}, probes=1,
+                 data="codebase:click,codebase:flwr,codebase:peft", prompts_per_device=4, heldout_per_device=2,
+                 late_joiners=2)
+    profiles = prepare(s, tmp_path / "run")
+    corpus = data.load_corpus(s.data)
+    source = dict(zip(corpus.prompts, corpus.labels))
+    for p in profiles:
+        assert p.project.startswith("codebase:") and {source[t] for t in p.prompts + p.heldout} == {p.project}
+    members = [p for p in profiles if not p.probe]
+    assert members[-1].project not in {p.project for p in members[:-2]}
+    assert members[-2].project in {p.project for p in members[:-2]}
+    assert DeviceProfile.load(members[-1].state_dir).project == members[-1].project
 
 
 # -- the smoke run ---------------------------------------------------------------------------------
