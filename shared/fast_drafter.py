@@ -284,6 +284,15 @@ class _Packing:
     layer_ptrs: torch.Tensor | None
 
 
+def _linear(layer, name: str) -> torch.nn.Module:
+    """A decoder layer's Linear ``name`` (``q_proj`` ... ``o_proj`` in attention, the rest in the MLP);
+    ValueError when the layer has none of that name."""
+    for parent in (layer.self_attn, layer.mlp):
+        if hasattr(parent, name):
+            return getattr(parent, name)
+    raise ValueError(f"LoRA for unknown Linear {name!r}")
+
+
 def _lora_deltas(mods: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A layer's LoRA matrices ``{name: (A [r, in], B [out, r])}`` as weight deltas ``B A`` [out, in]."""
     return {name: b.detach().float() @ a.detach().float() for name, (a, b) in mods.items()}
@@ -453,30 +462,30 @@ class FastLlamaRunner:
         attn, mlp = layer.self_attn, layer.mlp
         hd = self.head_dim
 
-        def weight(parent, name: str) -> torch.Tensor:
-            w = getattr(parent, name).weight.detach().float()
+        def weight(name: str) -> torch.Tensor:
+            w = _linear(layer, name).weight.detach().float()
             return w + deltas[name] if name in deltas else w
 
-        def bias(parent, name: str) -> torch.Tensor | None:
-            b = getattr(getattr(parent, name), "bias", None)
+        def bias(name: str) -> torch.Tensor | None:
+            b = getattr(_linear(layer, name), "bias", None)
             return None if b is None else b.detach().float()
 
         g_in = layer.input_layernorm.weight.detach().float()
         g_post = layer.post_attention_layernorm.weight.detach().float()
         scale = float(getattr(attn, "scaling", hd ** -0.5))
-        wq = weight(attn, "q_proj")[self._q_perm] * scale
-        wk = weight(attn, "k_proj")[self._k_perm]
-        w_qkv = torch.cat([wq, wk, weight(attn, "v_proj")]) * g_in[None, :]
+        wq = weight("q_proj")[self._q_perm] * scale
+        wk = weight("k_proj")[self._k_perm]
+        w_qkv = torch.cat([wq, wk, weight("v_proj")]) * g_in[None, :]
         b_qkv = None
         if attn.q_proj.bias is not None:
-            b_qkv = torch.cat([bias(attn, "q_proj")[self._q_perm] * scale, bias(attn, "k_proj")[self._k_perm],
-                               bias(attn, "v_proj")])
-        w_gu = torch.cat([weight(mlp, "gate_proj"), weight(mlp, "up_proj")]) * g_post[None, :]
+            b_qkv = torch.cat([bias("q_proj")[self._q_perm] * scale, bias("k_proj")[self._k_perm],
+                               bias("v_proj")])
+        w_gu = torch.cat([weight("gate_proj"), weight("up_proj")]) * g_post[None, :]
         b_gu = None
         if mlp.gate_proj.bias is not None:
-            b_gu = torch.cat([bias(mlp, "gate_proj"), bias(mlp, "up_proj")])
-        return [(w_qkv, b_qkv), (weight(attn, "o_proj"), bias(attn, "o_proj")), (w_gu, b_gu),
-                (weight(mlp, "down_proj"), bias(mlp, "down_proj"))]
+            b_gu = torch.cat([bias("gate_proj"), bias("up_proj")])
+        return [(w_qkv, b_qkv), (weight("o_proj"), bias("o_proj")), (w_gu, b_gu),
+                (weight("down_proj"), bias("down_proj"))]
 
     def _pack_layers(self, layer_deltas: list[dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]] | None = None
                      ) -> _Packing:
@@ -528,10 +537,7 @@ class FastLlamaRunner:
         r = ranks.pop()
         for mods, layer in zip(layers, self._source_layers):  # shapes checked before anything is packed
             for name, (a, b) in mods.items():
-                parent = layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp
-                if not hasattr(parent, name):
-                    raise ValueError(f"LoRA for unknown Linear {name!r}")
-                out_dim, in_dim = getattr(parent, name).weight.shape
+                out_dim, in_dim = _linear(layer, name).weight.shape
                 if tuple(a.shape) != (r, in_dim) or tuple(b.shape) != (out_dim, r):
                     raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
         self.reset()
