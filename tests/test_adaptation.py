@@ -376,6 +376,12 @@ def test_adapt_command_end_to_end(pair_dir, tmp_path, capsys):
         assert 1 <= fixed["tokens_per_target_call"] <= 4 + 1
     assert len(report["curve"]) == 2 and report["train_prompts"] == 4 and report["heldout_prompts"] == 2
     assert report["identical_to_ar_after"] == 2  # fp32: greedy output is the target's own
+    # the target alone ran in both passes; each speedup is over its own pass's ar
+    assert report["ar_deterministic"] and report["ar_after"]["new_tokens"] == report["ar"]["new_tokens"]
+    for phase, ar in (("before", "ar"), ("after", "ar_after")):
+        assert report[phase]["speedup_vs_ar"] == pytest.approx(report[phase]["tokens_per_s"] / report[ar]["tokens_per_s"])
+    assert report["speed_after_over_before"] == pytest.approx(
+        report["after"]["speedup_vs_ar"] / report["before"]["speedup_vs_ar"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "after" in capsys.readouterr().out
     # the learned state is used by bench and generate
