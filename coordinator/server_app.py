@@ -25,8 +25,8 @@ One round:
    holds the last finished round, so a restarted coordinator resumes after it) and report one
    metrics dict per target to ``on_round``.
 
-Configuration is passed to ``make_server_app`` (``run_config`` is empty under
-``run_simulation``).
+The ServerApps that run it read their configuration from Flower's run config:
+``superlink_app`` (a deployment) and ``simulations.flower_app`` (the simulated fleet).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from omnidraft.coordinator.aggregation import (
@@ -493,18 +493,3 @@ class Coordinator:
                         **{f"{prefix}{k}": float(np.average([float(m[k]) for m in metrics], weights=weights))
                            for k in keys}}
         return out
-
-
-def make_server_app(root: str | Path, config: FleetConfig,
-                    on_round: Callable[[dict], None] | None = None,
-                    progress: Callable[[int, int, int], None] | None = None,
-                    before_round: Callable[[int, TargetRegistry], None] | None = None) -> ServerApp:
-    """A ServerApp running ``Coordinator(root, config, on_round, progress, before_round)``
-    (targets must be registered)."""
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        Coordinator(root, config, on_round, progress, before_round).run(grid, context)
-
-    return app

@@ -231,6 +231,25 @@ def round_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def finish(run_dir: str | Path, config: dict, wall_s: float, peak_rss_mb: float | None = None,
+           peak_rss_scope: str = "not measured") -> tuple[dict, Path | None]:
+    """Write ``summary.json`` (``config``: the scenario's ``to_dict()``; the run's wall time in
+    seconds and peak memory in MiB) and, when ``metrics.jsonl`` has rounds, the plots and
+    ``report.md``; returns (the per-target summaries, the report's path or None)."""
+    import os
+
+    from omnidraft.shared.profiling import cpu_name
+
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    per_target = by_target(read_metrics(metrics)) if metrics.exists() else {}
+    summaries = {t: target_summary(rows) for t, rows in per_target.items()}
+    summary = {"config": config, "wall_s": round(wall_s, 1), "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
+               "peak_rss_mb": peak_rss_mb, "peak_rss_scope": peak_rss_scope, "targets": summaries}
+    write_bytes_atomic(run_dir / "summary.json", json.dumps(summary, indent=1, default=str).encode())
+    return summaries, write_report(run_dir) if per_target else None
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Plots and ``report.md`` for a finished run directory; returns the report's path."""
     run_dir = Path(run_dir)

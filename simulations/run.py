@@ -180,7 +180,7 @@ class _Progress:
         self.round = None
 
     def __call__(self, rnd: int, done: int, sent: int) -> None:
-        if rnd != self.round:
+        if rnd != self.round or self.bar is None:
             self.close()
             self.round = rnd
             self.bar = self._tqdm(total=sent, desc=f"round {rnd}", unit="msg", leave=True, dynamic_ncols=True,
@@ -211,10 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     progress = None
     try:
         from omnidraft.coordinator.registry import RegistryError
-        from omnidraft.shared.atomic_io import write_bytes_atomic
         from omnidraft.shared.catalog import CatalogError
-        from omnidraft.shared.profiling import cpu_name
         from omnidraft.simulations import report
+        from omnidraft.simulations.flower_runner import FlowerRunError
         from omnidraft.simulations.scenario import run
 
         scenario = scenario_from_args(args)
@@ -258,20 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             peak_mb = memory.stop()
         progress.close()
-        records = report.read_metrics(metrics_path) if metrics_path.exists() else []
-        per_target = report.by_target(records)
-        summaries = {t: report.target_summary(rows) for t, rows in per_target.items()}
-        summary = {"config": {**scenario.to_dict(), "devices": scenario.devices},
-                   "wall_s": round(time.perf_counter() - t0, 1), "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
-                   "peak_rss_mb": peak_mb, "peak_rss_scope": memory_scope, "targets": summaries}
-        write_bytes_atomic(out / "summary.json", json.dumps(summary, indent=1, default=str).encode())
-        if per_target:
-            path = report.write_report(out)
+        summaries, path = report.finish(out, {**scenario.to_dict(), "devices": scenario.devices},
+                                        time.perf_counter() - t0, peak_mb, memory_scope)
+        if path is not None:
             print("\n" + report.summary_table(summaries))
             print(f"\nwrote {out}/: metrics.jsonl, summary.json, plots, {path.name} "
-                  f"({summary['wall_s']:.0f} s, peak memory {peak_mb / 1024:.1f} GiB, {memory_scope})")
+                  f"({time.perf_counter() - t0:.0f} s, peak memory {peak_mb / 1024:.1f} GiB, {memory_scope})")
         return 0
-    except (ValueError, RegistryError, CatalogError) as exc:
+    except (ValueError, RegistryError, CatalogError, FlowerRunError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

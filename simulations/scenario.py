@@ -4,7 +4,8 @@ Flower apps that connect them, run on Flower's Simulation Engine.
 ``Scenario`` says what to simulate (CLI flags or a TOML file, ``Scenario.from_toml``);
 ``prepare(scenario, out)`` registers the targets under ``out/coordinator`` and writes one
 ``DeviceProfile`` per device under ``out/devices/<id>/`` (the only place its text is kept);
-``run(scenario, out, on_round)`` runs the federation.
+``run(scenario, out, on_round)`` runs the federation as a Flower App (``flower_app``) with
+``flwr run`` on a local SuperLink (``flower_runner``).
 
 * Devices are assigned to targets by the ``targets`` shares (interleaved, deterministic); their
   local prompts are disjoint shares of the corpus whose mix of sources is drawn from
@@ -19,28 +20,26 @@ Flower apps that connect them, run on Flower's Simulation Engine.
   rollback TARGET`` before a round; ``drift`` moves every device's traffic (and the probes'
   held-out prompts) to another source from a round on.
 
-Workers never receive the devices' data through Ray: a device's profile is read from its own
-directory in the worker process (``cached_profile``), and base models are loaded once per
-worker (``shared_pool``).
+Workers never receive the devices' data through Flower or Ray: a device's profile is read from
+its own directory in the worker process, and base models are loaded once per worker
+(``flower_app.device_for``).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from omnidraft.client.client_app import make_client_app
-from omnidraft.client.fleet_device import DeviceProfile, FleetDevice, cached_profile, shared_pool
+from omnidraft.client.fleet_device import DeviceProfile
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.coordinator.aggregation import AggregationConfig
 from omnidraft.coordinator.ngram_release import ReleaseConfig
 from omnidraft.coordinator.registry import TargetRegistry
 from omnidraft.coordinator.secure_aggregation import SecAggConfig
 from omnidraft.coordinator.server_opt import ServerOptConfig
-from omnidraft.coordinator.server_app import FleetConfig, make_server_app
-from omnidraft.coordinator.simulation import run_federation
+from omnidraft.coordinator.server_app import FleetConfig
 from omnidraft.shared.adapters import LoraSpec
 from omnidraft.shared.generation import DRAFT_STOPS, GenerationConfig
 
@@ -160,7 +159,7 @@ class Scenario:
     measure_ar: bool = True  # probes also run the target alone (speedup)
     acceptance_k: int = 4  # probes and newcomers also decode drafting exactly this many tokens (0: not)
     seed: int = 0
-    cpus_per_device: float = 1.0
+    cpus_per_device: int = 1  # CPUs (and torch threads) per simulated device; Flower takes whole CPUs
     ray_address: str | None = None
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
@@ -175,6 +174,8 @@ class Scenario:
             raise ValueError("prompts per device, held-out prompts and prompts per round must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError("max new tokens must be >= 1")
+        if self.cpus_per_device < 1:
+            raise ValueError("cpus per device must be >= 1")
         if self.local_epochs < 1:
             raise ValueError("local epochs must be >= 1")
         if self.acceptance_k < 0:
@@ -420,18 +421,6 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
     return profiles
 
 
-def device_factory(devices_dir: Path, dtype: str, drafter_weights: str):
-    """``Context -> FleetDevice`` for simulation: partition ``p`` is ``devices_dir/device-p``,
-    whose profile the worker reads from disk (nothing of a device's data travels through Ray)."""
-    root = str(devices_dir)
-
-    def device_for(context) -> FleetDevice:
-        profile = cached_profile(os.path.join(root, f"device-{int(context.node_config['partition-id']):04d}"))
-        return FleetDevice(profile, shared_pool(dtype, drafter_weights))
-
-    return device_for
-
-
 def operator_actions(scenario: Scenario):
     """``before_round(round, registry)`` for the coordinator: the scenario's rollout and
     rollback, done as ``omnidraft fleet rollout|rollback`` would do them."""
@@ -452,16 +441,61 @@ def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
                        secagg=SecAggConfig(enabled=scenario.secagg))
 
 
-def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None) -> list[DeviceProfile]:
-    """Prepare and run the federation; ``on_round`` gets one metrics dict per round and target,
-    ``progress(round, replies, messages)`` is called as replies arrive."""
-    out = Path(out)
+def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, verbose: bool = False) -> list[DeviceProfile]:
+    """Prepare the fleet under ``out`` and run it as the Flower App (``simulations.flower_app``)
+    through ``flwr run`` on a private local SuperLink (``simulations.flower_runner``).
+
+    ``on_round`` gets one metrics dict per round and target as the coordinator records it,
+    ``progress(round, replies, messages)`` is called as replies arrive; ``mods``: extra ClientApp
+    mods (importable by name in the workers). A failed run raises ``FlowerRunError``."""
+    from omnidraft.shared.atomic_io import write_bytes_atomic
+    from omnidraft.simulations import flower_app
+    from omnidraft.simulations.flower_runner import FlowerRunError, run_app
+
+    out = Path(out).resolve()
     profiles = prepare(scenario, out)
-    weights = "fp32" if scenario.models == "tiny" else "int8"
-    client = make_client_app(device_factory(out / "devices", scenario.dtype, weights), mods=mods)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    server = make_server_app(out / "coordinator", fleet_config(scenario, len(profiles)), on_round, progress,
-                             operator_actions(scenario))
-    run_federation(server, client, len(profiles), cpus_per_device=scenario.cpus_per_device,
-                   ray_address=scenario.ray_address)
+    write_bytes_atomic(out / flower_app.SCENARIO_FILE, json.dumps(scenario.to_dict(), default=str).encode())
+    for stale in (flower_app.OUTCOME_FILE, flower_app.PROGRESS_FILE):
+        (out / stale).unlink(missing_ok=True)
+    follow = _Follower(out, on_round, progress)
+    run_app(APP_DIR, flower_app.run_config(out, tuple(mods)), len(profiles), out / "flwr",
+            cpus_per_device=scenario.cpus_per_device, ray_address=scenario.ray_address, verbose=verbose,
+            watch=follow)
+    outcome = out / flower_app.OUTCOME_FILE
+    result = json.loads(outcome.read_text()) if outcome.exists() else {"status": "failed", "error": "no outcome recorded"}
+    if result["status"] != "finished":
+        raise FlowerRunError(f"the simulated fleet failed: {result['error']} (see {out / 'flwr' / 'flower.log'})")
     return profiles
+
+
+# the Flower App: the repository's pyproject.toml ([tool.flwr.app]); simulations/ sits beside it
+APP_DIR = Path(__file__).resolve().parent.parent
+
+
+class _Follower:
+    """Calls ``on_round`` for each record the coordinator appends to ``coordinator/rounds.jsonl``
+    and ``progress`` for each change of the ServerApp's ``progress.json``."""
+
+    def __init__(self, out: Path, on_round, progress) -> None:
+        from omnidraft.coordinator.server_app import ROUNDS_FILE
+
+        self.rounds = out / "coordinator" / ROUNDS_FILE
+        self.progress_path = out / "progress.json"
+        self.on_round, self.progress = on_round, progress
+        self.seen = self._lines()
+        self.last = None
+
+    def _lines(self) -> int:
+        return len(self.rounds.read_text().splitlines()) if self.rounds.exists() else 0
+
+    def __call__(self) -> None:
+        if self.progress is not None and self.progress_path.exists():
+            state = self.progress_path.read_text()
+            if state != self.last:
+                self.last = state
+                self.progress(*json.loads(state))
+        if self.on_round is not None and self.rounds.exists():
+            lines = self.rounds.read_text().splitlines()
+            for line in lines[self.seen:]:
+                self.on_round(json.loads(line))
+            self.seen = len(lines)

@@ -257,6 +257,9 @@ def test_smoke_run_writes_every_output(smoke):
     assert trained and all((d / "profile.json").exists() for d in devices)
     assert (out / "coordinator" / "coordinator.json").exists()
     assert "| tiny-target-a |" in res.stdout  # the summary table
+    # Flower's supported path (flwr run on a local SuperLink): no deprecation notice anywhere
+    log = (out / "flwr" / "flower.log").read_text()
+    assert "run_simulation" not in log and "deprecat" not in (res.stdout + res.stderr + log).lower()
 
 
 def test_same_seed_same_learning(smoke, tmp_path, home):
@@ -325,34 +328,32 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     assert list((out / "devices" / "device-0000").glob("*--tiny-target-*/state.json"))  # the device's own state
 
 
-def test_joining_a_ray_cluster_passes_the_device_settings_to_its_workers(monkeypatch):
-    """Workers of a cluster started with `ray start` do not inherit the driver's environment: the
-    device settings and the import path go in the job's runtime_env, and Flower then finds Ray
-    initialised (it would pass PYTHONPATH alone)."""
-    import ray
+def test_a_device_on_a_ray_cluster_started_elsewhere_gets_its_thread_count(tmp_path, monkeypatch):
+    """Workers of a cluster started with `ray start` do not inherit the simulation's environment:
+    the ClientApp takes the device's thread count from the run's scenario."""
+    from flwr.app import Context, RecordDict
 
-    from omnidraft.coordinator import simulation
+    from omnidraft.simulations import flower_app
 
-    calls = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
-    monkeypatch.setenv("OMNIDRAFT_THREADS", "1")
-    monkeypatch.setenv("OMNIDRAFT_HOME", "/srv/models")
-    monkeypatch.delenv("OMNIDRAFT_NATIVE_ISA", raising=False)
-    simulation._join_cluster("10.0.0.5:6379", {"include_dashboard": False})
-    (kw,) = calls
-    assert kw["address"] == "10.0.0.5:6379" and kw["include_dashboard"] is False
-    env = kw["runtime_env"]["env_vars"]
-    assert env["OMNIDRAFT_THREADS"] == "1" and env["OMNIDRAFT_HOME"] == "/srv/models"
-    assert "OMNIDRAFT_NATIVE_ISA" not in env
-    assert sys.path[0] in env["PYTHONPATH"].split(os.pathsep)
+    out = tmp_path / "run"
+    (out / "devices").mkdir(parents=True)
+    (out / flower_app.SCENARIO_FILE).write_text(json.dumps({**Scenario(cpus_per_device=3).to_dict()}))
+    monkeypatch.delenv("OMNIDRAFT_THREADS", raising=False)
+    monkeypatch.setattr(flower_app, "cached_profile", lambda path: path)
+    monkeypatch.setattr(flower_app, "FleetDevice", lambda profile, pool: (profile, pool))
+    monkeypatch.setattr(flower_app, "shared_pool", lambda dtype, weights: (dtype, weights))
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 4}, state=RecordDict(),
+                      run_config={"run-dir": str(out)})
+    profile, pool = flower_app.device_for(context)
+    assert os.environ["OMNIDRAFT_THREADS"] == "3" and pool == ("fp32", "int8")
+    assert profile == out / "devices" / "device-0004"
 
 
 def test_an_unreachable_or_malformed_ray_address_is_a_value_error():
     """run.py turns ValueError into one line and exit 2; Ray alone would retry for minutes."""
     import socket
 
-    from omnidraft.coordinator.simulation import _check_reachable
+    from omnidraft.simulations.flower_runner import _check_reachable
 
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
@@ -361,3 +362,35 @@ def test_an_unreachable_or_malformed_ray_address_is_a_value_error():
         _check_reachable(f"127.0.0.1:{port}")
     with pytest.raises(ValueError, match="HOST:PORT"):
         _check_reachable("nonsense")
+
+
+def test_flwr_run_of_the_repository_runs_a_scenario(tmp_path, home):
+    """The repository is a Flower App: `flwr run .` on the local simulation SuperLink that flwr
+    starts itself runs a shipped scenario sized to the SuperNodes and writes the report."""
+    import psutil
+
+    from omnidraft.simulations.flower_runner import _free_ports
+
+    http, control = _free_ports(2)
+    env = {**os.environ, "OMNIDRAFT_HOME": str(home), "FLWR_HOME": str(tmp_path / "flwr"),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(control),
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])}
+    out = tmp_path / "run"
+    try:
+        res = subprocess.run(["flwr", "run", ".", "--stream", "--run-config", f'scenario="tiny" run-dir="{out}"',
+                              "--federation-config", "num-supernodes=9"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    finally:  # flwr leaves the SuperLink it started running
+        for p in psutil.process_iter(["cmdline"]):
+            if "flower-superlink" in " ".join(p.info["cmdline"] or []) and str(http) in (p.info["cmdline"] or []):
+                for child in [*p.children(recursive=True), p]:
+                    child.kill()
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert json.loads((out / "flower-run.json").read_text())["status"] == "finished"
+    config = json.loads((out / "summary.json").read_text())["config"]
+    assert config["devices"] == 9 - 2 * 2 and config["rounds"] == 3  # tiny.toml: two probes per target
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {r["target"] for r in records if r["round"] == 0} == {"tiny-target-a", "tiny-target-b"}
+    assert {r["round"] for r in records} == {0, 1, 2, 3}  # a fifth of 5 devices train: one target a round
+    assert "# OmniDraft Fleet simulation report" in (out / "report.md").read_text()
