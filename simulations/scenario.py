@@ -452,6 +452,9 @@ def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, ve
     from omnidraft.simulations import flower_app
     from omnidraft.simulations.flower_runner import FlowerRunError, run_app
 
+    app = APP_DIR / "pyproject.toml"
+    if not app.is_file() or "[tool.flwr.app]" not in app.read_text(encoding="utf-8"):
+        raise ValueError(f"the simulated fleet runs from a checkout of the repository: {app} is not its Flower App")
     out = Path(out).resolve()
     profiles = prepare(scenario, out)
     write_bytes_atomic(out / flower_app.SCENARIO_FILE, json.dumps(scenario.to_dict(), default=str).encode())
