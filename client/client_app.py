@@ -12,12 +12,14 @@ device's target and traffic may change with the round (``DeviceProfile.at_round`
 * ``train`` ← ``"fleet"`` ConfigRecord: ``round``, ``spec`` (TargetSpec), ``manifest``
   (StateManifest), ``manifest-sig`` (Ed25519 over the manifest bytes), and ``adapter`` /
   ``cache`` bytes only when the device does not hold them.
-  → reply ``"adapter"`` ArrayRecord (the trained adapter), ``"metrics"`` MetricRecord (with
+  → reply ``"update"`` ArrayRecord (trained adapter minus the global one, quantized to the
+  ``update-bits`` the message asks for: ``shared.update_codec``; what the quantization drops is
+  added to the next round's update, ``client.update_residual``), ``"metrics"`` MetricRecord (with
   ``trained-tokens``, the aggregation weight) and ``"fleet"`` ConfigRecord (``target``,
   ``state-version``, ``ngram-stats`` = NgramStats bytes).
 * ``evaluate`` ← the same ``"fleet"`` record plus ``use-global`` → reply ``"metrics"``.
 
-With SecAgg+ (``secagg`` in the ``"fleet"`` record) the ``train`` reply has no ``"adapter"``:
+With SecAgg+ (``secagg`` in the ``"fleet"`` record) the ``train`` reply has no ``"update"``:
 the device keeps its update (``client.secure_update``) and Flower's ``secaggplus_mod`` sends it
 masked in the secure-aggregation messages that follow (``train`` messages carrying
 ``secaggplus_configs``; the mod runs only on those, and hands the ``fitins.*`` request of its
@@ -34,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import flwr.compat.common.recorddict_compat as compat
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
@@ -42,6 +44,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 
 from omnidraft.client.fleet_device import FleetDevice
 from omnidraft.client.secure_update import keep_update, take_update
+from omnidraft.client.update_residual import ErrorFeedback
 from omnidraft.shared.fleet_wire import encode_stats
 from omnidraft.proto import fleet_pb2
 
@@ -98,9 +101,14 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
                         round_=int(fleet["round"]), version=int(manifest.version),
                         tokens=int(metrics["trained-tokens"]), clip_norm=clip)
             metrics["uplink-bytes"] = len(stats)  # + the masked vector, counted by the coordinator
-        else:
-            content["adapter"] = ArrayRecord({k: v.float() for k, v in tensors.items()})
-            metrics["uplink-bytes"] = content["adapter"].count_bytes() + len(stats)
+        else:  # the update, compressed as the coordinator asks (error feedback kept on the device)
+            start = device.global_adapter()
+            if set(tensors) != set(start):
+                raise ValueError("the trained adapter's tensors differ from the global adapter's")
+            delta = {k: (tensors[k].double() - start[k].double()).float().numpy() for k in sorted(start)}
+            arrays = ErrorFeedback(device.dir, device.profile.target).compress(delta, int(fleet.get("update-bits", 32)))
+            content["update"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+            metrics["uplink-bytes"] = content["update"].count_bytes() + len(stats)
         device.record_uplink(int(metrics["uplink-bytes"]))
         content["metrics"] = MetricRecord(metrics)
         content["fleet"] = ConfigRecord({"target": device.profile.target, "state-version": int(manifest.version),

@@ -21,8 +21,11 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg
 
+from omnidraft.shared.update_codec import BITS, UpdateCodecError, decode
+
 WEIGHT_KEY = "trained-tokens"
 ADAPTER_KEY = "adapter"
+UPDATE_KEY = "update"  # what a device sends: its compressed update (shared.update_codec)
 METRICS_KEY = "metrics"
 FLEET_KEY = "fleet"
 METHODS = ("fedavg", "median", "trimmed")
@@ -36,6 +39,7 @@ class AggregationConfig:
     trim_beta: float = 0.2  # fraction cut at each end by the trimmed mean
     clip_norm: float | None = None  # L2 bound on each device's update (adapter minus global)
     max_payload_bytes: int = 256 << 20  # bigger replies are rejected (bytes)
+    update_bits: int = 8  # devices send their update quantized to 4 or 8 bits (32: float32); shared.update_codec
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -44,6 +48,8 @@ class AggregationConfig:
             raise ValueError("trim beta must be in [0, 0.5)")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError("the clipping norm must be > 0")
+        if self.update_bits not in BITS:
+            raise ValueError(f"update bits must be one of {', '.join(map(str, BITS))}")
 
     def strategy(self) -> FedAvg:
         kw = {"weighted_by_key": WEIGHT_KEY, "arrayrecord_key": ADAPTER_KEY}
@@ -63,6 +69,24 @@ def payload_bytes(msg: Message) -> int:
         for v in rec.values():
             total += sum(len(b) for b in (v if isinstance(v, list) else [v]) if isinstance(b, bytes))
     return total
+
+
+def expand_update(msg: Message, global_adapter: dict[str, np.ndarray]) -> str | None:
+    """Replace the reply's compressed ``update`` record by the ``adapter`` it stands for (global
+    plus update, in the global adapter's dtype) so the checks and Flower's strategies see
+    adapters; returns why it cannot (None: done, or the reply has no update)."""
+    if msg.has_error() or UPDATE_KEY not in msg.content.array_records:
+        return None
+    record = msg.content.array_records[UPDATE_KEY]
+    try:
+        delta = decode({k: record[k].numpy() for k in record}, {k: v.shape for k, v in global_adapter.items()})
+    except UpdateCodecError as exc:
+        return str(exc)
+    except Exception as exc:  # an Array that does not deserialize
+        return f"update does not decode: {type(exc).__name__}"
+    del msg.content[UPDATE_KEY]
+    msg.content[ADAPTER_KEY] = ArrayRecord({k: Array((v + delta[k]).astype(v.dtype)) for k, v in global_adapter.items()})
+    return None
 
 
 def check_reply(msg: Message, target: str, version: int, global_adapter: dict[str, np.ndarray],

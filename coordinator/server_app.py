@@ -47,7 +47,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from omnidraft.coordinator.aggregation import (
-    FLEET_KEY, METRICS_KEY, AggregationConfig, aggregate_target, check_reply, payload_bytes)
+    FLEET_KEY, METRICS_KEY, AggregationConfig, aggregate_target, check_reply, expand_update, payload_bytes)
 from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats
 from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
 from omnidraft.coordinator.secure_aggregation import SecAggConfig, secure_mean_update
@@ -202,7 +202,7 @@ class Coordinator:
         by_target = {t: g for t, g in by_target.items() if g}
         newcomers = self._first_sessions(grid, rnd, states, by_target)
 
-        secure = {}
+        secure = {"update-bits": cfg.aggregation.update_bits}
         if cfg.secagg.enabled:  # devices keep their update for the secure aggregation
             secure = {"secagg": True, "clip-norm": float(cfg.aggregation.clip_norm or 0.0)}
         messages = {node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd, **secure)})
@@ -387,13 +387,15 @@ class Coordinator:
         good: list[Message] = []
         rejected: list[str] = []
         metric_keys = None
+        received: dict[int, int] = {}  # bytes each device sent (before its update is expanded)
         for node in group:
             msg = replies.get(node)
             if msg is None:
                 rejected.append(f"node {node}: no reply (dropped out or timed out)")
                 continue
-            reason = check_reply(msg, target, version, global_adapter, metric_keys, cfg.aggregation,
-                                 expect_adapter=not secure)
+            received[id(msg)] = 0 if msg.has_error() else payload_bytes(msg)
+            reason = expand_update(msg, global_adapter) or check_reply(
+                msg, target, version, global_adapter, metric_keys, cfg.aggregation, expect_adapter=not secure)
             if reason is None:
                 try:
                     bits = decode_stats(msg.content[FLEET_KEY]["ngram-stats"], target, state.spec.target_vocab_size)
@@ -417,7 +419,7 @@ class Coordinator:
         if not good:
             return record
         msgs = [m for m, _ in good]
-        uplink = [payload_bytes(m) for m in msgs]
+        uplink = [received[id(m)] for m in msgs]
         tokens = int(sum(m.content[METRICS_KEY]["trained-tokens"] for m in msgs))
         if secure:
             adapter, metrics, up, down = self._secure_aggregate(grid, rnd, target, version, msgs, global_adapter)

@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-ar", action="store_true", help="probes do not run the target alone (no speedup figures)")
     a("--aggregation", choices=["fedavg", "median", "trimmed"])
     a("--clip-norm", type=float, help="L2 bound on each device's adapter update")
+    a("--update-bits", type=int, choices=(4, 8, 32), help="bits per value of the update a device sends (default 8)")
     a("--k", type=int, help="devices that must hold an n-gram before it is released (default 5)")
     a("--noise", type=float, help="Gaussian noise multiplier on n-gram counts")
     a("--seed", type=int)
@@ -104,7 +105,7 @@ def scenario_from_args(args: argparse.Namespace):
     tiny = (args.models or from_file.get("models")) == "tiny"
     raw: dict = load_toml(TINY_SCENARIO if tiny else DEFAULT_SCENARIO)
     raw.update(from_file)
-    skip = {"scenario", "out", "targets", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "k", "noise",
+    skip = {"scenario", "out", "targets", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "update_bits", "k", "noise",
             "server_opt", "server_lr"}
     raw.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
     if args.targets:
@@ -118,7 +119,8 @@ def scenario_from_args(args: argparse.Namespace):
     if args.no_ar:
         raw["measure_ar"] = False
     aggregation = dict(raw.get("aggregation") or {})
-    aggregation.update({k: v for k, v in (("method", args.aggregation), ("clip_norm", args.clip_norm)) if v is not None})
+    aggregation.update({k: v for k, v in (("method", args.aggregation), ("clip_norm", args.clip_norm),
+                                                     ("update_bits", args.update_bits)) if v is not None})
     raw["aggregation"] = aggregation
     server_opt = dict(raw.get("server_opt") or {})
     server_opt.update({k: v for k, v in (("kind", args.server_opt), ("lr", args.server_lr)) if v is not None})

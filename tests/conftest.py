@@ -153,3 +153,17 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def flower_task():
+    """Flower stamps messages with the running task's identity; give hand-made ones a run."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    names = ("_run_id", "_node_id", "_task_id")
+    old = {n: getattr(TaskIdentity, n) for n in names}
+    for n in names:
+        setattr(TaskIdentity, n, 1 if old[n] is None else old[n])
+    yield
+    for n in names:
+        setattr(TaskIdentity, n, old[n])

@@ -42,15 +42,17 @@ def capture_mod(msg: Message, context, call_next) -> Message:
 
 
 def poison_mod(msg: Message, context, call_next) -> Message:
-    """Device 0 sends NaN adapters; device 1 crashes in training (a drop-out)."""
+    """Device 0 sends NaN updates (every float array of its compressed update: the per-row scales,
+    or the values themselves at 32 bits); device 1 crashes in training (a drop-out)."""
     partition = int(context.node_config["partition-id"])
     if partition == 1 and msg.metadata.message_type == "train":
         raise RuntimeError("simulated device crash")
     reply = call_next(msg, context)
     if partition == 0 and msg.metadata.message_type == "train" and not reply.has_error():
-        arrays = reply.content["adapter"]
-        reply.content["adapter"] = ArrayRecord(
-            {k: Array(np.full(a.shape, np.nan, dtype=np.float32)) for k, a in arrays.items()})
+        arrays = reply.content["update"]
+        reply.content["update"] = ArrayRecord(
+            {k: Array(np.full(a.shape, np.nan, dtype=np.float32)) if a.dtype == "float32" else a
+             for k, a in arrays.items()})
     return reply
 
 

@@ -33,18 +33,7 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
 
-@pytest.fixture(autouse=True)
-def _task_identity():
-    """Flower stamps messages with the running task's identity; give hand-made ones a run."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    names = ("_run_id", "_node_id", "_task_id")
-    old = {n: getattr(TaskIdentity, n) for n in names}
-    for n in names:
-        setattr(TaskIdentity, n, 1 if old[n] is None else old[n])
-    yield
-    for n in names:
-        setattr(TaskIdentity, n, old[n])
+pytestmark = pytest.mark.usefixtures("flower_task")  # hand-made Messages need a task identity
 
 
 def reply(arrays: dict[str, np.ndarray], weight: float, *, target="t", version=0, node=1, stats=b"") -> Message:
@@ -558,12 +547,13 @@ def test_secagg_sums_adapters_without_the_coordinator_seeing_one(tmp_path, tiny)
     import fleet_mods
 
     kw = dict(rounds=1, late_joiners=0, newcomer_evals=0)
-    _, plain, _ = _run_with(tmp_path / "plain", tiny, _scenario(**kw), [])
+    # float32 updates in the clear: the reference is the same updates' exact FedAvg
+    _, plain, _ = _run_with(tmp_path / "plain", tiny, _scenario(aggregation=AggregationConfig(update_bits=32), **kw), [])
     _, secure, wire = _run_with(tmp_path / "secure", tiny, _scenario(secagg=True, **kw), [fleet_mods.wire_mod])
     assert [(r["target"], r["aggregated"], r["rejected"]) for r in secure] == \
         [(r["target"], r["aggregated"], []) for r in plain] == [("tiny-target-a", 3, []), ("tiny-target-b", 3, [])]
     trains = [w for w in wire if w["type"] == "train"]
-    assert trains and not any("adapter" in w["arrays"] for w in trains)  # no adapter in the clear
+    assert trains and not any({"adapter", "update"} & set(w["arrays"]) for w in trains)  # nothing in the clear
     masked = [w for w in trains if "secaggplus_configs" in w["configs"]]
     assert len(masked) == 6 * 4 and any(w["array-bytes"] == 0 for w in masked)  # 4 protocol stages per device
     a = TargetRegistry(tmp_path / "plain" / "run" / "coordinator")
