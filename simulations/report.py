@@ -106,6 +106,36 @@ def _pair(fixed: float | None, adaptive: float | None) -> str:
     return f"{_fmt(fixed)} ({_fmt(adaptive)})"
 
 
+NOISE = 0.05  # speedup changes smaller than this share are called unchanged (live timings vary)
+
+
+def verdict(summaries: dict[str, dict]) -> str:
+    """One paragraph: per target, whether learning paid in speed this run (the probes' live
+    speedup over the target alone, first measured round against the last), with the fixed-k
+    acceptance and the new devices' warm start beside it."""
+    parts = []
+    for t, s in summaries.items():
+        first, last = s["speedup-first"], s["speedup-last"]
+        if first is None or last is None:
+            call = "speed was not measured (--no-ar)"
+        elif last < 1:
+            call = f"devices ran slower than the target alone ({_times(first)} → {_times(last)})"
+        elif last >= first * (1 + NOISE):
+            call = f"learning paid: {_times(first)} → {_times(last)} the target alone's speed"
+        elif last <= first * (1 - NOISE):
+            call = f"learning did not pay: {_times(first)} → {_times(last)} the target alone's speed"
+        else:
+            call = f"speed unchanged within {NOISE:.0%} ({_times(first)} → {_times(last)} the target alone's)"
+        text = f"**{t}**: {call} from round {s['first-round']} to {s['last-round']}"
+        if s["acceptance-k-first"] is not None:
+            text += f"; acceptance at fixed k {_fmt(s['acceptance-k-first'])} → {_fmt(s['acceptance-k-last'])}"
+        if s["new-devices"]:
+            text += (f"; new devices start at {_fmt(s['new-warm-acceptance-k'] or s['new-warm-acceptance'])} "
+                     f"with the fleet's state vs {_fmt(s['new-cold-acceptance-k'] or s['new-cold-acceptance'])} without")
+        parts.append(text + ".")
+    return " ".join(parts)
+
+
 def summary_table(summaries: dict[str, dict]) -> str:
     """A Markdown table, one row per target (also printed at the end of a run). Where the
     fixed-length acceptance was measured it comes first, the adaptive one in parentheses."""
@@ -259,8 +289,9 @@ def write_report(run_dir: str | Path) -> Path:
         raise ValueError(f"{run_dir}/metrics.jsonl has no rounds")
     plots = plot(per_target, run_dir)
     cfg = summary["config"]
+    summaries = {t: target_summary(r) for t, r in per_target.items()}
     parts = [
-        "# OmniDraft Fleet simulation report", "",
+        "# OmniDraft Fleet simulation report", "", verdict(summaries), "",
         f"{cfg['devices']} devices ({cfg.get('probes', 0)} probe devices per target in addition), "
         f"{cfg['rounds']} rounds, {cfg['fraction']:.0%} of the joined devices sampled per round, "
         f"models `{cfg['models']}`, targets {', '.join(f'`{t}`' for t in cfg['targets'])}, "
@@ -280,7 +311,7 @@ def write_report(run_dir: str | Path) -> Path:
         "are sampled devices that never trained for their target, whose first session runs once without and "
         "once with the global state; veterans are as many sampled devices that trained before, decoding "
         "their own held-out prompts with the same global state in the same round.",
-        "", "## Per target", "", summary_table({t: target_summary(r) for t, r in per_target.items()}), "",
+        "", "## Per target", "", summary_table(summaries), "",
     ]
     for name in plots:
         parts += [f"![{PLOTS[name]}]({name})", "", f"*{PLOTS[name]}.*", ""]

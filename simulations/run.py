@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         summaries, path = report.finish(out, {**scenario.to_dict(), "devices": scenario.devices},
                                         time.perf_counter() - t0, peak_mb, memory_scope)
         if path is not None:
-            print("\n" + report.summary_table(summaries))
+            print("\n" + report.summary_table(summaries) + "\n\n" + report.verdict(summaries))
             print(f"\nwrote {out}/: metrics.jsonl, summary.json, plots, {path.name} "
                   f"({time.perf_counter() - t0:.0f} s, peak memory {peak_mb / 1024:.1f} GiB, {memory_scope})")
         return 0

@@ -257,6 +257,7 @@ def test_smoke_run_writes_every_output(smoke):
     assert trained and all((d / "profile.json").exists() for d in devices)
     assert (out / "coordinator" / "coordinator.json").exists()
     assert "| tiny-target-a |" in res.stdout  # the summary table
+    assert "**tiny-target-a**:" in res.stdout and "**tiny-target-a**:" in (out / "report.md").read_text()  # the verdict
     # Flower's supported path (flwr run on a local SuperLink): no deprecation notice anywhere
     log = (out / "flwr" / "flower.log").read_text()
     assert "run_simulation" not in log and "deprecat" not in (res.stdout + res.stderr + log).lower()
@@ -394,3 +395,19 @@ def test_flwr_run_of_the_repository_runs_a_scenario(tmp_path, home):
     assert {r["target"] for r in records if r["round"] == 0} == {"tiny-target-a", "tiny-target-b"}
     assert {r["round"] for r in records} == {0, 1, 2, 3}  # a fifth of 5 devices train: one target a round
     assert "# OmniDraft Fleet simulation report" in (out / "report.md").read_text()
+
+
+def test_the_verdict_says_whether_learning_paid_in_speed():
+    def summary(first, last, **kw):
+        base = {"speedup-first": first, "speedup-last": last, "first-round": 0, "last-round": 3,
+                "acceptance-k-first": 0.39, "acceptance-k-last": 0.44, "new-devices": 0}
+        return {**base, **kw}
+
+    assert "learning paid: 1.20x → 1.35x" in report.verdict({"q": summary(1.2, 1.35)})
+    assert "did not pay" in report.verdict({"q": summary(1.3, 1.1)})
+    assert "slower than the target alone" in report.verdict({"q": summary(0.97, 0.88)})
+    assert "unchanged within 5%" in report.verdict({"q": summary(1.2, 1.22)})
+    assert "not measured" in report.verdict({"q": summary(None, None)})
+    text = report.verdict({"q": summary(1.2, 1.35, **{"new-devices": 3, "new-warm-acceptance-k": 0.43,
+                                                      "new-cold-acceptance-k": 0.38})})
+    assert "0.390 → 0.440" in text and "0.430 with the fleet's state vs 0.380 without" in text
