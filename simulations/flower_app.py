@@ -36,7 +36,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from omnidraft.client.client_app import make_client_app
 from omnidraft.client.fleet_device import FleetDevice, cached_profile, shared_pool
-from omnidraft.coordinator.server_app import Coordinator
+from omnidraft.coordinator.server_app import ROUNDS_FILE, Coordinator
 from omnidraft.shared.atomic_io import write_bytes_atomic
 
 SCENARIO_FILE = "scenario.json"
@@ -108,7 +108,6 @@ def serve(grid: Grid, context: Context) -> None:
         Coordinator(out / "coordinator", fleet_config(scenario, nodes), progress=_progress_file(out),
                     before_round=operator_actions(scenario)).run(grid, context)
         if standalone:  # the report run.py would write (its records are the coordinator's)
-            from omnidraft.coordinator.server_app import ROUNDS_FILE
             from omnidraft.simulations import report
 
             write_bytes_atomic(out / "metrics.jsonl", (out / "coordinator" / ROUNDS_FILE).read_bytes())
@@ -177,3 +176,29 @@ def run_config(directory: Path, client_mods: tuple = ()) -> dict[str, str]:
     return {"run-dir": str(Path(directory).resolve()),
             "client-mods": ",".join(f"{m.__module__}:{m.__qualname__}" for m in client_mods)}
 
+
+class RunFollower:
+    """Calls ``on_round`` for each record the coordinator appends to ``coordinator/rounds.jsonl``
+    and ``progress`` for each change of the ServerApp's ``progress.json``."""
+
+    def __init__(self, out: Path, on_round, progress) -> None:
+        self.rounds = out / "coordinator" / ROUNDS_FILE
+        self.progress_path = out / PROGRESS_FILE
+        self.on_round, self.progress = on_round, progress
+        self.seen = self._lines()
+        self.last = None
+
+    def _lines(self) -> int:
+        return len(self.rounds.read_text().splitlines()) if self.rounds.exists() else 0
+
+    def __call__(self) -> None:
+        if self.progress is not None and self.progress_path.exists():
+            state = self.progress_path.read_text()
+            if state != self.last:
+                self.last = state
+                self.progress(*json.loads(state))
+        if self.on_round is not None and self.rounds.exists():
+            lines = self.rounds.read_text().splitlines()
+            for line in lines[self.seen:]:
+                self.on_round(json.loads(line))
+            self.seen = len(lines)

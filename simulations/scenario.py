@@ -460,7 +460,7 @@ def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, ve
     write_bytes_atomic(out / flower_app.SCENARIO_FILE, json.dumps(scenario.to_dict(), default=str).encode())
     for stale in (flower_app.OUTCOME_FILE, flower_app.PROGRESS_FILE):
         (out / stale).unlink(missing_ok=True)
-    follow = _Follower(out, on_round, progress)
+    follow = flower_app.RunFollower(out, on_round, progress)
     run_app(APP_DIR, flower_app.run_config(out, tuple(mods)), len(profiles), out / "flwr",
             cpus_per_device=scenario.cpus_per_device, ray_address=scenario.ray_address, verbose=verbose,
             watch=follow)
@@ -473,32 +473,3 @@ def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, ve
 
 # the Flower App: the repository's pyproject.toml ([tool.flwr.app]); simulations/ sits beside it
 APP_DIR = Path(__file__).resolve().parent.parent
-
-
-class _Follower:
-    """Calls ``on_round`` for each record the coordinator appends to ``coordinator/rounds.jsonl``
-    and ``progress`` for each change of the ServerApp's ``progress.json``."""
-
-    def __init__(self, out: Path, on_round, progress) -> None:
-        from omnidraft.coordinator.server_app import ROUNDS_FILE
-
-        self.rounds = out / "coordinator" / ROUNDS_FILE
-        self.progress_path = out / "progress.json"
-        self.on_round, self.progress = on_round, progress
-        self.seen = self._lines()
-        self.last = None
-
-    def _lines(self) -> int:
-        return len(self.rounds.read_text().splitlines()) if self.rounds.exists() else 0
-
-    def __call__(self) -> None:
-        if self.progress is not None and self.progress_path.exists():
-            state = self.progress_path.read_text()
-            if state != self.last:
-                self.last = state
-                self.progress(*json.loads(state))
-        if self.on_round is not None and self.rounds.exists():
-            lines = self.rounds.read_text().splitlines()
-            for line in lines[self.seen:]:
-                self.on_round(json.loads(line))
-            self.seen = len(lines)
