@@ -43,7 +43,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from omnidraft.client.fleet_device import FleetDevice
-from omnidraft.client.secure_update import keep_update, take_update
+from omnidraft.client.secure_update import keep_update, take_update, update_delta
 from omnidraft.client.update_residual import ErrorFeedback
 from omnidraft.shared.fleet_wire import encode_stats
 from omnidraft.proto import fleet_pb2
@@ -102,10 +102,7 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
                         tokens=int(metrics["trained-tokens"]), clip_norm=clip)
             metrics["uplink-bytes"] = len(stats)  # + the masked vector, counted by the coordinator
         else:  # the update, compressed as the coordinator asks (error feedback kept on the device)
-            start = device.global_adapter()
-            if set(tensors) != set(start):
-                raise ValueError("the trained adapter's tensors differ from the global adapter's")
-            delta = {k: (tensors[k].double() - start[k].double()).float().numpy() for k in sorted(start)}
+            delta = {k: d.float().numpy() for k, d in update_delta(tensors, device.global_adapter()).items()}
             arrays = ErrorFeedback(device.dir, device.profile.target).compress(delta, int(fleet.get("update-bits", 32)))
             content["update"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
             metrics["uplink-bytes"] = content["update"].count_bytes() + len(stats)

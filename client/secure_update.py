@@ -27,13 +27,19 @@ class UpdateError(ValueError):
     """The kept update cannot be sent (missing, for another round or target, or not finite)."""
 
 
+def update_delta(trained: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A round's update, ``trained - start`` per tensor (float64, sorted names); ``UpdateError``
+    when the two adapters do not have the same tensors."""
+    if set(trained) != set(start):
+        raise UpdateError("the trained adapter's tensors differ from the global adapter's")
+    return {k: trained[k].double() - start[k].double() for k in sorted(start)}
+
+
 def keep_update(device_dir: str | Path, trained: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
                 *, target: str, round_: int, version: int, tokens: int, clip_norm: float | None = None) -> float:
     """Store ``trained - start`` for the round's secure aggregation; returns its L2 norm before
     clipping. Raises ``UpdateError`` for an update with NaN or Inf."""
-    if set(trained) != set(start):
-        raise UpdateError("the trained adapter's tensors differ from the global adapter's")
-    delta = {k: (trained[k].double() - start[k].double()) for k in sorted(start)}
+    delta = update_delta(trained, start)
     norm = math.sqrt(sum(float((d * d).sum()) for d in delta.values()))
     if not math.isfinite(norm):
         raise UpdateError("the update holds NaN or Inf")
