@@ -222,8 +222,7 @@ class CrossVocabDecoder:
         if rule is not None:
             # what the drafter was fed first counts as a fixed cost of this round (not the prompt:
             # that is a prefill)
-            rule.begin(config.k_max, "head" if head is not None else "confidence",
-                       len(context_ids) - keep if keep else 0)
+            rule.begin(config.k_max, len(context_ids) - keep if keep else 0, head=head is not None)
         timings = self.timings
         while True:
             stats.drafter_steps += 1
@@ -231,10 +230,7 @@ class CrossVocabDecoder:
                 # first the last context token's candidates, then what completes a dropped space
                 allowed = self.healer.extensions(pending) if draft.ids else self.healer.candidates(pending)
                 logits = torch.full_like(logits, float("-inf")).index_copy_(0, allowed, logits.index_select(0, allowed))
-            if head is None:
-                conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)
-            else:
-                tok = logits.argmax(dim=-1)
+            conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)
             tok = int(tok)
             draft.ids.append(tok)
             healing_only = False
@@ -248,12 +244,10 @@ class CrossVocabDecoder:
                 draft.healing += 1
             else:
                 if rule is not None:
-                    if head is not None:  # the head's predicted acceptance of this token
-                        feature = (float(torch.sigmoid(head(self.drafter.last_hidden()))) if head_current
-                                   else 1.0)
-                    else:
-                        feature = float(conf)
-                    stop = not rule.keep_drafting(feature)
+                    predicted = None  # the head's predicted acceptance of this token
+                    if head is not None:
+                        predicted = float(torch.sigmoid(head(self.drafter.last_hidden()))) if head_current else 1.0
+                    stop = not rule.keep_drafting(float(conf), predicted)
                 else:
                     stop = float(conf) < config.confidence
                 if stop or len(draft.ids) - draft.healing >= config.k_max:

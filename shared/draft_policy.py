@@ -16,7 +16,10 @@ Every round of speculative decoding picks one of three things (``ThroughputRule.
   ``P_i = a_1...a_i``, with ``r`` target tokens per drafter token (measured), a verification
   commits in expectation ``E_n = 1 + r (P_1 + ... + P_n)`` tokens in
   ``t_n = o + D(b) + n d + T(1 + r n)`` ms; drafting goes on while some ``j <= k_max - n`` more
-  tokens (expected at ``a_n`` each) raise ``E/t``.
+  tokens raise ``E/t``, each expected at ``a'_n``: the measured acceptance of the token *after*
+  one drafted in ``a_n``'s bucket (a second table, counted from the same verifications). A
+  learned drafter's hesitant token is often followed by confident ones (a name chosen, the rest
+  of the line follows), which ``a_n`` itself would not foresee.
 
 ``T(block)``, ``d`` (a drafter step), ``D(block)``, ``o`` and ``s`` (the fixed work of a drafter
 round, and of a plain or model-free round, outside the forward passes) come from the machine's
@@ -27,7 +30,10 @@ inputs and the profile.
 The per-token acceptance estimate ``a`` of a drafted token is calibrated per bucket of a
 feature: the drafter's confidence (its top probability), or, once the device's acceptance head
 has trained, the head's predicted acceptance (a separate table; the head feeds this rule and no
-fixed threshold overrides it). Buckets start from the prior ``a(f) = f`` worth ``PRIOR_WEIGHT``
+fixed threshold overrides it). Both are counted on every verified token, and a round uses the
+head only while its calibrated predictions have had the lower squared error (Brier score) over
+recent tokens: a head trained on little data can rank tokens worse than the drafter's own
+confidence, and then it must not decide. Buckets start from the prior ``a(f) = f`` worth ``PRIOR_WEIGHT``
 observations. A drafted token counts as accepted when the target accepted every byte of its
 text; tokens after the first rejection are not observed.
 
@@ -58,7 +64,9 @@ MAX_EVIDENCE = 256.0  # observations per bucket beyond which older ones fade (a 
 RETRY_ROUNDS = 16  # plain rounds in a row after which the drafter is tried again
 PRIOR_ROUNDS = 2.0  # the drafter's rate starts from this many rounds' worth of a prior
 LOOKUP_MATCH_MAX = 8  # match lengths above this share one acceptance cell
-CALIBRATION_VERSION = 2
+MIN_SCORED = 64.0  # drafted tokens a feature is scored on before the head may replace the confidence
+SCORE_DECAY = 0.998  # weight of the previous squared errors, per scored token
+CALIBRATION_VERSION = 3  # 3 added the next-token tables (a version 2 calibration loads without them)
 PLAIN, LOOKUP, DRAFTER = "target", "lookup", "drafter"
 
 
@@ -123,6 +131,11 @@ class ThroughputRule:
         # per-token acceptance of drafted tokens, by the drafter's confidence or the head's output
         self.tables = {"confidence": AcceptanceTable(_confidence_prior()),
                        "head": AcceptanceTable(_confidence_prior())}
+        # acceptance of the token drafted after one in each bucket (from the same prior: until
+        # counted, the next token is expected like the current one)
+        self.next_tables = {name: AcceptanceTable(_confidence_prior()) for name in self.tables}
+        # each feature's decayed squared error of its calibrated predictions, and its weight
+        self.scores = {name: [0.0, 0.0] for name in self.tables}
         # model-free drafts: per source, by match length (1..LOOKUP_MATCH_MAX); flat prior 0.5
         self.lookup = {source: AcceptanceTable([0.5] * LOOKUP_MATCH_MAX, weight=2.0)
                        for source in ("context", "history")}
@@ -192,26 +205,41 @@ class ThroughputRule:
         return kind, n
 
     # -- a drafter round, token by token -----------------------------------------------------------
-    def begin(self, k_max: int = 16, feature: str = "confidence", refeed: int = 0) -> None:
-        """Start a drafter round of at most ``k_max`` drafter tokens whose acceptance is
-        estimated from ``feature`` (``confidence`` or ``head``), after feeding ``refeed`` tokens."""
+    def begin(self, k_max: int = 16, refeed: int = 0, head: bool = False) -> None:
+        """Start a drafter round of at most ``k_max`` drafter tokens, after feeding ``refeed``
+        tokens; ``head``: the acceptance head scores each drafted token too. Its acceptance is
+        estimated from the head's output only while the head predicts acceptance better than the
+        drafter's confidence (``feature_in_use``)."""
         self._k_max = k_max
-        self._table = self.tables[feature]
+        self.feature = self.feature_in_use() if head else "confidence"
+        self._table = self.tables[self.feature]
+        self._next_table = self.next_tables[self.feature]
         self._fixed_ms = self.overhead_ms + self.profile.drafter_block_cost(refeed)
         self._n = 0
         self._p = 1.0  # P_n
         self._e = 1.0  # E_n
-        self.features: list[float] = []
+        self.features: dict[str, list[float]] = {"confidence": [], "head": []}
+
+    def feature_in_use(self) -> str:
+        """``head`` when its calibrated predictions have had a lower squared error than the
+        confidence's over at least ``MIN_SCORED`` recent drafted tokens, else ``confidence``."""
+        (c_err, c_n), (h_err, h_n) = self.scores["confidence"], self.scores["head"]
+        if h_n >= MIN_SCORED and c_n >= MIN_SCORED and h_err / h_n < c_err / c_n:
+            return "head"
+        return "confidence"
 
     def calibrated(self, feature: float, table: str = "confidence") -> float:
         """``a(f)``: the measured acceptance of tokens drafted with feature value ``f``."""
         return self.tables[table].rate(bucket_of(feature))
 
-    def keep_drafting(self, feature: float) -> bool:
-        """Record the token just drafted (its confidence or predicted acceptance); True to draft
-        another one."""
-        self.features.append(feature)
-        a = self._table.rate(bucket_of(feature))
+    def keep_drafting(self, confidence: float, head: float | None = None) -> bool:
+        """Record the token just drafted (the drafter's top probability and, when the round
+        began with ``head``, the head's predicted acceptance); True to draft another one."""
+        self.features["confidence"].append(confidence)
+        if head is not None:
+            self.features["head"].append(head)
+        bucket = bucket_of(head if self.feature == "head" else confidence)
+        a, a_next = self._table.rate(bucket), self._next_table.rate(bucket)
         r, d, fixed = self.target_per_draft, self.drafter_ms, self._fixed_ms
         n = self._n = self._n + 1
         self._p *= a
@@ -219,7 +247,7 @@ class ThroughputRule:
         t_now = fixed + n * d + self._target_ms(1 + r * n)
         e_more, p_more = self._e, self._p
         for j in range(1, self._k_max - n + 1):
-            p_more *= a
+            p_more *= a_next
             e_more += r * p_more
             if e_more * t_now > self._e * (fixed + (n + j) * d + self._target_ms(1 + r * (n + j))):
                 return True
@@ -230,8 +258,17 @@ class ThroughputRule:
         """After verifying a drafter round: its first ``accepted_drafts`` drafted tokens were
         accepted; ``drafted`` drafter tokens became ``proposed`` target tokens; ``committed``
         tokens were committed (accepted + the correction or bonus token)."""
-        for i, f in enumerate(self.features[: accepted_drafts + 1]):
-            self._table.count(bucket_of(f), i < accepted_drafts)
+        for name, values in self.features.items():
+            table, following, score = self.tables[name], self.next_tables[name], self.scores[name]
+            seen = values[: accepted_drafts + 1]
+            for i, f in enumerate(seen):
+                accepted = i < accepted_drafts
+                predicted = table.rate(bucket_of(f))
+                score[0] = score[0] * SCORE_DECAY + (predicted - accepted) ** 2
+                score[1] = score[1] * SCORE_DECAY + 1.0
+                table.count(bucket_of(f), accepted)
+                if i:  # the token after one drafted in that bucket
+                    following.count(bucket_of(seen[i - 1]), accepted)
         self._drafted += drafted
         self._proposed += proposed
         if self._drafted:
@@ -248,8 +285,11 @@ class ThroughputRule:
 
     def drafter_changed(self) -> None:
         """The drafter's weights changed: keep ``REFIT_KEEP`` of its evidence, retry it soon."""
-        for table in self.tables.values():
+        for table in (*self.tables.values(), *self.next_tables.values()):
             table.decay(REFIT_KEEP, REFIT_CAP)
+        for score in self.scores.values():
+            score[0] *= REFIT_KEEP
+            score[1] *= REFIT_KEEP
         self._rate_tokens *= REFIT_KEEP
         self._rate_ms *= REFIT_KEEP
         self.plain_streak = RETRY_ROUNDS
@@ -259,6 +299,8 @@ class ThroughputRule:
         """What this rule learned, to persist with a device's state (JSON-able)."""
         return {"version": CALIBRATION_VERSION,
                 "tables": {k: t.to_dict() for k, t in self.tables.items()},
+                "next_tables": {k: t.to_dict() for k, t in self.next_tables.items()},
+                "scores": {k: list(v) for k, v in self.scores.items()},
                 "lookup": {k: t.to_dict() for k, t in self.lookup.items()},
                 "drafted": self._drafted, "proposed": self._proposed,
                 "rate": [self._rate_tokens, self._rate_ms]}
@@ -266,10 +308,16 @@ class ThroughputRule:
     def load_calibration(self, saved: dict) -> None:
         """Restore :meth:`calibration`; raises ValueError when it does not fit."""
         try:
-            if saved.get("version") != CALIBRATION_VERSION:
+            if saved.get("version") not in (2, CALIBRATION_VERSION):
                 raise ValueError
             for name, table in self.tables.items():
                 table.load(saved["tables"][name])
+            for name, table in self.next_tables.items():
+                if "next_tables" in saved:
+                    table.load(saved["next_tables"][name])
+            scores = {name: [float(x) for x in saved.get("scores", {}).get(name, (0.0, 0.0))] for name in self.tables}
+            if any(len(v) != 2 or min(v) < 0 for v in scores.values()):
+                raise ValueError
             for name, table in self.lookup.items():
                 table.load(saved["lookup"][name])
             drafted, proposed = float(saved["drafted"]), float(saved["proposed"])
@@ -279,6 +327,7 @@ class ThroughputRule:
         except (AttributeError, KeyError, TypeError, ValueError):
             raise ValueError("saved draft-rule calibration does not fit") from None
         self._drafted, self._proposed = drafted, proposed
+        self.scores = scores
         if drafted:
             self.target_per_draft = max(proposed / drafted, 0.25)
         self._rate_tokens, self._rate_ms = tokens, ms
@@ -290,6 +339,10 @@ class ThroughputRule:
         rate = self.drafter_rate()
         return {"acceptance_by_confidence": rates(self.tables["confidence"]),
                 "acceptance_by_head": rates(self.tables["head"]),
+                "next_acceptance_by_confidence": rates(self.next_tables["confidence"]),
+                "next_acceptance_by_head": rates(self.next_tables["head"]),
+                "squared_error": {k: round(e / n, 4) if n else None for k, (e, n) in self.scores.items()},
+                "feature_in_use": self.feature_in_use(),
                 "lookup_acceptance_by_match": {k: rates(t) for k, t in self.lookup.items()},
                 "observations": {k: round(t.observations()) for k, t in {**self.tables, **{
                     f"lookup-{s}": t for s, t in self.lookup.items()}}.items()},

@@ -112,6 +112,60 @@ def test_rule_refits_when_the_drafter_changes():
     assert rule.calibrated(0.85) > 0.5
 
 
+def test_a_hesitant_token_followed_by_confident_ones_keeps_the_draft_going():
+    """Tokens drafted at 0.45 are accepted about half the time, but what follows one of them is
+    almost always accepted (a name chosen, the rest of the line follows): once counted, the rule
+    drafts on past the hesitant token instead of expecting every later token at 0.45."""
+    profile = CostProfile({1: 60.0, 4: 75.0, 8: 90.0, 16: 130.0}, drafter_ms_per_token=5.0)
+    rule = ThroughputRule(profile)
+
+    def length_after_hesitation() -> int:
+        rule.begin(16)
+        n = 0
+        for f in (0.95, 0.95, 0.45) + (0.95,) * 13:
+            n += 1
+            if not rule.keep_drafting(f):
+                break
+        return n
+
+    cold = length_after_hesitation()
+    assert cold == 3  # the prior: every later token expected like the hesitant one
+    for i in range(200):  # the hesitant token itself: accepted every other time, but always what follows
+        rule.begin(8)
+        for f in (0.95, 0.45, 0.95, 0.95):
+            rule.keep_drafting(f)
+        ok = i % 2 == 0
+        rule.observe(accepted_drafts=4 if ok else 1, drafted=4, proposed=4, committed=5 if ok else 2)
+    assert rule.calibrated(0.45) == pytest.approx(0.5, abs=0.05)
+    assert rule.next_tables["confidence"].rate(4) > 0.9
+    assert length_after_hesitation() > cold  # it drafts on past the hesitant token
+    assert "next_acceptance_by_confidence" in rule.state()
+
+
+def test_the_head_decides_only_while_it_predicts_acceptance_better_than_the_confidence():
+    import random
+
+    def rounds(rule: ThroughputRule, head_knows: bool, n: int = 300) -> None:
+        rng = random.Random(0)
+        for _ in range(n):  # one token per round: accepted at random; one feature knows, the other is noise
+            accepted = rng.random() < 0.5
+            knowing, noise = (0.95 if accepted else 0.05), rng.random()
+            rule.begin(1, head=True)
+            rule.keep_drafting(noise if head_knows else knowing, knowing if head_knows else noise)
+            rule.observe(accepted_drafts=int(accepted), drafted=1, proposed=1, committed=1 + int(accepted))
+
+    good_head, bad_head = ThroughputRule(FLAT), ThroughputRule(FLAT)
+    assert good_head.feature_in_use() == "confidence"  # before any evidence
+    rounds(good_head, head_knows=True)
+    rounds(bad_head, head_knows=False)
+    assert good_head.feature_in_use() == "head" and bad_head.feature_in_use() == "confidence"
+    good_head.begin(4, head=True)
+    assert good_head.feature == "head"
+    good_head.begin(4, head=False)  # no head this round: the confidence decides
+    assert good_head.feature == "confidence"
+    assert good_head.state()["squared_error"]["head"] < good_head.state()["squared_error"]["confidence"]
+
+
 def test_calibration_round_trips_and_rejects_what_does_not_fit():
     rule = ThroughputRule(FLAT)
     drafter_round(rule, accepted=1)
@@ -121,6 +175,8 @@ def test_calibration_round_trips_and_rejects_what_does_not_fit():
     again.load_calibration(saved)
     assert again.calibration() == rule.calibration()
     assert again.drafter_rate() == pytest.approx(rule.drafter_rate())
+    older = {k: v for k, v in saved.items() if k != "next_tables"} | {"version": 2}  # saved before the next-token tables
+    ThroughputRule(FLAT).load_calibration(older)
     for bad in ({}, {"version": 1}, {**saved, "tables": {"confidence": {"accepted": [1], "seen": [1]}}},
                 {**saved, "rate": "fast"}):
         with pytest.raises(ValueError, match="does not fit"):
