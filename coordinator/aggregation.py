@@ -3,11 +3,16 @@
 Flower's FedAvg (and FedMedian / FedTrimmedAvg, which reuse its checks) ends the whole ServerApp
 on one inconsistent reply, so every reply is checked here first and a bad one is dropped with a
 logged reason: Flower errors, missing records, wrong target or stale state version, wrong
-adapter keys / shapes / dtypes, NaN or Inf, a non-positive weight, an oversized payload. The
-survivors' updates are optionally clipped in L2 norm around the global adapter (server-side
-clipping), then handed to the chosen strategy's ``aggregate_train``.
+adapter keys / shapes / dtypes, NaN or Inf, an oversized payload, and metrics outside the
+coordinator's own schema (``TRAIN_METRICS``: exactly these keys, each a finite number in its
+range). A device never decides what the others are checked against: one bad reply is dropped
+alone. The survivors' updates are clipped in L2 norm around the global adapter (server-side
+clipping: by default to ``CLIP_MEDIAN_FACTOR`` times the round's median update norm, or to a
+fixed ``clip_norm``), then handed to the chosen strategy's ``aggregate_train``.
 
-Weighting is by ``trained-tokens`` (target tokens the device trained on). Averaging LoRA's A and
+Weighting is by ``trained-tokens`` (target tokens the device trained on), which the device
+reports itself: it is capped at ``max_trained_tokens`` (what a round asks of one device), so no
+device outweighs more than its share however large a number it sends. Averaging LoRA's A and
 B separately is not the average of ``B·A``; with FFA-LoRA (A frozen at registration, the same on
 every device) it is exact, since only B differs.
 """
@@ -29,6 +34,18 @@ UPDATE_KEY = "update"  # what a device sends: its compressed update (shared.upda
 METRICS_KEY = "metrics"
 FLEET_KEY = "fleet"
 METHODS = ("fedavg", "median", "trimmed")
+CLIP_MEDIAN_FACTOR = 2.0  # default clipping bound: this many times the round's median update norm
+MAX_TOKENS = float(1 << 40)  # any token count beyond this is not a count (target tokens)
+
+# The metrics a training reply carries: key -> (lowest, highest) value. The coordinator owns this
+# schema; a reply with a key missing or unknown, or a value that is not a finite number in range,
+# is dropped alone.
+TRAIN_METRICS: dict[str, tuple[float, float]] = {
+    WEIGHT_KEY: (1.0, MAX_TOKENS), "generated-tokens": (0.0, MAX_TOKENS),
+    "acceptance": (0.0, 1.0), "acceptance-first": (0.0, 1.0),
+    "tokens-per-call": (0.0, 4096.0), "tokens-per-call-first": (0.0, 4096.0),
+    "tokens-per-s": (0.0, 1e6), "update-s": (0.0, 1e7), "cache-entries": (0.0, 1e9),
+    "uplink-bytes": (0.0, float(1 << 40))}
 
 
 @dataclass(frozen=True)
@@ -37,7 +54,9 @@ class AggregationConfig:
 
     method: str = "fedavg"  # fedavg | median | trimmed (Flower's FedAvg / FedMedian / FedTrimmedAvg)
     trim_beta: float = 0.2  # fraction cut at each end by the trimmed mean
-    clip_norm: float | None = None  # L2 bound on each device's update (adapter minus global)
+    clip_norm: float | None = None  # fixed L2 bound on each device's update (adapter minus global); None: ...
+    clip_median_factor: float = CLIP_MEDIAN_FACTOR  # ... this many times the round's median norm (0: no clipping)
+    max_trained_tokens: float = 4096.0  # the FedAvg weight of one reply is capped here (target tokens)
     max_payload_bytes: int = 256 << 20  # bigger replies are rejected (bytes)
     update_bits: int = 8  # devices send their update quantized to 4 or 8 bits (32: float32); shared.update_codec
 
@@ -48,6 +67,10 @@ class AggregationConfig:
             raise ValueError("trim beta must be in [0, 0.5)")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError("the clipping norm must be > 0")
+        if not (self.clip_median_factor >= 0 and math.isfinite(self.clip_median_factor)):
+            raise ValueError("the median clipping factor must be a finite number >= 0 (0: off)")
+        if not 1 <= self.max_trained_tokens <= MAX_TOKENS:
+            raise ValueError("the weight cap (max trained tokens) must be >= 1")
         if self.update_bits not in BITS:
             raise ValueError(f"update bits must be one of {', '.join(map(str, BITS))}")
 
@@ -89,10 +112,26 @@ def expand_update(msg: Message, global_adapter: dict[str, np.ndarray]) -> str | 
     return None
 
 
+def check_metrics(metrics: MetricRecord, schema: dict[str, tuple[float, float]]) -> str | None:
+    """Why ``metrics`` do not fit ``schema`` (None: they do)."""
+    if set(metrics) != set(schema):
+        unknown, missing = sorted(set(metrics) - set(schema)), sorted(set(schema) - set(metrics))
+        return f"metrics outside the schema (unknown {unknown[:3]}, missing {missing[:3]})"
+    for key, (lo, hi) in schema.items():
+        value = metrics[key]
+        if isinstance(value, list) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"metric {key} is not a number"
+        if not math.isfinite(value):
+            return f"non-finite metric {key}"
+        if not lo <= value <= hi:
+            return f"metric {key}={value!r} outside [{lo:g}, {hi:g}]"
+    return None
+
+
 def check_reply(msg: Message, target: str, version: int, global_adapter: dict[str, np.ndarray],
-                metric_keys: frozenset[str] | None, config: AggregationConfig,
-                expect_adapter: bool = True) -> str | None:
-    """Why ``msg`` cannot be aggregated for ``target`` at state ``version`` (None: it can).
+                config: AggregationConfig, expect_adapter: bool = True) -> str | None:
+    """Why ``msg`` cannot be aggregated for ``target`` at state ``version`` (None: it can). A
+    reply that passes has its weight capped at ``config.max_trained_tokens`` in place.
     ``expect_adapter`` False: a SecAgg+ round, whose replies carry no adapter (the device
     checks its own update)."""
     if msg.has_error():
@@ -112,16 +151,18 @@ def check_reply(msg: Message, target: str, version: int, global_adapter: dict[st
     if size > config.max_payload_bytes:
         return f"payload of {size} bytes exceeds {config.max_payload_bytes}"
     metrics = content.metric_records[METRICS_KEY]
-    if metric_keys is not None and set(metrics) != metric_keys:
-        return "metrics keys differ from the other devices'"
-    weight = metrics.get(WEIGHT_KEY)
-    if isinstance(weight, list) or weight is None or not (math.isfinite(weight) and weight > 0):
-        return f"bad weight {WEIGHT_KEY}={weight!r}"
-    if any(isinstance(v, float) and not math.isfinite(v) for v in metrics.values() if not isinstance(v, list)):
-        return "non-finite metric"
-    if not expect_adapter:
-        return None
-    arrays = content.array_records[ADAPTER_KEY]
+    reason = check_metrics(metrics, TRAIN_METRICS)
+    if reason is not None:
+        return reason
+    if expect_adapter:
+        reason = _check_adapter(content.array_records[ADAPTER_KEY], global_adapter)
+        if reason is not None:
+            return reason
+    metrics[WEIGHT_KEY] = min(float(metrics[WEIGHT_KEY]), config.max_trained_tokens)
+    return None
+
+
+def _check_adapter(arrays: ArrayRecord, global_adapter: dict[str, np.ndarray]) -> str | None:
     if set(arrays) != set(global_adapter):
         return "adapter keys differ from the global adapter's"
     for key, ref in global_adapter.items():
@@ -133,26 +174,44 @@ def check_reply(msg: Message, target: str, version: int, global_adapter: dict[st
     return None
 
 
+def update_norm(msg: Message, global_adapter: dict[str, np.ndarray]) -> float:
+    """L2 norm of the reply's update (adapter minus global)."""
+    arrays = msg.content.array_records[ADAPTER_KEY]
+    return math.sqrt(sum(float(np.square(arrays[k].numpy().astype(np.float64) - v).sum())
+                         for k, v in global_adapter.items()))
+
+
+def clip_bound(norms: list[float], config: AggregationConfig) -> float | None:
+    """This round's L2 bound on one update: the fixed ``clip_norm``, else ``clip_median_factor``
+    times the median of ``norms`` (None: no clipping)."""
+    if config.clip_norm is not None:
+        return config.clip_norm
+    if config.clip_median_factor > 0 and norms:
+        return config.clip_median_factor * float(np.median(norms)) or None
+    return None
+
+
 def clip_update(msg: Message, global_adapter: dict[str, np.ndarray], clip_norm: float) -> float:
     """Scale the reply's update (adapter minus global) to L2 norm <= ``clip_norm`` in place;
     returns the norm before clipping."""
-    arrays = msg.content.array_records[ADAPTER_KEY]
-    deltas = {k: arrays[k].numpy().astype(np.float64) - v for k, v in global_adapter.items()}
-    norm = math.sqrt(sum(float((d * d).sum()) for d in deltas.values()))
+    norm = update_norm(msg, global_adapter)
     if norm > clip_norm:
         scale = clip_norm / norm
+        arrays = msg.content.array_records[ADAPTER_KEY]
         msg.content[ADAPTER_KEY] = ArrayRecord({
-            k: Array((global_adapter[k] + deltas[k] * scale).astype(global_adapter[k].dtype))
-            for k in arrays})
+            k: Array((v + (arrays[k].numpy().astype(np.float64) - v) * scale).astype(v.dtype))
+            for k, v in global_adapter.items()})
     return norm
 
 
 def aggregate_target(server_round: int, replies: list[Message], global_adapter: dict[str, np.ndarray],
                      config: AggregationConfig) -> tuple[dict[str, np.ndarray], MetricRecord]:
-    """Aggregate checked replies of one target with the configured Flower strategy."""
-    if config.clip_norm is not None:
+    """Aggregate checked replies of one target with the configured Flower strategy (each update
+    clipped to this round's ``clip_bound`` first)."""
+    bound = clip_bound([update_norm(m, global_adapter) for m in replies], config)
+    if bound is not None:
         for msg in replies:
-            clip_update(msg, global_adapter, config.clip_norm)
+            clip_update(msg, global_adapter, bound)
     arrays, metrics = config.strategy().aggregate_train(server_round, replies)
     return ({k: v.numpy().astype(global_adapter[k].dtype) for k, v in arrays.items()},
             metrics or MetricRecord())

@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoTokenizer
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared import catalog
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
 from omnidraft.shared.engine import seed_cache_from_bridge
 from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
 from omnidraft.shared.fleet_wire import lora_spec, tokenizer_digest  # noqa: F401 (re-exported)
@@ -227,7 +227,19 @@ class TargetRegistry:
                round_: int, devices: int, tokens: int,
                server_state: dict[str, torch.Tensor] | None = None) -> fleet_pb2.StateManifest:
         """Write version N+1 of ``name``'s state (adapter, cache, the server optimizer's
-        ``server_state``, then manifest)."""
+        ``server_state``, then manifest), holding the target's lock: a ``fleet rollback`` or
+        another writer waits, so no version number is written twice."""
+        with self._lock(name):
+            return self._commit_next(name, adapter, cache, round_=round_, devices=devices, tokens=tokens,
+                                     server_state=server_state)
+
+    def _lock(self, name: str):
+        """The target's writer lock (an advisory ``flock`` on ``<target>/.lock``)."""
+        return file_lock(self._dir(name) / ".lock")
+
+    def _commit_next(self, name: str, adapter: dict[str, torch.Tensor], cache: NgramCache, *,
+                     round_: int, devices: int, tokens: int,
+                     server_state: dict[str, torch.Tensor] | None) -> fleet_pb2.StateManifest:
         old = self.manifest(name)
         m = fleet_pb2.StateManifest(target=name, version=old.version + 1, round=round_,
                                     parent_version=old.version, devices_total=old.devices_total + devices,
@@ -276,7 +288,12 @@ class TargetRegistry:
 
     def rollback(self, name: str, to: int | None = None) -> fleet_pb2.StateManifest:
         """Publish version N+1 with the adapter and cache of version ``to`` (default N-1): devices
-        see a newer version (no replay), whose ``restored_from`` says what it restores."""
+        see a newer version (no replay), whose ``restored_from`` says what it restores. Holds the
+        target's writer lock (a round committing at the same time waits)."""
+        with self._lock(name):
+            return self._rollback(name, to)
+
+    def _rollback(self, name: str, to: int | None) -> fleet_pb2.StateManifest:
         current = self.manifest(name)
         to = current.version - 1 if to is None else to
         if not 0 <= to < current.version:

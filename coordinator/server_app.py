@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from collections import defaultdict
@@ -111,6 +112,40 @@ def round_history(root: Path) -> list[dict]:
         return [json.loads(line) for line in (Path(root) / ROUNDS_FILE).read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return []
+
+
+# what a device's status must hold, by type (the coordinator never trusts a field it did not check)
+STATUS_FIELDS: dict[str, tuple[type, ...]] = {"target": (str,), "tokenizer-sha256": (str,), "device": (str,),
+                                              "joins-at": (int,), "probe": (bool,), "trained": (bool,),
+                                              "busy": (str, bool), "can-serve": (str,)}
+REQUIRED_STATUS = ("target", "tokenizer-sha256")
+
+
+def status_problem(status: ConfigRecord) -> str | None:
+    """Why a device's status cannot be used (None: it can): a required field missing, or a
+    field of the wrong type or out of range."""
+    for key in REQUIRED_STATUS:
+        if key not in status:
+            return f"status without {key!r}"
+    for key, types in STATUS_FIELDS.items():
+        value = status.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
+            return f"status field {key!r} is not a {types[0].__name__}"
+    if not 0 <= status.get("joins-at", 1) < 1 << 31:
+        return "status field 'joins-at' out of range"
+    return None
+
+
+def eval_metrics_usable(metrics) -> bool:
+    """Whether an evaluation reply can enter a panel's average: a finite, non-negative
+    ``generated-tokens`` weight and a finite number for every averaged key it carries."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    weight = metrics.get("generated-tokens")
+    return number(weight) and 0 <= weight < 1 << 40 and all(number(metrics[k]) for k in EVAL_KEYS if k in metrics)
 
 
 def wait_for_devices(grid: Grid, minimum: int, wait_s: float) -> list[int]:
@@ -212,6 +247,8 @@ class Coordinator:
         replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
 
         trained = []
+        # reasons that name no target (a garbage status, no status at all) go to the round's first record
+        fleet_wide = [r for r in skipped if not any(repr(t) in r or f"({t})" in r for t in self.registry.names())]
         for target, group in sorted(by_target.items()):
             record = self._aggregate(grid, rnd, target, states[target], group, replies, downlink)
             record.update({"devices": len(members[target]), "switched": switched.get(target, 0)})
@@ -219,7 +256,8 @@ class Coordinator:
             if start.HasField("restored_from"):  # the round trained from a rolled-back state
                 record["started-from"] = {"version": int(start.version), "restores": int(start.restored_from)}
             record.update(newcomers.get(target, {}))
-            record["skipped"] = [r for r in skipped if target in r]
+            record["skipped"] = [r for r in skipped if repr(target) in r or f"({target})" in r] \
+                + (fleet_wide if not trained else [])
             trained.append(record)
         if cfg.evaluate:  # the probe panels (else the round's devices) measure the new states, all at once
             panels = {r["target"]: Panel(list(probes.get(r["target"]) or by_target[r["target"]]),
@@ -261,7 +299,11 @@ class Coordinator:
                 skipped.append(f"node {node}: no status ({reply.error.reason if reply.has_error() else 'empty reply'})")
                 continue
             status = reply.content.config_records["status"]
-            target = status.get("target")
+            problem = status_problem(status)
+            if problem is not None:
+                skipped.append(f"node {node}: {problem}")
+                continue
+            target = status["target"]
             if int(status.get("joins-at", 1)) > rnd and not status.get("probe"):
                 continue  # a device that joins the fleet later
             if target not in self.registry:
@@ -386,7 +428,6 @@ class Coordinator:
         version = int(state.manifest.version)
         good: list[Message] = []
         rejected: list[str] = []
-        metric_keys = None
         received: dict[int, int] = {}  # bytes each device sent (before its update is expanded)
         for node in group:
             msg = replies.get(node)
@@ -395,7 +436,7 @@ class Coordinator:
                 continue
             received[id(msg)] = 0 if msg.has_error() else payload_bytes(msg)
             reason = expand_update(msg, global_adapter) or check_reply(
-                msg, target, version, global_adapter, metric_keys, cfg.aggregation, expect_adapter=not secure)
+                msg, target, version, global_adapter, cfg.aggregation, expect_adapter=not secure)
             if reason is None:
                 try:
                     bits = decode_stats(msg.content[FLEET_KEY]["ngram-stats"], target, state.spec.target_vocab_size)
@@ -404,7 +445,6 @@ class Coordinator:
             if reason is not None:
                 rejected.append(f"node {node}: {reason}")
                 continue
-            metric_keys = metric_keys or frozenset(msg.content[METRICS_KEY])
             good.append((msg, bits))
         for reason in rejected:
             log.warning("round %d, %s: update rejected: %s", rnd, target, reason)
@@ -433,8 +473,12 @@ class Coordinator:
             adapter, metrics = aggregate_target(rnd, msgs, global_adapter, cfg.aggregation)
         server = ServerOptimizer(cfg.server_opt, self.registry.server_state(target))
         adapter = server.step(global_adapter, adapter)
+        if not all(np.isfinite(v).all() for v in adapter.values()):  # never commit what no device can use
+            record["rejected"] += ["the aggregate is not finite: round not committed"]
+            record["aggregated"] = 0
+            return record
         release = NgramRelease(cfg.release, self.registry.privacy_path(target))
-        released, report = release.release([b for _, b in good], np.random.default_rng(cfg.seed * 7919 + rnd))
+        released, report = release.release([b for _, b in good])  # noise from OS entropy, never the seed
         cache = state.cache()
         candidates = self.registry.candidates(target)
         for target_id, count in released.items():
@@ -484,7 +528,8 @@ class Coordinator:
         for key, panel in panels.items():
             prefix, nodes = panel.prefix, panel.nodes
             metrics = [replies[n].content[METRICS_KEY] for n in nodes  # in the order asked, not of arrival
-                       if n in replies and not replies[n].has_error() and METRICS_KEY in replies[n].content.metric_records]
+                       if n in replies and not replies[n].has_error() and METRICS_KEY in replies[n].content.metric_records
+                       and eval_metrics_usable(replies[n].content[METRICS_KEY])]
             if not metrics:
                 out[key] = {f"{prefix}devices": 0}
                 continue

@@ -60,7 +60,7 @@ def config_from_run(run_config: dict, root: Path) -> FleetConfig:
                                           clip_norm=clip if clip > 0 else None,
                                           update_bits=int(run_config.get("update-bits", 8))),
             release=ReleaseConfig(k=int(run_config.get("k", 5)),
-                                  noise_multiplier=float(run_config.get("noise", 0.0))),
+                                  noise_multiplier=float(run_config.get("noise", ReleaseConfig.noise_multiplier))),
             secagg=SecAggConfig(enabled=bool(run_config.get("secagg", False))))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad run config: {exc}") from None

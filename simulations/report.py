@@ -8,8 +8,9 @@ be rebuilt from a finished run directory: ``python -m omnidraft.simulations.repo
 from __future__ import annotations
 
 import json
+import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from omnidraft.shared.atomic_io import write_bytes_atomic
@@ -280,6 +281,18 @@ def finish(run_dir: str | Path, config: dict, wall_s: float, peak_rss_mb: float 
     return summaries, write_report(run_dir) if per_target else None
 
 
+def rejection_reasons(records: list[dict]) -> Counter:
+    """Rejected replies, and devices the round skipped, over the whole run by reason (the node,
+    numbers and values taken out)."""
+    out: Counter = Counter()
+    for r in records:
+        for reason in r.get("rejected", []) + [f"skipped: {x}" for x in r.get("skipped", [])]:
+            why = re.sub(r"^(skipped: )?node \d+( \([^)]*\))?: ", r"\1", reason)
+            why = re.sub(r"(adapter tensor|update) \S+?:", r"\1 T:", why.split("=")[0])
+            out[re.sub(r"-?\d[\d.e+]*", "N", why)] += 1
+    return out
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Plots and ``report.md`` for a finished run directory; returns the report's path."""
     run_dir = Path(run_dir)
@@ -320,8 +333,15 @@ def write_report(run_dir: str | Path) -> Path:
     events = [f"{k}: {cfg[k]}" for k in ("rollout", "rollback", "drift") if cfg.get(k)]
     if cfg.get("late_joiners"):
         events.append(f"{cfg['late_joiners']} devices join at round {cfg.get('join_round') or cfg['rounds']}")
+    if cfg.get("attacks"):
+        events.append("attacks (share of the training devices): "
+                      + ", ".join(f"{k} {v:.0%}" for k, v in sorted(cfg["attacks"].items())))
     if events:
         parts += ["## Events", "", *[f"- {e}" for e in events], ""]
+    reasons = rejection_reasons([r for rows in per_target.values() for r in rows])
+    if reasons:
+        parts += ["## Rejected replies and skipped devices, by reason", "", "| reason | count |", "|---|---|",
+                  *[f"| {why} | {n} |" for why, n in reasons.most_common()], ""]
     parts += ["## Configuration", "", "```json", json.dumps(cfg, indent=1, default=str), "```", ""]
     path = run_dir / "report.md"
     write_bytes_atomic(path, "\n".join(parts).encode())

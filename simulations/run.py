@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--noise", type=float, help="Gaussian noise multiplier on n-gram counts")
     a("--seed", type=int)
     a("--ray-address", help="join an existing Ray cluster (ray start --head) instead of a local one")
+    a("--attack", action="append", metavar="KIND:FRACTION",
+      help="fault injection (repeatable): this share of the training devices sends spoiled replies of KIND "
+           "(nan, inf, huge-norm, wrong-shape, extra-metric, huge-weight, tokens-overflow, garbage-status, "
+           "sign-flip, replay, crash; all: every kind)")
     a("--out", type=Path, default=None, help="output directory (default runs/<timestamp>)")
     return p
 
@@ -105,7 +109,7 @@ def scenario_from_args(args: argparse.Namespace):
     tiny = (args.models or from_file.get("models")) == "tiny"
     raw: dict = load_toml(TINY_SCENARIO if tiny else DEFAULT_SCENARIO)
     raw.update(from_file)
-    skip = {"scenario", "out", "targets", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "update_bits", "k", "noise",
+    skip = {"scenario", "out", "targets", "attack", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "update_bits", "k", "noise",
             "server_opt", "server_lr"}
     raw.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
     if args.targets:
@@ -118,6 +122,10 @@ def scenario_from_args(args: argparse.Namespace):
         raw["drift"] = Drift.parse(args.drift)
     if args.no_ar:
         raw["measure_ar"] = False
+    if args.attack:
+        from omnidraft.simulations.attacks import parse_attacks
+
+        raw["attacks"] = {**(raw.get("attacks") or {}), **parse_attacks(args.attack)}
     aggregation = dict(raw.get("aggregation") or {})
     aggregation.update({k: v for k, v in (("method", args.aggregation), ("clip_norm", args.clip_norm),
                                                      ("update_bits", args.update_bits)) if v is not None})

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from omnidraft.client.fleet_device import DeviceProfile
@@ -164,6 +164,8 @@ class Scenario:
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
+    # fault injection: attack kind -> share of the training devices that behave so (simulations.attacks)
+    attacks: dict[str, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.models not in ("real", "tiny"):
@@ -194,6 +196,11 @@ class Scenario:
             raise ValueError("late joiners must be fewer than the devices")
         if self.join_round is not None and not 1 <= self.join_round <= self.rounds:
             raise ValueError(f"the join round must be in 1..{self.rounds}")
+        if self.attacks:
+            from omnidraft.simulations.attacks import assign, parse_attacks
+
+            parse_attacks([f"{k}:{v}" for k, v in self.attacks.items()])
+            assign(self.attacks, self.devices - self.late_joiners, self.seed)
         if self.draft_stop not in DRAFT_STOPS:
             raise ValueError(f"draft stop must be one of {', '.join(DRAFT_STOPS)}")
         shares = self.target_shares()
@@ -434,10 +441,14 @@ def operator_actions(scenario: Scenario):
 
 
 def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
+    """The coordinator's settings for ``scenario`` on ``nodes`` devices: one reply weighs at most
+    what a round asks of a device (every local prompt, each at most ``max_new_tokens``)."""
+    aggregation = replace(scenario.aggregation,
+                                      max_trained_tokens=float(scenario.prompts_per_round * scenario.max_new_tokens))
     return FleetConfig(rounds=scenario.rounds, fraction=scenario.fraction, min_devices=nodes, wait_s=300,
                        seed=scenario.seed, measure_ar=scenario.measure_ar, newcomer_evals=scenario.newcomer_evals,
                        fixed_k=scenario.acceptance_k, server_opt=scenario.server_opt,
-                       aggregation=scenario.aggregation, release=scenario.release,
+                       aggregation=aggregation, release=scenario.release,
                        secagg=SecAggConfig(enabled=scenario.secagg))
 
 
@@ -461,6 +472,10 @@ def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, ve
     for stale in (flower_app.OUTCOME_FILE, flower_app.PROGRESS_FILE):
         (out / stale).unlink(missing_ok=True)
     follow = flower_app.RunFollower(out, on_round, progress)
+    if scenario.attacks:
+        from omnidraft.simulations.attacks import attack_mod
+
+        mods = (*mods, attack_mod)
     run_app(APP_DIR, flower_app.run_config(out, tuple(mods)), len(profiles), out / "flwr",
             cpus_per_device=scenario.cpus_per_device, ray_address=scenario.ray_address, verbose=verbose,
             watch=follow)

@@ -21,7 +21,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from omnidraft.client.device_state import slug
-from omnidraft.coordinator.aggregation import AggregationConfig, aggregate_target, check_reply
+from omnidraft.coordinator.aggregation import TRAIN_METRICS, AggregationConfig, aggregate_target, check_reply
 from omnidraft.coordinator.ngram_release import (
     NgramRelease, ReleaseConfig, StatsError, decode_stats, encode_stats)
 from omnidraft.coordinator.registry import RegistryError, TargetRegistry
@@ -36,10 +36,18 @@ REPO = TESTS.parent
 pytestmark = pytest.mark.usefixtures("flower_task")  # hand-made Messages need a task identity
 
 
-def reply(arrays: dict[str, np.ndarray], weight: float, *, target="t", version=0, node=1, stats=b"") -> Message:
+def metrics_of(weight: float, **override) -> dict:
+    """A training reply's metrics as a device sends them (``aggregation.TRAIN_METRICS``)."""
+    out = {k: float(lo) for k, (lo, _) in TRAIN_METRICS.items()}
+    out.update({"trained-tokens": weight, "acceptance": 0.5, **override})
+    return out
+
+
+def reply(arrays: dict[str, np.ndarray], weight: float, *, target="t", version=0, node=1, stats=b"",
+          metrics: dict | None = None) -> Message:
     msg = Message(RecordDict({
         "adapter": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-        "metrics": MetricRecord({"trained-tokens": weight, "acceptance": 0.5}),
+        "metrics": MetricRecord(metrics if metrics is not None else metrics_of(weight)),
         "fleet": ConfigRecord({"target": target, "state-version": version, "ngram-stats": stats}),
     }), dst_node_id=node, message_type="train")
     return msg
@@ -53,14 +61,18 @@ GLOBAL = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.float32)}
 def test_weighted_fedavg_and_robust_methods():
     ups = [({"a": np.full((2, 3), v, np.float32), "b": np.full(4, v, np.float32)}, w)
            for v, w in ((1.0, 1), (2.0, 3), (10.0, 1))]
-    avg, metrics = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig())
+    avg, metrics = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig(clip_median_factor=0))
     assert np.allclose(avg["a"], (1 + 6 + 10) / 5) and avg["a"].dtype == np.float32
     assert metrics["acceptance"] == pytest.approx(0.5)
-    med, _ = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig(method="median"))
+    med, _ = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig(method="median", clip_median_factor=0))
     assert np.allclose(med["b"], 2.0)  # the outlier 10 does not move the median
     clipped, _ = aggregate_target(1, [reply(a, 1) for a, _ in ups], GLOBAL, AggregationConfig(clip_norm=1.0))
     # each update is clipped to norm 1 around the zero global: 10 elements of 1/sqrt(10)
     assert np.allclose(clipped["a"], 1 / math.sqrt(10), atol=1e-6)
+    # by default each update is clipped to twice the round's median norm: the outlier (norm
+    # 10 sqrt(10)) counts as 2 * 2 sqrt(10), so the mean of 1, 2 and 4 (weights 1, 3, 1)
+    default, _ = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig())
+    assert np.allclose(default["a"], (1 + 6 + 4) / 5, atol=1e-5)
 
 
 def test_ffa_lora_averaging_is_exact_and_plain_lora_is_not():
@@ -70,7 +82,8 @@ def test_ffa_lora_averaging_is_exact_and_plain_lora_is_not():
     weights = [1, 2, 5]
     want = sum(w * B @ A for w, B in zip(weights, Bs)) / sum(weights)  # the average of the updates B·A
     g = {"A": np.zeros_like(A), "B": np.zeros_like(Bs[0])}
-    ffa, _ = aggregate_target(1, [reply({"A": A, "B": B}, w) for B, w in zip(Bs, weights)], g, AggregationConfig())
+    ffa, _ = aggregate_target(1, [reply({"A": A, "B": B}, w) for B, w in zip(Bs, weights)], g,
+                              AggregationConfig(clip_median_factor=0))
     assert np.allclose(ffa["B"] @ ffa["A"], want, atol=1e-5)
     As = [rng.normal(size=(4, 8)).astype(np.float32) for _ in range(3)]
     plain, _ = aggregate_target(1, [reply({"A": a, "B": B}, w) for a, B, w in zip(As, Bs, weights)], g,
@@ -100,19 +113,48 @@ def test_ffa_trains_only_b(tmp_path):
 ])
 def test_bad_adapters_are_rejected_with_a_reason(mutate, reason):
     good = {"a": np.ones((2, 3), np.float32), "b": np.ones(4, np.float32)}
-    assert check_reply(reply(good, 1), "t", 0, GLOBAL, None, AggregationConfig()) is None
-    why = check_reply(reply(mutate(good), 1), "t", 0, GLOBAL, None, AggregationConfig())
+    assert check_reply(reply(good, 1), "t", 0, GLOBAL, AggregationConfig()) is None
+    why = check_reply(reply(mutate(good), 1), "t", 0, GLOBAL, AggregationConfig())
     assert why is not None and reason in why
 
 
 def test_stale_unknown_oversized_and_weightless_replies_are_rejected():
     good = {"a": np.ones((2, 3), np.float32), "b": np.ones(4, np.float32)}
     cfg = AggregationConfig()
-    assert "stale" in check_reply(reply(good, 1, version=1), "t", 2, GLOBAL, None, cfg)
-    assert "target" in check_reply(reply(good, 1, target="other"), "t", 0, GLOBAL, None, cfg)
-    assert "exceeds" in check_reply(reply(good, 1), "t", 0, GLOBAL, None, AggregationConfig(max_payload_bytes=16))
-    assert "weight" in check_reply(reply(good, 0), "t", 0, GLOBAL, None, cfg)
-    assert "weight" in check_reply(reply(good, float("inf")), "t", 0, GLOBAL, None, cfg)
+    assert "stale" in check_reply(reply(good, 1, version=1), "t", 2, GLOBAL, cfg)
+    assert "target" in check_reply(reply(good, 1, target="other"), "t", 0, GLOBAL, cfg)
+    assert "exceeds" in check_reply(reply(good, 1), "t", 0, GLOBAL, AggregationConfig(max_payload_bytes=16))
+    assert "trained-tokens" in check_reply(reply(good, 0), "t", 0, GLOBAL, cfg)
+    assert "trained-tokens" in check_reply(reply(good, float("inf")), "t", 0, GLOBAL, cfg)
+
+
+@pytest.mark.parametrize("metrics, reason", [
+    (metrics_of(10, extra=1.0), "unknown ['extra']"),  # an extra metric: this reply alone is dropped
+    ({k: v for k, v in metrics_of(10).items() if k != "generated-tokens"}, "missing ['generated-tokens']"),
+    (metrics_of(1e20), "trained-tokens"),  # beyond any count (it would overflow the registry's uint64)
+    (metrics_of(10, acceptance=1.5), "acceptance"),
+    (metrics_of(10, **{"update-s": float("nan")}), "non-finite"),
+    (metrics_of(10, **{"tokens-per-s": -1.0}), "tokens-per-s"),
+    (metrics_of(10, **{"cache-entries": [1, 2]}), "not a number"),
+])
+def test_metrics_outside_the_coordinators_schema_drop_that_reply_alone(metrics, reason):
+    good = {"a": np.ones((2, 3), np.float32), "b": np.ones(4, np.float32)}
+    cfg = AggregationConfig()
+    why = check_reply(reply(good, 1, metrics=metrics), "t", 0, GLOBAL, cfg)
+    assert why is not None and reason in why
+    # the order replies come in changes nothing: an honest reply after it still passes
+    assert check_reply(reply(good, 1), "t", 0, GLOBAL, cfg) is None
+
+
+def test_a_huge_self_reported_weight_is_capped_at_what_a_round_asks():
+    cfg = AggregationConfig(max_trained_tokens=100, clip_median_factor=0)
+    honest = [({"a": np.full((2, 3), 1.0, np.float32), "b": np.full(4, 1.0, np.float32)}, 100) for _ in range(3)]
+    liar = ({"a": np.full((2, 3), 9.0, np.float32), "b": np.full(4, 9.0, np.float32)}, 1e12)
+    msgs = [reply(a, w) for a, w in honest + [liar]]
+    assert all(check_reply(m, "t", 0, GLOBAL, cfg) is None for m in msgs)
+    assert msgs[-1].content["metrics"]["trained-tokens"] == 100
+    avg, _ = aggregate_target(1, msgs, GLOBAL, cfg)
+    assert np.allclose(avg["a"], (3 * 1.0 + 9.0) / 4)  # one device's share, not all of it
 
 
 # -- n-gram release -------------------------------------------------------------------------------
@@ -172,14 +214,14 @@ def _bitmaps(holders: dict[int, int], devices: int, vocab: int = 50) -> list[np.
 
 
 def test_k_threshold_releases_only_entries_enough_devices_hold():
-    rel = NgramRelease(ReleaseConfig(k=5))
+    rel = NgramRelease(ReleaseConfig(k=5, noise_multiplier=0))
     released, report = rel.release(_bitmaps({1: 5, 2: 4, 3: 9}, 10), np.random.default_rng(0))
     assert set(released) == {1, 3} and released[3] == 9
     assert report.reported_ids == 3 and report.released == 2 and math.isinf(report.epsilon)
 
 
 def test_contribution_is_bounded_per_device():
-    rel = NgramRelease(ReleaseConfig(k=1, max_entries_per_device=3))
+    rel = NgramRelease(ReleaseConfig(k=1, max_entries_per_device=3, noise_multiplier=0))
     bits = np.ones(40, bool)
     released, _ = rel.release([bits], np.random.default_rng(0))
     assert len(released) == 3
@@ -189,14 +231,14 @@ def test_noise_scale_and_privacy_ledger(tmp_path):
     cfg = ReleaseConfig(k=1, noise_multiplier=0.5, max_entries_per_device=100)
     rel = NgramRelease(cfg, tmp_path / "privacy.json")
     assert rel.sensitivity == 10.0
-    maps = [np.zeros(500, bool) for _ in range(200)]
-    for d, m in enumerate(maps):  # each device holds 100 of 500 tokens: about 40 devices per token
-        m[(np.arange(100) + d * 37) % 500] = True
+    maps = [np.zeros(250, bool) for _ in range(200)]
+    for d, m in enumerate(maps):  # each device holds 100 of 250 tokens: about 80 devices per token
+        m[(np.arange(100) + d * 37) % 250] = True
     counts = np.sum(maps, axis=0)
     released, report = rel.release(maps, np.random.default_rng(1))
     assert report.noise_std == pytest.approx(5.0)
     ids = np.flatnonzero(counts)
-    assert counts[ids].min() > 20 and len(released) == len(ids)  # far above k: all released
+    assert counts[ids].min() > rel.threshold + 6 * 5.0 and len(released) == len(ids)  # far above it: all released
     noisy = np.array([released[int(t)] for t in ids])
     assert np.std(noisy - counts[ids]) == pytest.approx(5.0, rel=0.15)
     eps1 = report.epsilon
@@ -205,6 +247,30 @@ def test_noise_scale_and_privacy_ledger(tmp_path):
     assert again.epsilon() == pytest.approx(eps1)
     _, report2 = again.release(maps, np.random.default_rng(2))
     assert report2.epsilon > eps1
+    assert report2.delta == pytest.approx(cfg.delta + 2 * cfg.selection_delta)  # each round's selection delta
+
+
+def test_an_id_one_device_alone_holds_is_almost_never_released():
+    """The attack on k-thresholding with noise on reported ids only: one holder among 100
+    devices at k = 5 was released 31-40 % of the time. The default mechanism's threshold bounds it
+    by the selection delta."""
+    rel = NgramRelease(ReleaseConfig(k=5))  # the product's defaults: noise on
+    maps = [np.zeros(64, bool) for _ in range(100)]
+    maps[0][7] = True  # the secret: only device 0 holds id 7
+    for m in maps[1:]:
+        m[10:14] = True  # everyone holds ids 10-13
+    secret = sum(7 in rel.release(maps)[0] for _ in range(2000))
+    assert secret <= 2  # <= 0.1 % of 2,000 trials
+    assert rel.threshold > 5 and math.isfinite(rel.epsilon())
+
+
+def test_release_noise_does_not_follow_any_seed():
+    """The same fleet, round and scenario seed twice: the noise differs (OS entropy), so knowing
+    the seed does not let anyone subtract it."""
+    maps = [np.ones(8, bool) for _ in range(60)]
+    first, _ = NgramRelease(ReleaseConfig(k=1, max_entries_per_device=8)).release(maps)
+    second, _ = NgramRelease(ReleaseConfig(k=1, max_entries_per_device=8)).release(maps)
+    assert first and second and first != second
 
 
 # -- registry -------------------------------------------------------------------------------------
@@ -234,6 +300,38 @@ def test_registry_versions_checksums_and_errors(tmp_path, tiny):
     (tmp_path / "coord" / "targets" / "tiny-target-a" / "adapter-v1.safetensors").write_bytes(b"garbage")
     with pytest.raises(RegistryError, match="checksum"):
         reg.load("tiny-target-a")
+
+
+def test_concurrent_commits_and_rollbacks_never_write_a_version_twice(tmp_path, tiny):
+    """A `fleet rollback` (another process) while a round commits: each takes the target's lock,
+    so the versions written are 1..N with no number written twice."""
+    import multiprocessing as mp
+
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+    state = reg.load("tiny-target-a")
+    reg.commit("tiny-target-a", state.adapter, state.cache(), round_=1, devices=1, tokens=1)
+    ctx = mp.get_context("spawn")
+    rollbacks = ctx.Process(target=_rollback_many, args=(str(tmp_path / "coord"), 6))
+    rollbacks.start()
+    for rnd in range(2, 8):
+        reg.commit("tiny-target-a", state.adapter, state.cache(), round_=rnd, devices=1, tokens=1)
+    rollbacks.join(120)
+    assert rollbacks.exitcode == 0
+    assert reg.manifest("tiny-target-a").version == 1 + 6 + 6  # every commit and every rollback got its own version
+    from omnidraft.proto import fleet_pb2
+
+    kept = reg.versions("tiny-target-a")
+    for v in kept:  # each kept version's files match its own manifest
+        m = fleet_pb2.StateManifest()
+        m.ParseFromString((tmp_path / "coord" / "targets" / "tiny-target-a" / f"manifest-v{v}.pb").read_bytes())
+        assert m.version == v and m.parent_version == v - 1
+
+
+def _rollback_many(root: str, n: int) -> None:
+    reg = TargetRegistry(Path(root))
+    for _ in range(n):
+        reg.rollback("tiny-target-a")
 
 
 def test_rollback_republishes_an_earlier_state_as_a_new_version(tmp_path, tiny):

@@ -411,3 +411,47 @@ def test_the_verdict_says_whether_learning_paid_in_speed():
     text = report.verdict({"q": summary(1.2, 1.35, **{"new-devices": 3, "new-warm-acceptance-k": 0.43,
                                                       "new-cold-acceptance-k": 0.38})})
     assert "0.390 → 0.440" in text and "0.430 with the fleet's state vs 0.380 without" in text
+
+
+# -- the hostile fleet ------------------------------------------------------------------------------
+
+def test_attack_flag_is_checked():
+    from omnidraft.simulations.attacks import KINDS, assign, parse_attacks
+
+    assert parse_attacks(["all:0.1"]) == {k: 0.1 for k in KINDS}
+    for bad in (["nan"], ["nope:0.1"], ["nan:1.5"], ["nan:x"]):
+        with pytest.raises(ValueError):
+            parse_attacks(bad)
+    roles = assign({"nan": 0.1, "crash": 0.1}, 20, seed=0)
+    assert sorted(Counter(roles.values()).values()) == [2, 2] and all(0 <= p < 20 for p in roles)
+    assert roles == assign({"nan": 0.1, "crash": 0.1}, 20, seed=0)  # repeatable
+    with pytest.raises(ValueError):
+        assign({k: 0.1 for k in KINDS}, 8, seed=0)  # more attackers than devices
+
+
+def test_hostile_devices_of_every_kind_cannot_stop_or_take_over_a_round(tmp_path, home):
+    """One device of each attack kind among 28 veterans, every device sampled every round: the
+    run completes, each spoiled reply is dropped alone with its reason (or clipped and capped),
+    and what the coordinator commits stays finite."""
+    import numpy as np
+
+    from omnidraft.coordinator.registry import TargetRegistry
+
+    out = tmp_path / "run"
+    res = _run("--models", "tiny", "--devices", "30", "--late-joiners", "2", "--rounds", "2", "--fraction", "1",
+               "--targets", "tiny-target-a:1", "--attack", "all:0.03", "--no-ar", "--out", str(out), home=home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["round"]]
+    assert [r["round"] for r in trained] == [1, 2]
+    reasons = " | ".join(x for r in trained for x in r["rejected"] + r.get("skipped", []))
+    for expected in ("holds NaN or Inf", "device error", "metrics outside the schema", "metric trained-tokens",
+                     "update ", "stale state", "status field"):
+        assert expected in reasons, (expected, reasons)
+    # 28 veterans, 11 attackers: the 17 honest ones, the huge-norm, huge-weight and sign-flip ones
+    # are aggregated in round 1 (the replayer's first reply is honest), whatever order replies came in
+    assert trained[0]["aggregated"] == 17 + 3 + 1 and trained[1]["aggregated"] == 17 + 3 + 2  # + the late joiners
+    adapter = TargetRegistry(out / "coordinator").load("tiny-target-a").adapter
+    assert all(np.isfinite(v.numpy()).all() for v in adapter.values())
+    report_md = (out / "report.md").read_text()
+    assert "## Rejected replies and skipped devices, by reason" in report_md and "attacks" in report_md

@@ -9,7 +9,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from omnidraft.client.update_residual import ErrorFeedback
-from omnidraft.coordinator.aggregation import AggregationConfig, check_reply, expand_update
+from omnidraft.coordinator.aggregation import TRAIN_METRICS, AggregationConfig, check_reply, expand_update
 from omnidraft.shared.update_codec import BLOCK, decode, encode
 
 pytestmark = pytest.mark.usefixtures("flower_task")  # hand-made Messages need a task identity
@@ -69,7 +69,7 @@ def test_error_feedback_sends_the_sum_of_the_updates(tmp_path):
 def _reply(arrays: dict[str, np.ndarray]) -> Message:
     return Message(RecordDict({
         "update": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-        "metrics": MetricRecord({"trained-tokens": 10.0}),
+        "metrics": MetricRecord({**{k: lo for k, (lo, _) in TRAIN_METRICS.items()}, "trained-tokens": 10.0}),
         "fleet": ConfigRecord({"target": "t", "state-version": 0, "ngram-stats": b""}),
     }), dst_node_id=1, message_type="train")
 
@@ -81,7 +81,7 @@ def test_the_coordinator_expands_an_update_into_the_adapter_it_stands_for():
     delta = _delta()
     msg = _reply(encode(delta, 8))
     assert expand_update(msg, GLOBAL) is None
-    assert check_reply(msg, "t", 0, GLOBAL, None, AggregationConfig()) is None
+    assert check_reply(msg, "t", 0, GLOBAL, AggregationConfig()) is None
     adapter = msg.content["adapter"]
     for k, g in GLOBAL.items():
         assert np.allclose(adapter[k].numpy(), g + delta[k], atol=np.abs(delta[k]).max() / 127)
@@ -106,4 +106,4 @@ def test_a_non_finite_update_is_caught_after_expansion():
     arrays["bias::scale"] = np.full_like(arrays["bias::scale"], np.nan)
     msg = _reply(arrays)
     assert expand_update(msg, GLOBAL) is None
-    assert "NaN" in check_reply(msg, "t", 0, GLOBAL, None, AggregationConfig())
+    assert "NaN" in check_reply(msg, "t", 0, GLOBAL, AggregationConfig())

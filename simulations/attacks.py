@@ -1,0 +1,136 @@
+"""Hostile devices for fault-injection runs: ``python simulations/run.py --attack KIND:FRACTION``.
+
+The scenario's ``attacks`` map a kind to the share of the training devices (late joiners and
+probes excluded) that behave that way in every round; each device has at most one kind, drawn by
+a seeded shuffle so a run is repeatable. The behaviour is a Flower client mod (``attack_mod``)
+around the honest device: the device does its real work and the mod spoils what it sends, the
+way a compromised device would. What the coordinator did with each spoiled reply is in the round
+records' ``rejected`` reasons and the report.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message
+
+# kind -> what the device sends
+KINDS: dict[str, str] = {
+    "nan": "its update's values replaced by NaN",
+    "inf": "its update's values replaced by +Inf",
+    "huge-norm": "its update scaled by 1e4 (finite)",
+    "wrong-shape": "one tensor of its update with the wrong shape",
+    "extra-metric": "one metric the coordinator's schema does not know",
+    "huge-weight": "trained-tokens = 1e12 (to outweigh every other device)",
+    "tokens-overflow": "trained-tokens = 1e20 (beyond the registry's uint64 counter)",
+    "garbage-status": "a status whose join round and target are not what they must be",
+    "sign-flip": "its update negated and scaled by 4 (model poisoning)",
+    "replay": "the first update it ever sent, again each round (a stale state version)",
+    "crash": "nothing: the device process raises in the middle of training",
+}
+
+
+def parse_attacks(specs: list[str] | None) -> dict[str, float]:
+    """``["nan:0.1", "all:0.05"]`` -> ``{kind: fraction}`` (``all``: every kind at that share);
+    ValueError with one line for a bad spec."""
+    out: dict[str, float] = {}
+    for spec in specs or []:
+        kind, sep, share = spec.partition(":")
+        kinds = list(KINDS) if kind == "all" else [kind]
+        if not sep or any(k not in KINDS for k in kinds):
+            raise ValueError(f"--attack {spec!r}: expected KIND:FRACTION with KIND one of all, {', '.join(KINDS)}")
+        try:
+            fraction = float(share)
+        except ValueError:
+            fraction = math.nan
+        if not 0 < fraction < 1:
+            raise ValueError(f"--attack {spec!r}: the fraction must be in (0, 1)")
+        out.update({k: fraction for k in kinds})
+    return out
+
+
+def assign(attacks: dict[str, float], veterans: int, seed: int) -> dict[int, str]:
+    """Partition id -> attack kind. Each kind takes ``round(fraction * veterans)`` devices (at
+    least one) from a seeded shuffle of the ``veterans`` (partitions ``0..veterans-1``: the
+    members that are not late joiners); ValueError when there are not enough of them."""
+    order = list(range(veterans))
+    random.Random(f"attacks:{seed}").shuffle(order)
+    out: dict[int, str] = {}
+    for kind, fraction in sorted(attacks.items()):
+        n = max(1, round(fraction * veterans))
+        if len(out) + n > veterans:
+            raise ValueError(f"the attacks need {len(out) + n} devices, the fleet has {veterans} that are not late joiners")
+        out.update({p: kind for p in order[len(out): len(out) + n]})
+    return out
+
+
+def _scale_update(reply: Message, factor: float | None = None, fill: float | None = None) -> None:
+    """Scale (or fill) every float array of the reply's compressed update: the per-block scales,
+    or the values themselves at 32 bits."""
+    arrays = reply.content["update"]
+    reply.content["update"] = ArrayRecord({
+        k: Array((np.full(a.shape, fill, np.float32) if fill is not None else a.numpy() * np.float32(factor))
+                 .astype(np.float32)) if a.dtype == "float32" else a
+        for k, a in arrays.items()})
+
+
+def _replay_file(context: Context, partition: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"omnidraft-replay-{context.run_id}-{partition}.pkl"
+
+
+def spoil_train_reply(kind: str, reply: Message, context: Context, partition: int) -> Message:
+    """What a device of ``kind`` sends instead of the honest training ``reply``."""
+    if kind in ("nan", "inf"):
+        _scale_update(reply, fill=math.nan if kind == "nan" else math.inf)
+    elif kind == "huge-norm":
+        _scale_update(reply, factor=1e4)
+    elif kind == "sign-flip":
+        _scale_update(reply, factor=-4.0)
+    elif kind == "wrong-shape":
+        arrays = dict(reply.content["update"].items())
+        first = sorted(arrays)[0]
+        arrays[first] = Array(np.zeros(arrays[first].numpy().size + 1, np.float32))
+        reply.content["update"] = ArrayRecord(arrays)
+    elif kind == "extra-metric":
+        reply.content["metrics"]["favourite-number"] = 7.0
+    elif kind in ("huge-weight", "tokens-overflow"):
+        reply.content["metrics"]["trained-tokens"] = 1e12 if kind == "huge-weight" else 1e20
+    elif kind == "replay":
+        path = _replay_file(context, partition)
+        if path.exists():  # the first reply's update and state version, again
+            old = pickle.loads(path.read_bytes())
+            reply.content["update"] = ArrayRecord({k: Array(v) for k, v in old["update"].items()})
+            reply.content["fleet"]["state-version"] = old["state-version"]
+        else:
+            path.write_bytes(pickle.dumps({"update": {k: a.numpy() for k, a in reply.content["update"].items()},
+                                           "state-version": reply.content["fleet"]["state-version"]}))
+    return reply
+
+
+def attack_mod(msg: Message, context: Context, call_next) -> Message:
+    """The Flower client mod of ``--attack``: honest devices pass through untouched."""
+    from omnidraft.simulations.flower_app import run_dir, saved_scenario
+
+    scenario = saved_scenario(run_dir(context))
+    attacks = scenario.get("attacks") or {}
+    partition = int(context.node_config["partition-id"])
+    kind = assign(attacks, scenario["devices"] - scenario["late_joiners"], scenario["seed"]).get(partition) \
+        if attacks else None
+    kind_of_message = msg.metadata.message_type
+    if kind == "crash" and kind_of_message == "train":
+        raise RuntimeError("simulated device crash (--attack crash)")
+    reply = call_next(msg, context)
+    if kind is None or reply.has_error():
+        return reply
+    if kind == "garbage-status" and kind_of_message == "query.status":
+        status = reply.content["status"]
+        status["joins-at"] = "soon"
+        status["target"] = 42
+    elif kind_of_message == "train" and "update" in reply.content.array_records:
+        reply = spoil_train_reply(kind, reply, context, partition)
+    return reply
