@@ -40,8 +40,19 @@ def dtype_arg(sp) -> None:
                          "reference for checking losslessness (slow)")
 
 
+def _version() -> str:
+    """The installed distribution's version ("unknown" when run from a tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omnidraft-fleet")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="omnidraft", description="Cross-vocabulary speculative decoding on the device.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     models = sub.add_parser("models", help="the model catalog")

@@ -6,12 +6,17 @@ both honour EOS, stop strings and ``max_new_tokens`` in exactly the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from dataclasses import asdict, dataclass, field
 
 
 DRAFT_STOPS = ("auto", "cost", "confidence")
+
+
+MAX_STOP_STRINGS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
 
 
 @dataclass
@@ -40,8 +45,8 @@ class GenerationConfig:
         """Raise ValueError with a one-line message for out-of-range parameters."""
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.k_max < 1:
@@ -52,6 +57,8 @@ class GenerationConfig:
             raise ValueError(f"draft_stop must be one of {', '.join(DRAFT_STOPS)}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
+        if len(self.stop_strings) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop_strings):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,15 @@ def assert_one_line_error(code, err):
     assert "Traceback" not in err
 
 
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"omnidraft {version('omnidraft-fleet')}"
+
+
 def test_models_list(capsys):
     code, out, _ = run(capsys, "models", "list", "--json")
     assert code == 0

@@ -67,6 +67,10 @@ def test_generate_equals_the_target_alone_and_stream_matches(running):
     ({"prompt": ""}, "empty"),
     ({"prompt": "def f(x):", "max_new_tokens": 500}, "limit of 200"),
     ({"prompt": "def f(x):", "temperature": -1.0}, "temperature"),
+    ({"prompt": "def f(x):", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "def f(x):", "temperature": float("inf")}, "temperature"),
+    ({"prompt": "def f(x):", "stop": ["x"] * 17}, "at most 16 stop strings"),
+    ({"prompt": "def f(x):", "stop": ["x" * 257]}, "at most 16 stop strings"),
     ({"prompt": "def f(x):", "top_p": 2.0}, "top_p"),
     ({"prompt": "def alpha(beta, gamma): " * 20}, "at most 64"),
 ])
