@@ -102,11 +102,17 @@ class DeviceState:
 
     def _open(self, name: str, stored: bytes) -> bytes:
         """The plaintext of a stored file; StateKeyError when it is encrypted and there is no
-        key or the key is wrong. A plaintext file with a key given is read as is (it is
-        encrypted at the next save)."""
+        key or the key is wrong, or when it is plaintext and the key existed before this process
+        (a keyed state is encrypted: plaintext there was put by someone else). A plaintext state
+        met with a key file this process just created is read and encrypted at the next save
+        (the migration)."""
         from omnidraft.client.state_key import StateKeyError, is_encrypted
 
         if not is_encrypted(stored):
+            if self.cipher is not None and not self.cipher.created:
+                raise StateKeyError(f"{self.dir / name} is not encrypted but its key {self.cipher.path} already "
+                                    f"exists: a keyed state is refused in plaintext (to encrypt a plaintext "
+                                    f"state, give a key file that does not exist yet)")
             return stored
         if self.cipher is None:
             raise StateKeyError(f"the device state in {self.dir} is encrypted: give its key (--state-key)")

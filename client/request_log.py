@@ -39,6 +39,8 @@ class RequestLog:
 
             if is_encrypted(blob):
                 blob = self.cipher.decrypt(LOG_FILE, blob)
+            elif not self.cipher.created:  # plaintext under an existing key: not written by this device
+                blob = b""  # set aside below; the device trains on nothing it did not log itself
         try:
             data = json.loads(blob)
             return {"next": int(data["next"]), "entries": [(int(s), str(p)) for s, p in data["entries"]]}

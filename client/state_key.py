@@ -29,6 +29,7 @@ class StateCipher:
 
     def __init__(self, path: str | Path, *, create: bool = True) -> None:
         self.path = Path(path)
+        self.created = False  # whether this object created the key file (only then is plaintext state migrated)
         if self.path.exists():
             if self.path.is_dir():
                 raise StateKeyError(f"state key {self.path} is a directory")
@@ -45,6 +46,7 @@ class StateCipher:
                 f.write(key)
                 f.flush()
                 os.fsync(f.fileno())
+            self.created = True
         else:
             raise StateKeyError(f"state key {self.path} does not exist")
         self._aead = AESGCM(key)

@@ -30,15 +30,12 @@ generator. With ``noise_multiplier = 0`` the release is k-anonymous only and eps
 
 from __future__ import annotations
 
-import json
 import math
-from statistics import NormalDist
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
-from omnidraft.shared.atomic_io import write_bytes_atomic
 from omnidraft.shared.fleet_wire import StatsError, decode_stats, encode_stats  # noqa: F401 (re-exported)
 
 
@@ -90,10 +87,11 @@ class ReleaseReport:
 class NgramRelease:
     """One target's release mechanism and its privacy ledger (persisted at ``path``)."""
 
-    def __init__(self, config: ReleaseConfig, path: Path | None = None) -> None:
+    def __init__(self, config: ReleaseConfig, ledger: dict | None = None) -> None:
+        """``ledger``: what earlier rounds spent (``ledger()`` of the last committed release;
+        the registry keeps it with each version, so a round that never committed is not charged)."""
         config.validate()
         self.config = config
-        self.path = path
         self.accountant = None
         if config.noise_multiplier > 0:
             from flwr.serverapp import PrivacyConfig, RdpAccountant
@@ -103,8 +101,8 @@ class NgramRelease:
                 target_delta=config.delta, population_size=1,
                 neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
                 sampling_method=SamplingMethod.NO_AMPLIFICATION))
-            if path is not None and path.is_file():
-                self.accountant.load_state_dict(json.loads(path.read_text()))
+            if ledger is not None:
+                self.accountant.load_state_dict(ledger)
 
     @property
     def noise_std(self) -> float:
@@ -130,6 +128,11 @@ class NgramRelease:
     def sensitivity(self) -> float:
         """L2 change of the count vector when one device joins or leaves (devices)."""
         return math.sqrt(self.config.max_entries_per_device)
+
+    def ledger(self) -> dict | None:
+        """The accountant's state after this release (JSON-able; None without noise), to commit
+        with the version it accounts for."""
+        return self.accountant.state_dict() if self.accountant is not None else None
 
     def epsilon(self) -> float:
         if self.accountant is None or self.accountant.num_releases == 0:
@@ -158,8 +161,6 @@ class NgramRelease:
             from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
 
             self.accountant.compose(GaussianPrivacyEvent(cfg.noise_multiplier, 1, 1))
-            if self.path is not None:
-                write_bytes_atomic(self.path, json.dumps(self.accountant.state_dict()).encode())
         keep = noisy >= self.threshold
         released = {int(t): float(c) for t, c in zip(reported[keep], noisy[keep])}
         return released, ReleaseReport(len(bitmaps), int(reported.size), len(released), noise_std,

@@ -14,7 +14,10 @@ Layout under the coordinator root::
                                            (coordinator-private; absent for a plain FedAvg
                                            step, version 0 and a rollback)
     targets/<slug>/manifest.pb             omnidraft.v1.StateManifest naming version N, written last
-    targets/<slug>/privacy.json            the n-gram release's accountant state
+    targets/<slug>/privacy-v<N>.json       the n-gram release's privacy ledger after version N
+                                           (written with the version it accounts for, so a
+                                           round that did not commit is not charged; a
+                                           rollback carries the ledger forward, never back)
     targets/<slug>/rollout.json            the share of capable devices moved to this target
     keys/manifest-ed25519.pem              the signing key (0600; devices pin its public key)
 
@@ -50,7 +53,7 @@ SPEC_FILE = "spec.pb"
 MANIFEST_FILE = "manifest.pb"
 SIGNING_KEY = "keys/manifest-ed25519.pem"  # under the coordinator root
 CANDIDATES_FILE = "candidates.pb"
-PRIVACY_FILE = "privacy.json"
+LEGACY_PRIVACY_FILE = "privacy.json"  # the ledger before it was versioned (read when no versioned one exists)
 ROLLOUT_FILE = "rollout.json"
 GLOBAL_CACHE_ENTRIES = 65536  # capacity of a global cache (entries)
 KEEP_VERSIONS = 5  # versions kept on disk per target (what `rollback` can restore)
@@ -219,19 +222,30 @@ class TargetRegistry:
             self._candidates[name] = out
         return self._candidates[name]
 
-    def privacy_path(self, name: str) -> Path:
-        return self._dir(name) / PRIVACY_FILE
+    def privacy_ledger(self, name: str) -> dict | None:
+        """The n-gram release's ledger as of the current version (None: nothing spent yet)."""
+        version = self.manifest(name).version
+        for path in (self._dir(name) / self._file("privacy", version), self._dir(name) / LEGACY_PRIVACY_FILE):
+            try:
+                return json.loads(path.read_text())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:  # never restart a ledger from zero silently
+                raise RegistryError(f"target {name!r}: privacy ledger {path.name} is unreadable ({exc})") from None
+        return None
 
     # -- committing a round -------------------------------------------------------------------
     def commit(self, name: str, adapter: dict[str, torch.Tensor], cache: NgramCache, *,
                round_: int, devices: int, tokens: int,
-               server_state: dict[str, torch.Tensor] | None = None) -> fleet_pb2.StateManifest:
+               server_state: dict[str, torch.Tensor] | None = None,
+               privacy_ledger: dict | None = None) -> fleet_pb2.StateManifest:
         """Write version N+1 of ``name``'s state (adapter, cache, the server optimizer's
-        ``server_state``, then manifest), holding the target's lock: a ``fleet rollback`` or
+        ``server_state``, the release's ``privacy_ledger`` (default: carried over), then
+        manifest), holding the target's lock: a ``fleet rollback`` or
         another writer waits, so no version number is written twice."""
         with self._lock(name):
             return self._commit_next(name, adapter, cache, round_=round_, devices=devices, tokens=tokens,
-                                     server_state=server_state)
+                                     server_state=server_state, privacy_ledger=privacy_ledger)
 
     def _lock(self, name: str):
         """The target's writer lock (an advisory ``flock`` on ``<target>/.lock``)."""
@@ -239,7 +253,8 @@ class TargetRegistry:
 
     def _commit_next(self, name: str, adapter: dict[str, torch.Tensor], cache: NgramCache, *,
                      round_: int, devices: int, tokens: int,
-                     server_state: dict[str, torch.Tensor] | None) -> fleet_pb2.StateManifest:
+                     server_state: dict[str, torch.Tensor] | None,
+                     privacy_ledger: dict | None) -> fleet_pb2.StateManifest:
         old = self.manifest(name)
         m = fleet_pb2.StateManifest(target=name, version=old.version + 1, round=round_,
                                     parent_version=old.version, devices_total=old.devices_total + devices,
@@ -247,7 +262,12 @@ class TargetRegistry:
         if server_state:
             write_bytes_atomic(self._dir(name) / self._file("server-opt", m.version),
                                save_safetensors({k: v.contiguous() for k, v in server_state.items()}))
+        self._write_ledger(name, m.version, privacy_ledger if privacy_ledger is not None else self.privacy_ledger(name))
         return self._commit(name, m, adapter, cache)
+
+    def _write_ledger(self, name: str, version: int, ledger: dict | None) -> None:
+        if ledger is not None:
+            write_bytes_atomic(self._dir(name) / self._file("privacy", version), json.dumps(ledger).encode())
 
     def server_state(self, name: str) -> dict[str, torch.Tensor]:
         """The server optimizer's state saved with the current version ({} if none, or unreadable:
@@ -275,6 +295,7 @@ class TargetRegistry:
         write_bytes_atomic(out / self._file("signature", m.version), self.signing_key().sign(blob))
         write_bytes_atomic(out / MANIFEST_FILE, blob)  # the commit point: everything it names exists
         for path in [*out.glob("adapter-v*.safetensors"), *out.glob("cache-v*.pb"), *out.glob("server-opt-v*.safetensors"),
+                     *out.glob("privacy-v*.json"),
                      *out.glob("manifest-v*.sig"), *out.glob("manifest-v*.pb")]:
             version = int(path.name.split("-v", 1)[1].split(".", 1)[0])
             if version <= m.version - KEEP_VERSIONS or version > m.version:
@@ -309,6 +330,7 @@ class TargetRegistry:
         m = fleet_pb2.StateManifest(target=name, version=current.version + 1, round=current.round,
                                     parent_version=current.version, restored_from=to,
                                     devices_total=old.devices_total, tokens_total=old.tokens_total)
+        self._write_ledger(name, m.version, self.privacy_ledger(name))  # privacy spent stays spent
         return self._commit_blobs(name, m, *blobs)
 
     # -- staged rollout ---------------------------------------------------------------------------
@@ -336,7 +358,7 @@ class TargetRegistry:
     def _file(kind: str, version: int) -> str:
         return {"adapter": f"adapter-v{version}.safetensors", "cache": f"cache-v{version}.pb",
                 "signature": f"manifest-v{version}.sig", "manifest": f"manifest-v{version}.pb",
-                "server-opt": f"server-opt-v{version}.safetensors"}[kind]
+                "server-opt": f"server-opt-v{version}.safetensors", "privacy": f"privacy-v{version}.json"}[kind]
 
     def _require(self, name: str) -> None:
         if name not in self:

@@ -477,7 +477,7 @@ class Coordinator:
             record["rejected"] += ["the aggregate is not finite: round not committed"]
             record["aggregated"] = 0
             return record
-        release = NgramRelease(cfg.release, self.registry.privacy_path(target))
+        release = NgramRelease(cfg.release, self.registry.privacy_ledger(target))
         released, report = release.release([b for _, b in good])  # noise from OS entropy, never the seed
         cache = state.cache()
         candidates = self.registry.candidates(target)
@@ -486,7 +486,7 @@ class Coordinator:
                 cache.add(candidates[target_id], target_id, max(1, int(round(count))))
         manifest = self.registry.commit(target, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in adapter.items()},
                                         cache, round_=rnd, devices=len(msgs), tokens=tokens,
-                                        server_state=server.state())
+                                        server_state=server.state(), privacy_ledger=release.ledger())
         record.update({f"train-{k}": float(v) for k, v in metrics.items() if not isinstance(v, list)})
         record.update({"version": int(manifest.version), "trained-tokens": tokens,
                        "uplink-bytes-per-device": float(np.mean(uplink)),

@@ -181,7 +181,7 @@ def _build_parser() -> argparse.ArgumentParser:
     join.add_argument("--insecure", action="store_true", help="no TLS and no node key (a test network only)")
     join.add_argument("--fleet-key", default=None,
                       help="the coordinator's public key (omnidraft fleet public-key); every global state "
-                           "must carry its signature")
+                           "must carry its signature (required unless --insecure)")
     join.add_argument("--target-name", default=None, help="the target's registry name (default: --target)")
     join.add_argument("--device-id", default=None, help="this device's id in the fleet (default: the key's name)")
     join.add_argument("--offer", action="append", default=[], metavar="NAME=MODEL",
@@ -700,6 +700,9 @@ def _join(args) -> int:
     for flag, path in (("--cert", args.cert), ("--key", args.key)):
         if path and not args.insecure and not os.path.isfile(path):
             raise UsageError(f"omnidraft device join: {flag} {path} is not a file")
+    if not args.insecure and not args.fleet_key:
+        raise UsageError("omnidraft device join: give --fleet-key (the coordinator's public key: omnidraft fleet "
+                         "public-key) so the device applies only signed states, or --insecure (a test network)")
     if min(args.prompts_per_round, args.interval) < 1:
         raise UsageError("omnidraft device join: --prompts-per-round and --interval must be >= 1")
     if args.fleet_key:

@@ -4,6 +4,7 @@ state on disk, and that learning never changes what the target outputs (tiny mod
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 import math
 import warnings
@@ -449,7 +450,8 @@ def test_drift_stream_spec_errors():
 
 def test_encrypted_state_round_trip_wrong_key_and_migration(pair_dir, tmp_path):
     """With a key file the state is AES-GCM encrypted at rest; a wrong or missing key is a clear
-    error that leaves the files untouched; plaintext state is read and encrypted at the next save."""
+    error that leaves the files untouched; a plaintext state is refused under a key that existed
+    before, and read and encrypted at the next save under a key created for it."""
     from omnidraft.client.state_key import StateCipher, StateKeyError
 
     state, key = tmp_path / "state", tmp_path / "keys" / "state.key"
@@ -480,7 +482,14 @@ def test_encrypted_state_round_trip_wrong_key_and_migration(pair_dir, tmp_path):
     p = DeviceSession(_engine(pair_dir), target_name="t", state_dir=plain)
     p.generate(PROMPTS[0], CONFIG)
     p.save()
-    m = DeviceSession(_engine(pair_dir), target_name="t", state_dir=plain, state_key=key)
+    # someone who can write the state directory swaps the encrypted state for a plaintext one of
+    # their own: with the existing key it is refused, untouched
+    shutil.rmtree(s.state.dir)
+    shutil.copytree(p.state.dir, s.state.dir)
+    with pytest.raises(StateKeyError, match="refused in plaintext"):
+        DeviceSession(_engine(pair_dir), target_name="t", state_dir=state, state_key=key)
+    # the migration: a plaintext state and a key file created now
+    m = DeviceSession(_engine(pair_dir), target_name="t", state_dir=plain, state_key=tmp_path / "keys" / "new.key")
     assert m.problems == []
     m.save()
     assert all(f.read_bytes().startswith(b"ODS1") for f in m.state.dir.iterdir())

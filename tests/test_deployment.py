@@ -80,6 +80,8 @@ def test_fleet_init_creates_a_ca_a_server_certificate_and_node_keys(tmp_path, ca
     (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s",
       "--cert", "/nonexistent/ca.crt", "--key", "/nonexistent/k"], "is not a file"),
     (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s",
+      "--cert", __file__, "--key", __file__], "give --fleet-key"),  # TLS without the fleet key: unsigned states
+    (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s",
       "--insecure", "--fleet-key", "zz"], "--fleet-key"),
 ])
 def test_deployment_commands_reject_bad_input_in_one_line(tmp_path, capsys, monkeypatch, argv, message):
@@ -115,6 +117,11 @@ def test_request_log_keeps_the_newest_prompts_encrypted(tmp_path):
     (tmp_path / "dev" / "requests.log").write_bytes(b"not json")  # a damaged log starts anew
     plain = RequestLog(tmp_path / "dev")
     assert plain.since(0) == [] and (tmp_path / "dev" / "requests.log.corrupt").exists()
+    # another local process writes a plaintext log of prompts it wants the device to train on:
+    # under the existing key it is set aside, never read
+    (tmp_path / "dev" / "requests.log").write_text('{"next": 1, "entries": [[0, "poison"]]}')
+    again = RequestLog(tmp_path / "dev", StateCipher(tmp_path / "key"), keep=3)
+    assert again.since(0) == []
 
 
 def _tensors(value: float) -> dict[str, torch.Tensor]:

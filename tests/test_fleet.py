@@ -229,7 +229,7 @@ def test_contribution_is_bounded_per_device():
 
 def test_noise_scale_and_privacy_ledger(tmp_path):
     cfg = ReleaseConfig(k=1, noise_multiplier=0.5, max_entries_per_device=100)
-    rel = NgramRelease(cfg, tmp_path / "privacy.json")
+    rel = NgramRelease(cfg)
     assert rel.sensitivity == 10.0
     maps = [np.zeros(250, bool) for _ in range(200)]
     for d, m in enumerate(maps):  # each device holds 100 of 250 tokens: about 80 devices per token
@@ -243,7 +243,7 @@ def test_noise_scale_and_privacy_ledger(tmp_path):
     assert np.std(noisy - counts[ids]) == pytest.approx(5.0, rel=0.15)
     eps1 = report.epsilon
     assert 0 < eps1 < math.inf
-    again = NgramRelease(cfg, tmp_path / "privacy.json")  # the ledger is reloaded from disk
+    again = NgramRelease(cfg, json.loads(json.dumps(rel.ledger())))  # the ledger as the registry keeps it
     assert again.epsilon() == pytest.approx(eps1)
     _, report2 = again.release(maps, np.random.default_rng(2))
     assert report2.epsilon > eps1
@@ -326,6 +326,35 @@ def test_concurrent_commits_and_rollbacks_never_write_a_version_twice(tmp_path, 
         m = fleet_pb2.StateManifest()
         m.ParseFromString((tmp_path / "coord" / "targets" / "tiny-target-a" / f"manifest-v{v}.pb").read_bytes())
         assert m.version == v and m.parent_version == v - 1
+
+
+def test_privacy_is_charged_once_per_committed_round_and_never_rolled_back(tmp_path, tiny):
+    """The ledger is written with the version it accounts for: a coordinator killed after a
+    release and before the commit reruns the round from the last committed ledger (charged once),
+    and a rollback carries the ledger forward."""
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+    state = reg.load("tiny-target-a")
+    cfg = ReleaseConfig(k=1)
+    maps = [np.ones(8, bool) for _ in range(3)]
+
+    def one_round(rnd: int, commit: bool) -> None:
+        release = NgramRelease(cfg, reg.privacy_ledger("tiny-target-a"))
+        release.release(maps)
+        if commit:
+            reg.commit("tiny-target-a", state.adapter, state.cache(), round_=rnd, devices=3, tokens=3,
+                       privacy_ledger=release.ledger())
+
+    assert reg.privacy_ledger("tiny-target-a") is None
+    one_round(1, commit=True)
+    eps1 = NgramRelease(cfg, reg.privacy_ledger("tiny-target-a")).epsilon()
+    one_round(2, commit=False)  # killed after the release, before the commit
+    assert NgramRelease(cfg, reg.privacy_ledger("tiny-target-a")).epsilon() == pytest.approx(eps1)
+    one_round(2, commit=True)  # the rerun
+    ledger = NgramRelease(cfg, reg.privacy_ledger("tiny-target-a"))
+    assert ledger.accountant.num_releases == 2 and ledger.epsilon() > eps1
+    reg.rollback("tiny-target-a")  # the state goes back; the privacy spent does not
+    assert NgramRelease(cfg, reg.privacy_ledger("tiny-target-a")).epsilon() == pytest.approx(ledger.epsilon())
 
 
 def _rollback_many(root: str, n: int) -> None:
