@@ -200,6 +200,13 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="most MB federated rounds may send per UTC day (0: no limit)")
     for sp in (serve, join):
         sp.add_argument("--max-threads", type=int, default=0, help="torch threads (0: every core)")
+    export = dsub.add_parser("export-adapter", help="write a device's learned adapter as a peft adapter directory")
+    export.add_argument("--drafter", required=True, help="catalog name or local HF directory (as the state was saved with)")
+    export.add_argument("--target", required=True, help="the target (registry) name the state was saved for")
+    export.add_argument("--state-dir", required=True)
+    export.add_argument("--state-key", default=os.environ.get("OMNIDRAFT_STATE_KEY"),
+                        help="the state's key file, if it is encrypted")
+    export.add_argument("--out", required=True, help="directory for adapter_config.json and adapter_model.safetensors")
     ask = dsub.add_parser("ask", help="send one prompt to a running service")
     ask.add_argument("prompt")
     ask.add_argument("--max-new-tokens", type=int, default=0, help="0: the service's default")
@@ -636,11 +643,38 @@ def _require_matplotlib(command: str) -> None:
         raise UsageError(f"omnidraft {command}: --plot needs matplotlib (pip install 'omnidraft-fleet[sim]')") from None
 
 
+def _export_adapter(args) -> int:
+    """A device's learned adapter as a directory ``peft.PeftModel.from_pretrained`` loads."""
+    import torch
+
+    from omnidraft.client.device_state import DeviceState
+    from omnidraft.client.state_key import StateCipher
+    from omnidraft.shared import model_runner
+    from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+
+    if not os.path.isdir(args.state_dir):
+        raise UsageError(f"omnidraft device export-adapter: --state-dir {args.state_dir} is not a directory")
+    cipher = StateCipher(args.state_key, create=False) if args.state_key else None
+    loaded = DeviceState(args.state_dir, args.drafter, args.target, cipher=cipher).load()
+    if loaded.adapter is None:
+        raise UsageError(f"omnidraft device export-adapter: no valid adapter for {args.drafter} -> {args.target} "
+                         f"in {args.state_dir}")
+    drafter = model_runner.load(args.drafter, torch.float32)
+    adapters = DrafterAdapters(drafter.model, LoraSpec(**loaded.meta.get("lora", {})), drafter_weights="hf")
+    adapters.add(args.target)
+    adapters.load_state_dict(args.target, loaded.adapter)
+    out = adapters.export_peft(args.target, args.out)
+    print(f"wrote {out} (load it with peft.PeftModel.from_pretrained(<{args.drafter}>, \"{out}\"))")
+    return 0
+
+
 def _device(args) -> int:
     if args.action == "serve":
         return _serve(args)
     if args.action == "join":
         return _join(args)
+    if args.action == "export-adapter":
+        return _export_adapter(args)
     import grpc
     from google.protobuf.json_format import MessageToDict
 

@@ -14,7 +14,10 @@ the shared base packing.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -123,6 +126,23 @@ class DrafterAdapters:
         """The adapter's tensors (keys without the adapter name), detached, on CPU."""
         sd = get_peft_model_state_dict(self.peft, adapter_name=adapter_name(target))
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+    def export_peft(self, target: str, out_dir: str | Path) -> Path:
+        """Write ``target``'s adapter as a peft adapter directory (``adapter_config.json`` and
+        ``adapter_model.safetensors``, written by peft itself) that
+        ``peft.PeftModel.from_pretrained(base_drafter, out_dir)`` loads; returns ``out_dir``."""
+        name = adapter_name(target)
+        if name not in self.names:
+            raise KeyError(f"no adapter for target {target!r}")
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out) as tmp:
+            self.peft.save_pretrained(tmp, selected_adapters=[name])
+            src = Path(tmp) / name if (Path(tmp) / name).is_dir() else Path(tmp)  # peft nests named adapters
+            for f in src.iterdir():
+                if f.is_file():
+                    os.replace(f, out / f.name)
+        return out
 
     def load_state_dict(self, target: str, tensors: dict[str, torch.Tensor]) -> None:
         """Replace ``target``'s adapter tensors (the adapter must exist); raises ValueError on

@@ -509,3 +509,31 @@ def test_cli_reports_a_wrong_state_key_in_one_line(pair_dir, tmp_path, capsys):
     assert main(base + ["--state-key", str(tmp_path / "k2")]) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # after the weight-loading bars
     assert err.startswith("error:") and "wrong key" in err
+
+
+def test_a_learned_adapter_exports_to_a_directory_peft_loads(pair_dir, tmp_path, capsys):
+    """`omnidraft device export-adapter` writes what peft itself writes: PeftModel.from_pretrained
+    on the base drafter loads it, with the device's learned weights."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from omnidraft.cli import main
+
+    state = tmp_path / "state"
+    s = DeviceSession(_engine(pair_dir), target_name="t", state_dir=state, online=OnlineConfig(interval=2, lr=1e-2))
+    for prompt in PROMPTS[:2]:
+        s.generate(prompt, CONFIG)
+    s.save()
+    assert s.learner.updates == 1
+    drafter = str(pair_dir / "drafter")
+    assert main(["device", "export-adapter", "--drafter", drafter, "--target", "t", "--state-dir", str(state),
+                 "--out", str(tmp_path / "peft")]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "peft").iterdir()}
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(drafter), str(tmp_path / "peft"))
+    loaded = get_peft_model_state_dict(model)
+    learned = s.adapters.state_dict("t")
+    assert set(loaded) == set(learned) and all(torch.equal(loaded[k], learned[k]) for k in learned)
+    assert any(torch.count_nonzero(v) for k, v in learned.items() if "lora_B" in k)  # it did learn
+    assert main(["device", "export-adapter", "--drafter", drafter, "--target", "other", "--state-dir", str(state),
+                 "--out", str(tmp_path / "x")]) == 2  # nothing saved for that target: one line, exit 2
+    assert "no valid adapter" in capsys.readouterr().err
