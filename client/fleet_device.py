@@ -325,6 +325,13 @@ class FleetDevice:
                     raise StateMismatch(f"the coordinator sent no {kind} and this device does not hold version {manifest.version}")
             elif _sha256(blob) != digest:
                 raise StateMismatch(f"the received {kind} does not match its manifest checksum")
+        if adapter_blob is not None:  # signed is not the same as usable: never store NaN or Inf weights
+            try:
+                tensors = load_safetensors(adapter_blob)
+            except Exception:  # safetensors' error for a malformed blob
+                raise StateMismatch("the received adapter does not parse") from None
+            if not all(torch.isfinite(t).all() for t in tensors.values()):
+                raise StateMismatch("the received adapter holds NaN or Inf")
         if adapter_blob is not None:
             write_bytes_atomic(self.global_dir / "adapter.safetensors", adapter_blob)
         if cache_blob is not None:

@@ -425,6 +425,13 @@ def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tin
         with pytest.raises(StateMismatch, match=reason):
             device.receive(*args)
         assert device.held_manifest().version == 1  # the previous state is kept, intact
+    # the coordinator itself signs a NaN adapter (a bug, or a poisoned aggregate): the device refuses it
+    nan = {k: torch.full_like(v, float("nan")) for k, v in v1.adapter.items()}
+    reg.commit("tiny-target-a", nan, v1.cache(), round_=2, devices=1, tokens=1)
+    v2 = reg.load("tiny-target-a")
+    with pytest.raises(StateMismatch, match="NaN or Inf"):
+        device.receive(v2.spec, v2.manifest_blob, v2.adapter_blob, v2.cache_blob, v2.signature)
+    assert device.held_manifest().version == 1
     stranger = FleetDevice(replace(profile, fleet_key=TargetRegistry(tmp_path / "other").public_key(),
                                    state_dir=tmp_path / "dev2"), pool)
     with pytest.raises(StateMismatch, match="signature"):
