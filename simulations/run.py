@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--acceptance-k", type=int,
       help="probes and new devices also decode drafting exactly K tokens per round, the paper's "
            "acceptance protocol (default 4; 0: not measured)")
-    a("--ffa", action="store_true", default=None, help="FFA-LoRA: freeze A, train and average only B (exact averaging)")
+    a("--ffa", action=argparse.BooleanOptionalAction, default=None,
+      help="FFA-LoRA: freeze A, train and average only B (exact averaging; the default scenario's choice; --no-ffa: plain LoRA)")
     a("--secagg", action="store_true", default=None,
       help="sum each target's adapter updates with Flower's SecAgg+ (the coordinator sees only their mean)")
     a("--translate", choices=["ngram", "text"],
