@@ -288,7 +288,7 @@ def rejection_reasons(records: list[dict]) -> Counter:
     for r in records:
         for reason in r.get("rejected", []) + [f"skipped: {x}" for x in r.get("skipped", [])]:
             why = re.sub(r"^(skipped: )?node \d+( \([^)]*\))?: ", r"\1", reason)
-            why = re.sub(r"(adapter tensor|update) \S+?:", r"\1 T:", why.split("=")[0])
+            why = re.sub(r"^(adapter tensor|update) \S+?(:| )", r"\1 T\2", why.split("=")[0])
             out[re.sub(r"-?\d[\d.e+]*", "N", why)] += 1
     return out
 
