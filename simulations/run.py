@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-ar", action="store_true", help="probes do not run the target alone (no speedup figures)")
     a("--aggregation", choices=["fedavg", "median", "trimmed"])
     a("--clip-norm", type=float, help="L2 bound on each device's adapter update")
-    a("--update-bits", type=int, choices=(4, 8, 32), help="bits per value of the update a device sends (default 8)")
+    a("--update-bits", type=int, choices=(4, 8, 32), help="bits per value of the update a device sends (the default scenario: 4, with FFA-LoRA)")
     a("--k", type=int, help="devices that must hold an n-gram before it is released (default 5)")
     a("--noise", type=float, help="Gaussian noise multiplier on n-gram counts")
     a("--seed", type=int)
