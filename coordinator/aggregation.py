@@ -191,27 +191,24 @@ def clip_bound(norms: list[float], config: AggregationConfig) -> float | None:
     return None
 
 
-def clip_update(msg: Message, global_adapter: dict[str, np.ndarray], clip_norm: float) -> float:
-    """Scale the reply's update (adapter minus global) to L2 norm <= ``clip_norm`` in place;
-    returns the norm before clipping."""
-    norm = update_norm(msg, global_adapter)
-    if norm > clip_norm:
-        scale = clip_norm / norm
-        arrays = msg.content.array_records[ADAPTER_KEY]
-        msg.content[ADAPTER_KEY] = ArrayRecord({
-            k: Array((v + (arrays[k].numpy().astype(np.float64) - v) * scale).astype(v.dtype))
-            for k, v in global_adapter.items()})
-    return norm
+def scale_update(msg: Message, global_adapter: dict[str, np.ndarray], scale: float) -> None:
+    """Multiply the reply's update (adapter minus global) by ``scale`` in place."""
+    arrays = msg.content.array_records[ADAPTER_KEY]
+    msg.content[ADAPTER_KEY] = ArrayRecord({
+        k: Array((v + (arrays[k].numpy().astype(np.float64) - v) * scale).astype(v.dtype))
+        for k, v in global_adapter.items()})
 
 
 def aggregate_target(server_round: int, replies: list[Message], global_adapter: dict[str, np.ndarray],
                      config: AggregationConfig) -> tuple[dict[str, np.ndarray], MetricRecord]:
     """Aggregate checked replies of one target with the configured Flower strategy (each update
     clipped to this round's ``clip_bound`` first)."""
-    bound = clip_bound([update_norm(m, global_adapter) for m in replies], config)
+    norms = [update_norm(m, global_adapter) for m in replies]  # once per reply
+    bound = clip_bound(norms, config)
     if bound is not None:
-        for msg in replies:
-            clip_update(msg, global_adapter, bound)
+        for msg, norm in zip(replies, norms):
+            if norm > bound:
+                scale_update(msg, global_adapter, bound / norm)
     arrays, metrics = config.strategy().aggregate_train(server_round, replies)
     return ({k: v.numpy().astype(global_adapter[k].dtype) for k, v in arrays.items()},
             metrics or MetricRecord())
