@@ -260,15 +260,14 @@ class ThroughputRule:
         tokens were committed (accepted + the correction or bonus token)."""
         for name, values in self.features.items():
             table, following, score = self.tables[name], self.next_tables[name], self.scores[name]
-            seen = values[: accepted_drafts + 1]
-            for i, f in enumerate(seen):
+            buckets = [bucket_of(f) for f in values[: accepted_drafts + 1]]
+            for i, bucket in enumerate(buckets):
                 accepted = i < accepted_drafts
-                predicted = table.rate(bucket_of(f))
-                score[0] = score[0] * SCORE_DECAY + (predicted - accepted) ** 2
+                score[0] = score[0] * SCORE_DECAY + (table.rate(bucket) - accepted) ** 2
                 score[1] = score[1] * SCORE_DECAY + 1.0
-                table.count(bucket_of(f), accepted)
+                table.count(bucket, accepted)
                 if i:  # the token after one drafted in that bucket
-                    following.count(bucket_of(seen[i - 1]), accepted)
+                    following.count(buckets[i - 1], accepted)
         self._drafted += drafted
         self._proposed += proposed
         if self._drafted:
