@@ -111,23 +111,31 @@ def onednn_bf16_linear() -> bool:
 
 
 # instruction set -> (gcc flags, /proc/cpuinfo flags it needs), best first
+_AVX512 = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+           {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"})
 NATIVE_ISAS: dict[str, tuple[list[str], set[str]]] = {
-    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
-               {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"}),
+    # AVX-512 VNNI for one-token steps, AMX-INT8 tiles for calls of 2+ tokens (Intel Sapphire Rapids and later)
+    "amx": (_AVX512[0] + ["-mamx-tile", "-mamx-int8"], _AVX512[1] | {"amx_tile", "amx_int8"}),
+    "avx512": _AVX512,
     "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
 }
+_NATIVE_SOURCES = {"amx": ["fd_avx512.h", "fd_amx.h"], "avx512": ["fd_avx512.h"], "avx2": ["fd_avx2.h"]}
 _native_lock = threading.Lock()
 _native_state: dict[str, tuple] = {}  # instruction set -> (library or None, why not or None)
 
 
 def default_native_isa() -> str | None:
     """The instruction set the native kernels use on this machine: ``$OMNIDRAFT_NATIVE_ISA``
-    when set (``avx512`` | ``avx2``), else the best one the CPU has; None when neither fits."""
+    when set (``amx`` | ``avx512`` | ``avx2``), else the best one the CPU has that builds and runs;
+    None when none fits."""
     forced = os.environ.get("OMNIDRAFT_NATIVE_ISA")
     if forced:
         return forced
     flags = _cpu_flags()
-    return next((isa for isa, (_, needs) in NATIVE_ISAS.items() if needs <= flags), None)
+    fits = [isa for isa, (_, needs) in NATIVE_ISAS.items() if needs <= flags]
+    # the best one that also builds and runs here (AMX needs a gcc that knows it and the
+    # kernel's permission for the tile state); else the best one, whose error says why not
+    return next((isa for isa in fits if native_library(isa) is not None), fits[0] if fits else None)
 
 
 def _native(isa: str | None) -> tuple:
@@ -147,7 +155,7 @@ def native_library(isa: str | None = None):
     """The compiled native int8 kernel library (ctypes) for ``isa`` (default: ``default_native_isa()``),
     or None where it cannot be used (the reason is ``native_error(isa)``).
 
-    Needs x86-64 Linux with AVX-512 VNNI or AVX2 + FMA + F16C and a C compiler (``$CC``, default
+    Needs x86-64 Linux with AMX-INT8, AVX-512 VNNI or AVX2 + FMA + F16C and a C compiler (``$CC``, default
     ``gcc``). The shared object is built once (~1-3 s) from ``shared/native/`` into
     ``$OMNIDRAFT_HOME/fast_drafter/`` and reused. ``OMNIDRAFT_NATIVE=0`` disables it.
     """
@@ -161,7 +169,7 @@ def native_error(isa: str | None = None) -> str | None:
 
 def native_source(isa: str) -> str:
     """The C translation unit for ``isa``: shared header, the instruction set's kernels, driver."""
-    parts = ["fd_common.h", f"fd_{isa}.h", "fd_driver.c"]
+    parts = ["fd_common.h", *_NATIVE_SOURCES[isa], "fd_driver.c"]
     return "\n".join((_NATIVE_DIR / name).read_text() for name in parts)
 
 
@@ -202,6 +210,8 @@ def _build_native(isa: str):
     lib.fd_forward.restype = ctypes.c_int
     lib.fd_forward.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                ctypes.c_void_p, ctypes.c_int]
+    if isa == "amx" and lib.fd_amx_init() != 0:
+        raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
     return lib
 
 
@@ -316,7 +326,7 @@ class FastLlamaRunner:
     about half the arithmetic for multi-token calls); ``prefill_activation_bits`` (native
     kernels, calls with more than ``prefill_min_tokens`` tokens on the int8 kernels; None = as
     ``activation_bits``; drafters use 8: their prompt prefill only fills the KV cache, so it
-    may be less exact, and it is ~1.6x faster); ``native_isa`` (``"avx512"`` | ``"avx2"``;
+    may be less exact, and it is ~1.6x faster); ``native_isa`` (``"amx"`` | ``"avx512"`` | ``"avx2"``;
     None = ``default_native_isa()``). ``backend`` names the kernels in use.
     """
 
@@ -379,7 +389,7 @@ class FastLlamaRunner:
         self._prefill_act8 = int(prefill_activation_bits == 8)
         self.native_isa = native_isa if lib else None
         self.backend = {"fp32": "torch-fp32", "bf16": "onednn-bf16" if onednn_bf16_linear() else "torch-bf16",
-                        "int8": ("native-int8" + ("-avx2" if native_isa == "avx2" else "")
+                        "int8": ("native-int8" + ({"avx2": "-avx2", "amx": "-amx"}.get(native_isa, ""))
                                  + ("-a8" if activation_bits == 8 else "")
                                  + ("-p8" if prefill_activation_bits == 8 and activation_bits != 8 else "")) if lib
                         else "fbgemm-int8"}[weights]

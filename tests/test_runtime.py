@@ -80,16 +80,20 @@ def test_qwen2_runs_on_the_fast_runner_and_matches_transformers():
 
 
 @pytest.mark.parametrize("isa", list(NATIVE_ISAS))
+@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("make", [tiny_qwen2, lambda: copy.deepcopy(build_pair().target)], ids=["qwen2", "llama"])
-def test_native_int8_block_verification_is_bit_identical_to_single_steps(make, isa, monkeypatch):
+def test_native_int8_block_verification_is_bit_identical_to_single_steps(make, bits, isa, monkeypatch):
     """Each row of a block is computed alone (per-token scales, exact int32 sums): a k-token
     verification gives exactly the logits of k one-token steps, whatever k, on every
-    instruction set (``OMNIDRAFT_NATIVE_ISA`` picks one)."""
+    instruction set (``OMNIDRAFT_NATIVE_ISA`` picks one; ``amx`` runs blocks on AMX tiles and
+    single steps on AVX-512 VNNI) and in both activation modes (8-bit: targets; 16-bit: drafters)."""
     needs_isa(isa)
     monkeypatch.setenv("OMNIDRAFT_NATIVE_ISA", isa)
+    monkeypatch.setattr("omnidraft.shared.precision.TARGET_ACTIVATION_BITS", bits)
     runner = build_target_runner(make(), "int8")
     assert runner.backend.startswith("native-int8") and runner.prefill_weights is None
     assert runner.native_isa == isa and ("avx2" in runner.backend) == (isa == "avx2")
+    assert runner.activation_bits == bits and ("amx" in runner.backend) == (isa == "amx")
     ids = [5 + (7 * i) % 250 for i in range(60)]
     runner.reset()
     runner.forward(ids[:40])

@@ -200,6 +200,7 @@ static inline void block8_rows4(int K, const uint8_t* w, const float* sc, const 
         __m512i H0 = _mm512_setzero_si512(), H1 = H0, H2 = H0, H3 = H0;
 #pragma GCC unroll 16
         for (int k = g * 64; k < g * 64 + 64; k += 4) {
+            _mm_prefetch((const char*)(w + (size_t)k * 16 + PF_DIST), _MM_HINT_T0);
             const __m512i wv = _mm512_loadu_si512(w + (size_t)k * 16);
             H0 = _mm512_dpbusd_epi32(H0, wv, BCAST(h0 + k));
             H1 = _mm512_dpbusd_epi32(H1, wv, BCAST(h0 + ld + k));

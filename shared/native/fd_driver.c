@@ -1,5 +1,17 @@
 // Instruction-set independent parts: thread splits, attention over heads, the layer loop.
 
+// n-blocks [nb0, nb1) of one product: AMX tiles for 2+ rows where built with them, else the vector kernels.
+static void gemm_range(int M, int K, const qact* a, const uint8_t* w, const float* sc, const float* b, float* y,
+                       int ldy, int accumulate, int nb0, int nb1) {
+#ifdef FD_AMX
+    if (M >= 2) {
+        gemm_blocks_amx(M, K, a, w, sc, b, y, ldy, accumulate, nb0, nb1);
+        return;
+    }
+#endif
+    gemm_blocks(M, K, a, w, sc, b, y, ldy, accumulate, nb0, nb1);
+}
+
 static void gemm(int nthreads, int M, int N, int K, const qact* a, const int64_t* p, float* y, int ldy,
                  int accumulate) {
     const uint8_t* w = (const uint8_t*)p[0];
@@ -12,13 +24,13 @@ static void gemm(int nthreads, int M, int N, int K, const qact* a, const int64_t
         {
             const int t = omp_get_thread_num(), nt = omp_get_num_threads();
             const int b0 = (int)((long)nblocks * t / nt), b1 = (int)((long)nblocks * (t + 1) / nt);
-            gemm_blocks(M, K, a, w, sc, b, y, ldy, accumulate, b0, b1);
+            gemm_range(M, K, a, w, sc, b, y, ldy, accumulate, b0, b1);
         }
         return;
     }
 #endif
     (void)nthreads;
-    gemm_blocks(M, K, a, w, sc, b, y, ldy, accumulate, 0, nblocks);
+    gemm_range(M, K, a, w, sc, b, y, ldy, accumulate, 0, nblocks);
 }
 
 // RMS-normalize (no gain: it is folded into the weights) and quantize each of the M rows of h.
