@@ -83,7 +83,7 @@ def _cpu_flags() -> set[str]:
     except OSError:
         return set()
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):  # x86 | aarch64
             return set(line.split(":", 1)[1].split())
     return set()
 
@@ -118,15 +118,21 @@ NATIVE_ISAS: dict[str, tuple[list[str], set[str]]] = {
     "amx": (_AVX512[0] + ["-mamx-tile", "-mamx-int8"], _AVX512[1] | {"amx_tile", "amx_int8"}),
     "avx512": _AVX512,
     "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    # AArch64 (edge boards, phones): SDOT with the dot-product extension (Armv8.2+), plain NEON otherwise
+    "neon-dotprod": (["-march=armv8.2-a+dotprod"], {"asimd", "asimddp"}),
+    "neon": (["-march=armv8-a"], {"asimd"}),
 }
-_NATIVE_SOURCES = {"amx": ["fd_avx512.h", "fd_amx.h"], "avx512": ["fd_avx512.h"], "avx2": ["fd_avx2.h"]}
+_NATIVE_SOURCES = {"amx": ["fd_avx512.h", "fd_amx.h"], "avx512": ["fd_avx512.h"], "avx2": ["fd_avx2.h"],
+                   "neon-dotprod": ["fd_neon.h"], "neon": ["fd_neon.h"]}
+_NATIVE_MACHINES = {"amx": "x86_64", "avx512": "x86_64", "avx2": "x86_64", "neon-dotprod": "aarch64",
+                    "neon": "aarch64"}  # the machine each instruction set's build runs on
 _native_lock = threading.Lock()
 _native_state: dict[str, tuple] = {}  # instruction set -> (library or None, why not or None)
 
 
 def default_native_isa() -> str | None:
     """The instruction set the native kernels use on this machine: ``$OMNIDRAFT_NATIVE_ISA``
-    when set (``amx`` | ``avx512`` | ``avx2``), else the best one the CPU has that builds and runs;
+    when set (a key of ``NATIVE_ISAS``), else the best one the CPU has that builds and runs;
     None when none fits."""
     forced = os.environ.get("OMNIDRAFT_NATIVE_ISA")
     if forced:
@@ -155,7 +161,8 @@ def native_library(isa: str | None = None):
     """The compiled native int8 kernel library (ctypes) for ``isa`` (default: ``default_native_isa()``),
     or None where it cannot be used (the reason is ``native_error(isa)``).
 
-    Needs x86-64 Linux with AMX-INT8, AVX-512 VNNI or AVX2 + FMA + F16C and a C compiler (``$CC``, default
+    Needs Linux on x86-64 (AMX-INT8, AVX-512 VNNI or AVX2 + FMA + F16C) or AArch64 (NEON, with or
+    without the dot-product extension) and a C compiler (``$CC``, default
     ``gcc``). The shared object is built once (~1-3 s) from ``shared/native/`` into
     ``$OMNIDRAFT_HOME/fast_drafter/`` and reused. ``OMNIDRAFT_NATIVE=0`` disables it.
     """
@@ -176,10 +183,11 @@ def native_source(isa: str) -> str:
 def _build_native(isa: str):
     if os.environ.get("OMNIDRAFT_NATIVE", "1") == "0":
         raise RuntimeError("disabled by OMNIDRAFT_NATIVE=0")
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError("native kernels need x86-64 Linux")
     if isa not in NATIVE_ISAS:
         raise RuntimeError(f"unknown instruction set {isa!r} (choose {', '.join(NATIVE_ISAS)})")
+    machine = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
+    if platform.system() != "Linux" or machine != _NATIVE_MACHINES[isa]:
+        raise RuntimeError(f"the {isa} kernels need {_NATIVE_MACHINES[isa]} Linux")
     isa_flags, cpu_needs = NATIVE_ISAS[isa]
     missing = cpu_needs - _cpu_flags()
     if missing:
@@ -326,7 +334,7 @@ class FastLlamaRunner:
     about half the arithmetic for multi-token calls); ``prefill_activation_bits`` (native
     kernels, calls with more than ``prefill_min_tokens`` tokens on the int8 kernels; None = as
     ``activation_bits``; drafters use 8: their prompt prefill only fills the KV cache, so it
-    may be less exact, and it is ~1.6x faster); ``native_isa`` (``"amx"`` | ``"avx512"`` | ``"avx2"``;
+    may be less exact, and it is ~1.6x faster); ``native_isa`` (a key of ``NATIVE_ISAS``;
     None = ``default_native_isa()``). ``backend`` names the kernels in use.
     """
 
@@ -389,7 +397,7 @@ class FastLlamaRunner:
         self._prefill_act8 = int(prefill_activation_bits == 8)
         self.native_isa = native_isa if lib else None
         self.backend = {"fp32": "torch-fp32", "bf16": "onednn-bf16" if onednn_bf16_linear() else "torch-bf16",
-                        "int8": ("native-int8" + ({"avx2": "-avx2", "amx": "-amx"}.get(native_isa, ""))
+                        "int8": ("native-int8" + ("" if native_isa == "avx512" else f"-{native_isa}")
                                  + ("-a8" if activation_bits == 8 else "")
                                  + ("-p8" if prefill_activation_bits == 8 and activation_bits != 8 else "")) if lib
                         else "fbgemm-int8"}[weights]
