@@ -67,8 +67,11 @@ T0=$SECONDS
 if [ ! -x "$ROOT/usr/bin/python3" ]; then
   say "debootstrap $SUITE arm64 into $ROOT (several minutes)"
   mkdir -p "$ROOT"
-  debootstrap --arch=arm64 --include=python3,python3-venv,python3-pip,gcc,libc6-dev,ca-certificates,git \
-      "$SUITE" "$ROOT" "$MIRROR" >"$ROOT.debootstrap.log" 2>&1 \
+  # two stages, with the emulator inside the root: works whether or not binfmt_misc holds it open (F flag)
+  { debootstrap --foreign --arch=arm64 --include=python3,python3-venv,python3-pip,gcc,libc6-dev,ca-certificates \
+        "$SUITE" "$ROOT" "$MIRROR" \
+    && cp "$(command -v qemu-aarch64-static)" "$ROOT/usr/bin/" \
+    && chroot "$ROOT" /debootstrap/debootstrap --second-stage; } >"$ROOT.debootstrap.log" 2>&1 \
     || { STATUS=1 finish "$KERNELS; userland FAILED: debootstrap (see $ROOT.debootstrap.log)"; }
 fi
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
