@@ -77,13 +77,31 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _NATIVE_DIR = Path(__file__).with_name("native")
 
 
+# AArch64 hardware capabilities (Linux AT_HWCAP bits) -> the /proc/cpuinfo feature names
+_AARCH64_HWCAPS = {1: "asimd", 20: "asimddp"}
+
+
+def _aarch64_hwcaps() -> set[str]:
+    """The CPU features the kernel reports to this process (``getauxval(AT_HWCAP)``): what the
+    CPU runs, also where /proc/cpuinfo is unreadable (Android) or not the emulated CPU's (qemu-user)."""
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return set()
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    hwcap = getauxval(16)  # AT_HWCAP
+    return {name for bit, name in _AARCH64_HWCAPS.items() if hwcap >> bit & 1}
+
+
 def _cpu_flags() -> set[str]:
+    if platform.machine() in ("aarch64", "arm64"):
+        return _aarch64_hwcaps()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     for line in text.splitlines():
-        if line.startswith(("flags", "Features")):  # x86 | aarch64
+        if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
 

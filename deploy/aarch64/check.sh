@@ -75,21 +75,33 @@ if [ ! -x "$ROOT/usr/bin/python3" ]; then
     || { STATUS=1 finish "$KERNELS; userland FAILED: debootstrap (see $ROOT.debootstrap.log)"; }
 fi
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
-for fs in proc sys dev; do mountpoint -q "$ROOT/$fs" || mount --bind "/$fs" "$ROOT/$fs"; done
-trap 'for fs in dev sys proc; do umount -l "$ROOT/$fs" 2>/dev/null; done' EXIT
+# trust what this machine trusts (networks whose egress proxy re-signs TLS add their own CA)
+[ -f /etc/ssl/certs/ca-certificates.crt ] && cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
+for fs in proc dev; do mountpoint -q "$ROOT/$fs" || mount --bind "/$fs" "$ROOT/$fs"; done
+trap 'for fs in dev proc; do umount -l "$ROOT/$fs" 2>/dev/null; done' EXIT
+# The emulated CPU: a 2-core Neoverse-N1 (Armv8.2 with the dot-product extension, no SVE).
+# Not the host's /sys: torch's oneDNN reads each core's MIDR_EL1 there and crashes without it,
+# so the root gets a minimal sysfs describing the emulated cores.
+export QEMU_CPU=neoverse-n1
+mountpoint -q "$ROOT/sys" && umount -l "$ROOT/sys"
+for c in 0 1; do
+  mkdir -p "$ROOT/sys/devices/system/cpu/cpu$c/regs/identification"
+  echo 0x00000000413fd0c1 > "$ROOT/sys/devices/system/cpu/cpu$c/regs/identification/midr_el1"
+done
+for f in possible present online; do echo 0-1 > "$ROOT/sys/devices/system/cpu/$f"; done
 
 # the working tree as committed, plus uncommitted changes (what `pip install .` of a checkout sees)
 say "copying the project into the arm64 root"
 rm -rf "$ROOT/opt/omnidraft" && mkdir -p "$ROOT/opt/omnidraft"
 git ls-files -z --cached --others --exclude-standard | (cd "$REPO" && xargs -0 cp --parents -t "$ROOT/opt/omnidraft" 2>/dev/null)
 run_arm() { chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin OMNIDRAFT_HOME=/root/.cache/omnidraft \
-              bash -c "cd /opt/omnidraft && $1"; }
+              QEMU_CPU="$QEMU_CPU" bash -c "cd /opt/omnidraft && $1"; }
 say "installing the device package in the arm64 root (torch first, then the project; slow under emulation)"
 run_arm "python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 \
-         && /opt/venv/bin/pip install -q --disable-pip-version-check . pytest" >&2 \
+         && /opt/venv/bin/pip install -q --disable-pip-version-check -e . pytest" >&2 \
   || { STATUS=1 finish "$KERNELS; userland FAILED: pip install"; }
 run_arm "/opt/venv/bin/python -c 'import platform; from omnidraft.shared.fast_drafter import default_native_isa, native_error; \
-         isa = default_native_isa(); print(platform.machine(), isa, native_error(isa))'" >&2
+         isa = default_native_isa(); print(\"arm64 root:\", platform.machine(), \"native kernels:\", isa, native_error(isa) or \"built\")'" >&2
 
 say "greedy identity on tiny models (arm64)"
 OUT=$(run_arm "/opt/venv/bin/python -m pytest -q -p no:cacheprovider tests/test_runtime.py -k 'bit_identical or greedy_identity'" 2>&1)
