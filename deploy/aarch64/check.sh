@@ -24,7 +24,11 @@ ROOT="${OMNIDRAFT_ARM64_ROOT:-$HOME/.cache/omnidraft/arm64-root}"
 SUITE="${OMNIDRAFT_ARM64_SUITE:-bookworm}"
 MIRROR="${OMNIDRAFT_ARM64_MIRROR:-http://deb.debian.org/debian}"
 KERNELS_ONLY=0
-[ "${1:-}" = "--kernels-only" ] && KERNELS_ONLY=1
+case "${1:-}" in
+  "") ;;
+  --kernels-only) KERNELS_ONLY=1 ;;
+  *) echo "usage: bash deploy/aarch64/check.sh [--kernels-only] (unknown argument: $1)" >&2; exit 2 ;;
+esac
 
 say() { echo "[aarch64] $*" >&2; }
 finish() { echo "aarch64: $*"; exit "${STATUS:-0}"; }
