@@ -35,8 +35,8 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   (``torch.ops.quantized.linear_dynamic``: per-channel int8 weights, per-tensor 7-bit
   activations), which is fast but noticeably less accurate. Calls with more than
   ``prefill_min_tokens`` new tokens (prompt prefill) use the ``prefill_weights`` kernels instead:
-  by default bf16 on CPUs with native bf16 (AMX / AVX512-BF16), where they are several times
-  faster for long blocks. That keeps a second
+  by default bf16 on CPUs with native bf16 (AVX512-BF16) whose native kernels do not run on
+  AMX tiles, where bf16 is several times faster for long blocks. That keeps a second
   (bf16) copy of the weights; ``prefill_weights=None`` runs every call on the int8 kernels.
 
 Threads: the native kernel splits its matrix products (and attention heads) over ``threads``
@@ -387,13 +387,8 @@ class FastLlamaRunner:
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {act!r}")
 
-        if prefill_weights == "auto":
-            prefill_weights = "bf16" if weights == "int8" and cpu_has_native_bf16() else None
-        if prefill_weights == weights:
-            prefill_weights = None
-        if prefill_weights is not None and prefill_weights not in WEIGHT_KINDS:
+        if prefill_weights not in (None, "auto") and prefill_weights not in WEIGHT_KINDS:
             raise ValueError(f"unknown prefill_weights {prefill_weights!r}")
-        self.prefill_weights = prefill_weights
         self.prefill_min_tokens = int(prefill_min_tokens)
         self.threads = threads
 
@@ -411,6 +406,12 @@ class FastLlamaRunner:
         if activation_bits not in (8, 16) or prefill_activation_bits not in (8, 16):
             raise ValueError("activation_bits must be 8 or 16")
         self._lib = lib
+        if prefill_weights == "auto":
+            # AMX tiles run int8 prefill faster than oneDNN's bf16 (and need no second copy of the
+            # weights); without them bf16 beats the VNNI kernels on long blocks
+            amx = lib is not None and native_isa == "amx"
+            prefill_weights = "bf16" if weights == "int8" and cpu_has_native_bf16() and not amx else None
+        self.prefill_weights = None if prefill_weights == weights else prefill_weights
         self.activation_bits = activation_bits if lib else None
         self._prefill_act8 = int(prefill_activation_bits == 8)
         self.native_isa = native_isa if lib else None

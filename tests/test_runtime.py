@@ -344,3 +344,15 @@ def test_instruction_set_overrides(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not fast_drafter.cpu_has_native_bf16()
     assert FastLlamaRunner(tiny_qwen2(), weights="int8", native=False, max_positions=32).prefill_weights is None
+
+
+@pytest.mark.parametrize("isa", list(NATIVE_ISAS))
+def test_prompt_prefill_kernels_follow_the_instruction_set(isa):
+    """``prefill_weights="auto"``: a second bf16 copy for prompt prefill only where the CPU has
+    native bf16 and the int8 kernels do not run blocks on AMX tiles (there int8 prefill is
+    faster and the drafter keeps one copy of its weights)."""
+    needs_isa(isa)
+    runner = FastLlamaRunner(tiny_qwen2(), weights="int8", native=True, native_isa=isa, max_positions=32)
+    bf16 = fast_drafter.cpu_has_native_bf16() and isa != "amx"
+    assert runner.prefill_weights == ("bf16" if bf16 else None)
+    assert ("bf16" in runner._packing.torch_layers) == bf16
