@@ -54,6 +54,7 @@ class Phase:
                 "tokens_per_s": tps,
                 "speedup_vs_ar": tps / ar_tokens_per_s if ar_tokens_per_s else None,
                 "drafter_steps_per_target_call": st.drafter_steps / st.target_calls if st.target_calls else 0.0,
+                "modelled_speedup_vs_ar": st.modelled_speedup,
                 "new_tokens": st.new_tokens, "wall_s": st.wall_s}
 
 
@@ -165,6 +166,7 @@ def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConf
         "ar_deterministic": ar_after.token_ids == ar.token_ids,
         "speed_after_over_before": _ratio(after_s["speedup_vs_ar"], before_s["speedup_vs_ar"]),
         "tokens_per_s_after_over_before": _ratio(after_s["tokens_per_s"], before_s["tokens_per_s"]),
+        "modelled_speed_after_over_before": _ratio(after_s["modelled_speedup_vs_ar"], before_s["modelled_speedup_vs_ar"]),
         "throughput_rule": session.rule.state() if session.rule is not None else None,
         "profile_check": session.engine.check_profile(),
         "problems": session.problems,
@@ -177,25 +179,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def format_table(report: dict) -> str:
     """The report as a text table; each pass's speedup is over the ``ar`` run interleaved in it."""
-    rows = [("", "acceptance", "tokens/call", "tok/s", "speedup vs ar")]
+    rows = [("", "acceptance", "tokens/call", "tok/s", "speedup vs ar", "modelled")]
     for name in ("ar", "before", "ar_after", "after"):
         if name not in report:
             continue
         s = report[name]
-        speed = s["speedup_vs_ar"]
+        speed, modelled = s["speedup_vs_ar"], None if name.startswith("ar") else s.get("modelled_speedup_vs_ar")
         rows.append((name, f"{s['acceptance_rate']:.3f}" if not name.startswith("ar") else "-",
                      f"{s['tokens_per_target_call']:.2f}", f"{s['tokens_per_s']:.2f}",
-                     f"{speed:.2f}x" if speed else "-"))
+                     f"{speed:.2f}x" if speed else "-", f"{modelled:.2f}x" if modelled else "-"))
     for name in ("before", "after"):
         fk = report[name].get("fixed_k")
         if fk:
             rows.append((f"{name}, k={fk['k']}", f"{fk['acceptance_rate']:.3f}",
-                         f"{fk['tokens_per_target_call']:.2f}", "-", "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+                         f"{fk['tokens_per_target_call']:.2f}", "-", "-", "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
     if report.get("speed_after_over_before"):
+        modelled = report.get("modelled_speed_after_over_before")
         lines.append(f"held-out speedup over ar, after / before: {report['speed_after_over_before']:.3f} "
-                     f"(raw tok/s ratio {report['tokens_per_s_after_over_before']:.3f})")
+                     f"(raw tok/s ratio {report['tokens_per_s_after_over_before']:.3f}"
+                     + (f"; modelled from the cost profile, decoding only: {modelled:.3f}" if modelled else "") + ")")
     lines.append(f"held-out prompts: {report['heldout_prompts']}, trained on {report['train_prompts']}; "
                  f"{len(report['updates'])} updates, "
                  + (f"{report['update_seconds_mean']:.2f} s per update; " if report["update_seconds_mean"] else "")

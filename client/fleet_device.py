@@ -423,7 +423,8 @@ class FleetDevice:
         metrics = {"trained-tokens": trained_tokens, "acceptance-first": f["acceptance_rate"],
                    "tokens-per-call-first": f["tokens_per_target_call"],
                    "acceptance": w["acceptance_rate"], "tokens-per-call": w["tokens_per_target_call"],
-                   "tokens-per-s": w["tokens_per_s"], "generated-tokens": w["new_tokens"],
+                   "tokens-per-s": w["tokens_per_s"], "modelled-speedup": w["modelled_speedup_vs_ar"] or 0.0,
+                   "generated-tokens": w["new_tokens"],
                    "update-s": update_s, "cache-entries": len(session.cache)}
         return session.adapters.state_dict(p.target_model), learned, metrics
 
@@ -511,4 +512,5 @@ class FleetDevice:
         out = phase.summary(ar_tps)
         return {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
                 "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
+                "modelled-speedup": out["modelled_speedup_vs_ar"] or 0.0,
                 "generated-tokens": out["new_tokens"]}

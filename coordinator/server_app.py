@@ -59,7 +59,7 @@ log = logging.getLogger("omnidraft.coordinator")
 STATE_FILE = "coordinator.json"
 POLL_S = (0.05, 1.0)  # first and longest pause between polls for replies (seconds)
 EVAL_KEYS = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup",  # averaged over a panel
-             "fixed-k-acceptance", "fixed-k-tokens-per-call")
+             "modelled-speedup", "fixed-k-acceptance", "fixed-k-tokens-per-call")
 ROUNDS_FILE = "rounds.jsonl"  # one line per finished round and target (``fleet status`` reads it)
 
 

@@ -50,11 +50,13 @@ from omnidraft.shared.vocab_bridge import VocabBridge
 class Draft:
     """One round's drafted block: drafter ``ids``, of which the first ``healing`` only re-spell
     committed text and the first ``overlap`` bytes are committed text (token healing; 0 without
-    it). The drafted tokens proper (stop rules, acceptance) are ``ids[healing:]``."""
+    it). The drafted tokens proper (stop rules, acceptance) are ``ids[healing:]``; ``refeed``
+    counts the committed tokens the drafter was fed first."""
 
     ids: list[int]
     overlap: int = 0
     healing: int = 0
+    refeed: int = 0  # committed drafter tokens fed before drafting (the prompt's prefill not counted)
 
 
 LOOKUP_TOKENS = 16  # longest model-free draft looked up per round (the rule may verify fewer)
@@ -216,13 +218,13 @@ class CrossVocabDecoder:
                 fed.pop()
                 logits, pending = out[0], self.bridge.draft_bytes[last]
                 stats.healed_rounds += 1
-        draft = Draft([])
+        # what the drafter was fed first counts as a fixed cost of this round (not the prompt:
+        # that is a prefill)
+        draft = Draft([], refeed=len(context_ids) - keep if keep else 0)
         head = self.head if rule is not None else None  # the head feeds the rule only
         head_current = not pending  # the runner's last hidden state is the one that predicts `logits`
         if rule is not None:
-            # what the drafter was fed first counts as a fixed cost of this round (not the prompt:
-            # that is a prefill)
-            rule.begin(config.k_max, len(context_ids) - keep if keep else 0, head=head is not None)
+            rule.begin(config.k_max, draft.refeed, head=head is not None)
         timings = self.timings
         while True:
             stats.drafter_steps += 1
@@ -290,6 +292,7 @@ class CrossVocabDecoder:
         if lookup is not None:
             lookup.start(prompt_ids)
         draft = Draft([])
+        modelled_ms = 0.0  # this decode under the cost profile (GenerationStats.modelled_s)
         while not stop.done:
             budget = config.max_new_tokens - len(stop.generated)
             kind, n = DRAFTER, 0
@@ -322,6 +325,9 @@ class CrossVocabDecoder:
                     warp(logits, config.temperature, config.top_p), proposal, generator)
             stats.proposed_tokens += len(proposal)
             stats.accepted_tokens += accepted
+            if rule is not None:
+                modelled_ms += rule.round_ms(kind, len(proposal), len(draft.ids), draft.refeed) if kind == DRAFTER \
+                    else rule.round_ms(kind, len(proposal))
             if kind == DRAFTER:
                 if rule is not None:
                     rule.observe(self._accepted_drafts(draft, proposal[:accepted]), len(draft.ids) - draft.healing,
@@ -351,6 +357,9 @@ class CrossVocabDecoder:
         if lookup is not None and remember:
             lookup.finish()
         result = self.side.finish(stop, stats, t0)
+        if rule is not None:
+            stats.modelled_s = modelled_ms / 1000
+            stats.modelled_target_alone_s = stats.new_tokens * rule.target_step_ms() / 1000
         if recorder is not None:
             context.commit([target_bytes[t] or b"" for t in committed])
             result.training_sample = recorder.finish(context, len(prompt_text.encode("utf-8")), target_bytes)

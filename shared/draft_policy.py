@@ -169,6 +169,19 @@ class ThroughputRule:
         i = min(int(round((block - 1) * 4)), self._max)
         return self._cost[i]
 
+    def round_ms(self, kind: str, proposed: int, drafted: int = 0, refeed: int = 0) -> float:
+        """Modelled cost (ms) of one round of ``kind`` that verified ``proposed`` target tokens:
+        a drafter round also pays its fixed work, feeding the drafter ``refeed`` committed tokens
+        and ``drafted`` drafter steps; a plain or model-free round its fixed work."""
+        if kind == DRAFTER:
+            return (self.overhead_ms + self.profile.drafter_block_cost(refeed) + drafted * self.drafter_ms
+                    + self._target_ms(1 + proposed))
+        return self.step_overhead_ms + self._target_ms(1 + proposed)
+
+    def target_step_ms(self) -> float:
+        """Modelled cost (ms) of one token of the target alone (one forward, no drafting)."""
+        return self._target_ms(1)
+
     def plain_rate(self) -> float:
         """Tokens per ms of the target alone, one step per token (the floor every plan beats)."""
         return 1.0 / (self._target_ms(1) + self.step_overhead_ms)
@@ -272,7 +285,7 @@ class ThroughputRule:
         self._proposed += proposed
         if self._drafted:
             self.target_per_draft = max(self._proposed / self._drafted, 0.25)
-        cost = self.overhead_ms + drafted * self.drafter_ms + self._target_ms(1 + proposed)
+        cost = self.round_ms(DRAFTER, proposed, drafted)  # catch-up feeding excluded (module docstring)
         self._rate_tokens = self._rate_tokens * RATE_DECAY + committed
         self._rate_ms = self._rate_ms * RATE_DECAY + cost
 

@@ -82,6 +82,11 @@ class GenerationStats:
     new_tokens: int = 0
     prompt_tokens: int = 0
     wall_s: float = 0.0
+    # decoding time modelled from the machine's cached cost profile (prompt prefill excluded, s):
+    # the rounds this generation ran, and the target alone's one step per new token; 0 when the
+    # decoder had no profile (the target alone, or a fixed draft rule)
+    modelled_s: float = 0.0
+    modelled_target_alone_s: float = 0.0
 
     def add(self, other: "GenerationStats") -> None:
         """Accumulate ``other``'s counters and time into this one (totals over many calls)."""
@@ -100,11 +105,16 @@ class GenerationStats:
     def tokens_per_s(self) -> float | None:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else None
 
+    @property
+    def modelled_speedup(self) -> float | None:
+        """Modelled speed over the target alone (decoding only; see ``modelled_s``)."""
+        return self.modelled_target_alone_s / self.modelled_s if self.modelled_s > 0 else None
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(acceptance_rate=self.acceptance_rate,
                    tokens_per_target_call=self.tokens_per_target_call,
-                   tokens_per_s=self.tokens_per_s)
+                   tokens_per_s=self.tokens_per_s, modelled_speedup=self.modelled_speedup)
         return out
 
 

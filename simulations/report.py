@@ -18,7 +18,8 @@ from omnidraft.shared.atomic_io import write_bytes_atomic
 PLOTS = {
     "acceptance.png": "Acceptance of the global state on the probes' held-out prompts, by round "
                       "(solid: drafting a fixed k tokens per round; dashed: adaptive draft length)",
-    "speedup.png": "Speedup over the target alone (same prompts, same machine), by round",
+    "speedup.png": "Speedup over the target alone (same prompts, same machine), by round: live (solid) and "
+                   "modelled from the machine's cost profile, decoding only (dashed)",
     "cache.png": "Global n-gram cache entries, by round",
     "bytes.png": "Bytes per device and round (uplink: adapter + n-gram statistics; downlink: state sent)",
     "newcomers.png": "First session of a new device: with the global state (warm) vs without (cold), "
@@ -65,6 +66,8 @@ def target_summary(rows: list[dict]) -> dict:
         "first-round": first.get("round"), "last-round": last.get("round"),
         "tokens-per-call-first": first.get("eval-tokens-per-call"), "tokens-per-call-last": last.get("eval-tokens-per-call"),
         "speedup-first": first.get("eval-speedup"), "speedup-last": last.get("eval-speedup"),
+        "modelled-speedup-first": first.get("eval-modelled-speedup"),
+        "modelled-speedup-last": last.get("eval-modelled-speedup"),
         "tokens-per-s-last": last.get("eval-tokens-per-s"),
         "new-warm-acceptance": _mean([r.get("new-warm-acceptance") for r in newcomers]),
         "new-cold-acceptance": _mean([r.get("new-cold-acceptance") for r in newcomers]),
@@ -82,6 +85,11 @@ def target_summary(rows: list[dict]) -> dict:
 def _times(v: float | None) -> str:
     """A speedup as ``1.23x`` (``–`` when not measured)."""
     return "–" if v is None else f"{v:.2f}x"
+
+
+def _speeds(live: float | None, modelled: float | None) -> str:
+    """A live speedup with the modelled one in parentheses where both were measured."""
+    return _times(live) if modelled is None else f"{_times(live)} ({_times(modelled)})"
 
 
 def _fmt(v, spec=".3f") -> str:
@@ -128,6 +136,9 @@ def verdict(summaries: dict[str, dict]) -> str:
         else:
             call = f"speed unchanged within {NOISE:.0%} ({_times(first)} → {_times(last)} the target alone's)"
         text = f"**{t}**: {call} from round {s['first-round']} to {s['last-round']}"
+        if s.get("modelled-speedup-first") is not None and s.get("modelled-speedup-last") is not None:
+            text += (f" (modelled from the machine's cost profile, decoding only: "
+                     f"{_times(s['modelled-speedup-first'])} → {_times(s['modelled-speedup-last'])})")
         if s["acceptance-k-first"] is not None:
             text += f"; acceptance at fixed k {_fmt(s['acceptance-k-first'])} → {_fmt(s['acceptance-k-last'])}"
         if s["new-devices"]:
@@ -140,7 +151,7 @@ def verdict(summaries: dict[str, dict]) -> str:
 def summary_table(summaries: dict[str, dict]) -> str:
     """A Markdown table, one row per target (also printed at the end of a run). Where the
     fixed-length acceptance was measured it comes first, the adaptive one in parentheses."""
-    head = ("| target | acceptance, fixed k (adaptive) (round → round) | tokens/call | speedup vs target "
+    head = ("| target | acceptance, fixed k (adaptive) (round → round) | tokens/call | speedup vs target, live (modelled) "
             "| new device warm / cold / veterans, fixed k (adaptive) "
             "| devices trained | uplink / downlink per device | cache entries | n-grams released | ε |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -152,7 +163,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
         lines.append(
             f"| {t} | {first} → {last} ({rounds}) "
             f"| {_fmt(s['tokens-per-call-first'], '.2f')} → {_fmt(s['tokens-per-call-last'], '.2f')} "
-            f"| {_times(s['speedup-first'])} → {_times(s['speedup-last'])} "
+            f"| {_speeds(s['speedup-first'], s['modelled-speedup-first'])} → "
+            f"{_speeds(s['speedup-last'], s['modelled-speedup-last'])} "
             f"| {warm} / {cold} / {veteran} "
             f"({s['new-devices']} device{'s' if s['new-devices'] != 1 else ''}) "
             f"| {s['devices-trained']} | {_mb(s['uplink-bytes-per-device'])} / {_mb(s['downlink-bytes-per-device'])} "
@@ -169,8 +181,9 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
     from matplotlib.ticker import MaxNLocator
 
     def series(key: str, fig_name: str, ylabel: str, *, scale: float = 1.0, marker="o",
-               dashed: str | None = None) -> None:
-        """``key`` by round per target; ``dashed``: a second key drawn dashed in the same colour."""
+               dashed: str | None = None, dashed_label: str = "adaptive") -> None:
+        """``key`` by round per target; ``dashed``: a second key drawn dashed in the same colour
+        (labelled ``dashed_label``)."""
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for t, rows in per_target.items():
             pts = [(r["round"], r[key] / scale) for r in rows if r.get(key) is not None]
@@ -179,7 +192,7 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
             more = [(r["round"], r[dashed] / scale) for r in rows if dashed and r.get(dashed) is not None]
             if more:
                 ax.plot(*zip(*more), "--", marker=".", color=line.get_color() if pts else None,
-                        label=f"{t} (adaptive)" if pts else t)
+                        label=f"{t} ({dashed_label})" if pts else t)
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
@@ -194,7 +207,8 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
         series("eval-fixed-k-acceptance", "acceptance.png", "acceptance (probes)", dashed="eval-acceptance")
     else:
         series("eval-acceptance", "acceptance.png", "acceptance (probes)")
-    series("eval-speedup", "speedup.png", "speedup vs target alone (x)")
+    series("eval-speedup", "speedup.png", "speedup vs target alone (x)", dashed="eval-modelled-speedup",
+           dashed_label="modelled")
     series("cache-entries", "cache.png", "global cache entries")
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -244,7 +258,7 @@ def _warm_cold(r: dict) -> str:
 def round_table(rows: list[dict]) -> str:
     head = ("| round | devices serving (switched) | devices trained | state version | acceptance, fixed k "
             "| acceptance | tokens/call "
-            "| tok/s | speedup | new warm / cold / veterans | cache entries | released | ε |")
+            "| tok/s | speedup, live (modelled) | new warm / cold / veterans | cache entries | released | ε |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ngrams = r.get("ngrams", {})
@@ -256,7 +270,7 @@ def round_table(rows: list[dict]) -> str:
             f"| {r['round']} | {serving} | {r.get('aggregated', '–')} | {version} "
             f"| {_fmt(r.get('eval-fixed-k-acceptance'))} | {_fmt(r.get('eval-acceptance'))} "
             f"| {_fmt(r.get('eval-tokens-per-call'), '.2f')} | {_fmt(r.get('eval-tokens-per-s'), '.1f')} "
-            f"| {_fmt(r.get('eval-speedup'), '.2f')} "
+            f"| {_speeds(r.get('eval-speedup'), r.get('eval-modelled-speedup'))} "
             f"| {_warm_cold(r)} "
             f"| {_fmt(r.get('cache-entries'), 'd')} | {ngrams.get('released', '–')} | {_fmt(ngrams.get('epsilon'), '.2f')} |")
     return "\n".join(lines)
@@ -323,7 +337,10 @@ def write_report(run_dir: str | Path) -> Path:
         f"{cfg.get('probe_speed_prompts') or cfg.get('probe_heldout', 0)} of them. New devices "
         "are sampled devices that never trained for their target, whose first session runs once without and "
         "once with the global state; veterans are as many sampled devices that trained before, decoding "
-        "their own held-out prompts with the same global state in the same round.",
+        "their own held-out prompts with the same global state in the same round. A **modelled** speedup "
+        "(in parentheses) charges each round the probe decoded its cost in the machine's cached cost "
+        "profile (the same figures the draft rule decides from), prompt prefill excluded: it does not move "
+        "when the machine is busier or quieter between rounds, the live one does.",
         "", "## Per target", "", summary_table(summaries), "",
     ]
     for name in plots:

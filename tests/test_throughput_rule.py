@@ -323,3 +323,22 @@ def test_sampling_with_lookup_drafts_follows_the_target_distribution(pair, bridg
         lookup_rounds += out.stats.lookup_rounds
     assert lookup_rounds == n  # every first position was verified against a lookup
     assert_follows(counts, exact)
+
+
+def test_modelled_speed_charges_each_round_its_profiled_cost(pair, bridge):
+    """With blocks that cost what one target step does and nothing else charged, the modelled
+    decoding time is 10 ms per target call and the target alone's 10 ms per token: the modelled
+    speedup is exactly the tokens per call. Charging the drafter makes it lower, never higher."""
+    flat = CostProfile({1: 10.0, 16: 10.0}, drafter_ms_per_token=0.0)
+    charged = CostProfile({1: 10.0, 16: 10.0}, drafter_ms_per_token=0.5, round_overhead_ms=0.5, step_overhead_ms=0.5)
+    ar = TargetOnlyDecoder(pair.target, bridge)
+    for prompt in REPETITIVE:
+        ids = pair.target_tokenizer.encode(prompt)
+        config = GenerationConfig(max_new_tokens=40)
+        assert ar.generate(ids, config).stats.modelled_s == 0.0  # the target alone has no profile
+        s = spd(pair, bridge, flat).generate(prompt, ids, config).stats
+        assert s.modelled_s == pytest.approx(s.target_calls * 0.010)
+        assert s.modelled_target_alone_s == pytest.approx(s.new_tokens * 0.010)
+        assert s.modelled_speedup == pytest.approx(s.tokens_per_target_call)
+        c = spd(pair, bridge, charged).generate(prompt, ids, config).stats
+        assert c.modelled_s > c.target_calls * 0.010 and c.modelled_speedup < c.tokens_per_target_call
