@@ -159,6 +159,9 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
     prof.add_argument("--json", action="store_true")
 
+    doctor = sub.add_parser("doctor", help="this machine's CPU, native kernels, models on disk and what is missing")
+    doctor.add_argument("--json", action="store_true")
+
     device = sub.add_parser("device", help="the on-device generation service (gRPC) and its client")
     dsub = device.add_subparsers(dest="action", required=True, parser_class=_Parser)
     serve = dsub.add_parser("serve", help="serve omnidraft.v1.Generation over gRPC, learning between requests")
@@ -395,6 +398,14 @@ def fleet_status(registry) -> list[dict]:
                      "cache_entries": last.get("cache-entries"), "adapter_bytes": m.adapter_bytes,
                      "cache_bytes": m.cache_bytes, "bytes_moved": int(moved)})
     return rows
+
+
+def _doctor(args) -> int:
+    from omnidraft.shared.doctor import diagnose, format_report
+
+    report = diagnose()
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
 
 
 def _profile(args) -> int:
@@ -851,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
         handler = {"models": _models, "generate": _generate, "bench": _bench,
-                   "adapt": _adapt, "drift": _drift, "profile": _profile,
+                   "adapt": _adapt, "drift": _drift, "profile": _profile, "doctor": _doctor,
                    "fleet": _fleet, "device": _device}[args.command]
         return handler(args)
     except (UsageError, CatalogError, ValueError) as exc:

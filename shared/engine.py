@@ -69,6 +69,8 @@ class Engine:
     lookup: LookupDrafter | None = field(default_factory=LookupDrafter, repr=False)
     # the forwards timed while decoding (profile check; no decision reads them)
     timings: StepTimings = field(default_factory=StepTimings, repr=False)
+    _float_target_released: bool = field(default=False, repr=False)  # see _release_float_target
+    _hf_target: torch.nn.Module | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, drafter: str, target: str, precision: str | torch.dtype = "fp32", *,
@@ -97,6 +99,7 @@ class Engine:
         engine = cls(d, t, bridge, cache if cache is not None else NgramCache(),
                      build_expand_map(bridge, t.tokenizer), drafter, target, drafter_weights, precision)
         engine.target_runner  # noqa: B018  (quantize / pack the target now, not in the first request)
+        engine._release_float_target()
         if seed_cache:
             engine.seed_cache()
         return engine
@@ -106,14 +109,32 @@ class Engine:
         """The one runner both decoders verify / decode with (``precision``'s kernels)."""
         return build_target_runner(self.target.model, self.precision)
 
+    def _release_float_target(self) -> None:
+        """Free the target's float weights once the native int8 kernels hold their packed copy
+        (the runner keeps its own copy of the input embeddings): nothing reads them again, and
+        they are 4 bytes per parameter (6 GB of a 1.5B target, mapped from its checkpoint)
+        beside the kernels' 1. The model object stays, on the meta device (config, shapes).
+        ``hf_target_model`` loads the float model again when transformers' own ``generate`` is
+        asked for."""
+        runner = self.target_runner
+        if getattr(runner, "native_isa", None) is not None:
+            runner.own_weights()
+            self.target.model.to("meta")
+            self._float_target_released = True
+
     def hf_target_model(self) -> torch.nn.Module:
         """The transformers target in this engine's precision, for transformers' own
         ``generate`` (``uag``/``pld`` in the benchmark): with int8 its Linear layers are
         quantized in place (fbgemm) on first use."""
         runner = self.target_runner  # a fast runner packs from the float weights first
+        model = self.target.model
+        if self._float_target_released:  # the native kernels run the target: load a float copy for transformers
+            if self._hf_target is None:
+                self._hf_target = model_runner.load(str(self.target.path), load_dtype(self.precision), progress=False).model
+            model = self._hf_target
         if self.precision == "int8":
-            return quantize_linear_int8(self.target.model)
-        return getattr(runner, "model", self.target.model)
+            return quantize_linear_int8(model)
+        return getattr(runner, "model", model)
 
     def cost_profile(self, drafter_runner=None, refresh: bool = False) -> CostProfile:
         """This machine's measured costs for the pair (cached on disk per machine, model and

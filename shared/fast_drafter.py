@@ -59,6 +59,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -190,6 +191,19 @@ def native_library(isa: str | None = None):
 def native_error(isa: str | None = None) -> str | None:
     """Why ``native_library(isa)`` is None (None when it is available)."""
     return _native(isa)[1]
+
+
+_warned: set[str] = set()
+
+
+def _warn_no_kernels(reason: str | None) -> None:
+    """One line on stderr, once per process and reason, when int8 weights fall back to fbgemm
+    (not when ``OMNIDRAFT_NATIVE=0`` asked for it)."""
+    if reason is None or "OMNIDRAFT_NATIVE=0" in reason or reason in _warned:
+        return
+    _warned.add(reason)
+    print(f"warning: no native int8 kernels ({reason}); int8 runs on fbgemm: slower, and verification "
+          "blocks are not bit-identical to single steps (omnidraft doctor)", file=sys.stderr)
 
 
 def native_source(isa: str) -> str:
@@ -402,6 +416,8 @@ class FastLlamaRunner:
             if lib is None and native:
                 reason = native_error(native_isa) if dims_ok else "hidden/intermediate sizes must be multiples of 64"
                 raise RuntimeError(f"native int8 kernels unavailable: {reason}")
+            if lib is None and dims_ok:
+                _warn_no_kernels(native_error(native_isa))
         prefill_activation_bits = prefill_activation_bits or activation_bits
         if activation_bits not in (8, 16) or prefill_activation_bits not in (8, 16):
             raise ValueError("activation_bits must be 8 or 16")
@@ -568,6 +584,9 @@ class FastLlamaRunner:
             return
         if len(layers) != self.num_layers:
             raise ValueError(f"LoRA for {len(layers)} layers, the model has {self.num_layers}")
+        if self._source_layers is None:
+            raise RuntimeError("this runner no longer holds the model's float weights (own_weights): "
+                               "an adapter cannot be merged")
         ranks = {a.shape[0] for mods in layers for a, _ in mods.values()}
         if len(ranks) != 1:
             raise ValueError("LoRA matrices must share one rank")
@@ -580,6 +599,13 @@ class FastLlamaRunner:
         self.reset()
         self._use_packing(self._pack_layers([partial(_lora_deltas, mods) for mods in layers]))
         self.lora_rank = r
+
+    def own_weights(self) -> None:
+        """Copy what forwards still read from the model (its input embeddings) into this runner,
+        so the model's own tensors (often views into a memory-mapped checkpoint) can be freed.
+        Adapters can no longer be merged afterwards (they re-pack from the model's layers)."""
+        self._embed = self._embed.clone()
+        self._source_layers = None
 
     def fork(self) -> FastLlamaRunner:
         """A runner sharing this one's packed base weights (no copy), with its own empty KV

@@ -271,6 +271,14 @@ def test_engine_int8_end_to_end_with_cached_profile(tmp_path, monkeypatch):
     assert set(profile.target_ms) == set(profiling.PROFILE_BLOCKS) and profile.drafter_ms_per_token > 0
     assert profile.drafter_block_ms and profile.round_overhead_ms >= 0 and profile.step_overhead_ms >= 0
     assert len(list((tmp_path / "home" / "profiles").glob("*.json"))) == 3  # target, drafter, overheads
+    if HAS_NATIVE:  # the packed kernels run the target: its float weights were freed after packing
+        assert all(p.is_meta for p in engine.target.model.parameters())
+        assert engine.target.logit_rows == engine.target_runner.vocab  # shapes stay readable
+        hf = engine.hf_target_model()  # transformers' own generate gets a float copy loaded again
+        ids = torch.tensor([engine.prompt_ids(PROMPTS[0])[1]])
+        assert not any(p.is_meta for p in hf.parameters()) and hf(ids).logits.isfinite().all()
+        assert engine.generate(PROMPTS[0], config, method="ar").token_ids == \
+            engine.generate(PROMPTS[0], config, method="omnidraft").token_ids
 
 
 def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path, monkeypatch):
