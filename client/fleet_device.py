@@ -476,6 +476,8 @@ class FleetDevice:
         metrics = {}
         if adaptive:
             metrics = self._evaluate_adaptive(session, p, alone if measure_ar else None)
+            if p.probe:  # a panel device keeps its rule's counted acceptance from round to round, as a
+                session.save()  # serving device does (re-fitted for each new adapter), not a cold rule each round
         if fixed_k:
             recordings = [r["ids"] for r in alone] if replay else None
             fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k, recordings=recordings)

@@ -325,9 +325,8 @@ class CrossVocabDecoder:
                     warp(logits, config.temperature, config.top_p), proposal, generator)
             stats.proposed_tokens += len(proposal)
             stats.accepted_tokens += accepted
-            if rule is not None:
-                modelled_ms += rule.round_ms(kind, len(proposal), len(draft.ids), draft.refeed) if kind == DRAFTER \
-                    else rule.round_ms(kind, len(proposal))
+            if rule is not None:  # (a plain or model-free round's cost does not read the draft)
+                modelled_ms += rule.round_ms(kind, len(proposal), len(draft.ids), draft.refeed)
             if kind == DRAFTER:
                 if rule is not None:
                     rule.observe(self._accepted_drafts(draft, proposal[:accepted]), len(draft.ids) - draft.healing,

@@ -398,6 +398,14 @@ def test_flwr_run_of_the_repository_runs_a_scenario(tmp_path, home):
     assert {r["target"] for r in records if r["round"] == 0} == {"tiny-target-a", "tiny-target-b"}
     assert {r["round"] for r in records} == {0, 1, 2, 3}  # a fifth of 5 devices train: one target a round
     assert "# OmniDraft Fleet simulation report" in (out / "report.md").read_text()
+    # a probe keeps its rule's counted acceptance between rounds (a cold rule each round would
+    # measure the prior, not the state)
+    profiles = [json.loads(f.read_text()) for f in (out / "devices").glob("*/profile.json")]
+    probe_dirs = [out / "devices" / p["device_id"] for p in profiles if p.get("probe")]
+    assert len(probe_dirs) == 2 * len({p["target"] for p in profiles})  # two per target
+    for d in probe_dirs:
+        saved = [json.loads(f.read_text()) for f in d.glob("*/state.json")]
+        assert saved and all(m["throughput_rule"]["drafted"] > 0 for m in saved), d
 
 
 def test_the_verdict_says_whether_learning_paid_in_speed():
