@@ -17,7 +17,7 @@ import torch
 
 from omnidraft.shared import catalog
 from omnidraft.shared.fast_drafter import (
-    NATIVE_ISAS, _NATIVE_MACHINES, _cpu_flags, cpu_has_native_bf16, default_native_isa, native_error,
+    NATIVE_ISAS, NATIVE_MACHINES, cpu_flags, cpu_has_native_bf16, default_native_isa, native_error,
 )
 from omnidraft.shared.profiling import cpu_name
 
@@ -37,10 +37,10 @@ def _machine() -> str:
 def diagnose() -> dict:
     """The machine, its kernels, models and profiles as JSON-able values (see the module docstring)."""
     machine = _machine()
-    flags = _cpu_flags()
+    flags = cpu_flags()
     isas = {}
     for isa in NATIVE_ISAS:
-        if _NATIVE_MACHINES[isa] != machine:
+        if NATIVE_MACHINES[isa] != machine:
             continue
         needs = NATIVE_ISAS[isa][1]
         lacking = sorted(needs - flags)

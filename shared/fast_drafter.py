@@ -94,7 +94,9 @@ def _aarch64_hwcaps() -> set[str]:
     return {name for bit, name in _AARCH64_HWCAPS.items() if hwcap >> bit & 1}
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (``/proc/cpuinfo`` on x86-64, ``AT_HWCAP`` on
+    AArch64); empty where neither can be read."""
     if platform.machine() in ("aarch64", "arm64"):
         return _aarch64_hwcaps()
     try:
@@ -118,7 +120,7 @@ def cpu_has_native_bf16() -> bool:
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if cap and cap not in _ONEDNN_BF16_ISAS:
         return False
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
@@ -143,7 +145,7 @@ NATIVE_ISAS: dict[str, tuple[list[str], set[str]]] = {
 }
 _NATIVE_SOURCES = {"amx": ["fd_avx512.h", "fd_amx.h"], "avx512": ["fd_avx512.h"], "avx2": ["fd_avx2.h"],
                    "neon-dotprod": ["fd_neon.h"], "neon": ["fd_neon.h"]}
-_NATIVE_MACHINES = {"amx": "x86_64", "avx512": "x86_64", "avx2": "x86_64", "neon-dotprod": "aarch64",
+NATIVE_MACHINES = {"amx": "x86_64", "avx512": "x86_64", "avx2": "x86_64", "neon-dotprod": "aarch64",
                     "neon": "aarch64"}  # the machine each instruction set's build runs on
 _native_lock = threading.Lock()
 _native_state: dict[str, tuple] = {}  # instruction set -> (library or None, why not or None)
@@ -156,7 +158,7 @@ def default_native_isa() -> str | None:
     forced = os.environ.get("OMNIDRAFT_NATIVE_ISA")
     if forced:
         return forced
-    flags = _cpu_flags()
+    flags = cpu_flags()
     fits = [isa for isa, (_, needs) in NATIVE_ISAS.items() if needs <= flags]
     # the best one that also builds and runs here (AMX needs a gcc that knows it and the
     # kernel's permission for the tile state); else the best one, whose error says why not
@@ -218,10 +220,10 @@ def _build_native(isa: str):
     if isa not in NATIVE_ISAS:
         raise RuntimeError(f"unknown instruction set {isa!r} (choose {', '.join(NATIVE_ISAS)})")
     machine = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
-    if platform.system() != "Linux" or machine != _NATIVE_MACHINES[isa]:
-        raise RuntimeError(f"the {isa} kernels need {_NATIVE_MACHINES[isa]} Linux")
+    if platform.system() != "Linux" or machine != NATIVE_MACHINES[isa]:
+        raise RuntimeError(f"the {isa} kernels need {NATIVE_MACHINES[isa]} Linux")
     isa_flags, cpu_needs = NATIVE_ISAS[isa]
-    missing = cpu_needs - _cpu_flags()
+    missing = cpu_needs - cpu_flags()
     if missing:
         raise RuntimeError(f"CPU lacks {sorted(missing)}")
     from omnidraft.shared import catalog

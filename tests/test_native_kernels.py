@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omnidraft.shared.fast_drafter import NATIVE_ISAS, _cpu_flags, native_source
+from omnidraft.shared.fast_drafter import NATIVE_ISAS, cpu_flags, native_source
 
 CHECK = Path(__file__).with_name("native") / "fd_check.c"
-X86 = [isa for isa in ("amx", "avx512", "avx2") if NATIVE_ISAS[isa][1] <= _cpu_flags()]
+X86 = [isa for isa in ("amx", "avx512", "avx2") if NATIVE_ISAS[isa][1] <= cpu_flags()]
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 # qemu's CPU models: `max` has the dot-product extension, Cortex-A53 (Armv8.0) does not
 AARCH64 = {"neon-dotprod": "max", "neon": "cortex-a53"}
