@@ -10,14 +10,13 @@ int8 verification). ``format_report`` prints it for people.
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 
 import torch
 
 from omnidraft.shared import catalog
 from omnidraft.shared.fast_drafter import (
-    NATIVE_ISAS, NATIVE_MACHINES, cpu_flags, cpu_has_native_bf16, default_native_isa, native_error,
+    FALLBACK_COST, NATIVE_MACHINES, cpu_flags, cpu_has_native_bf16, cpu_machine, default_native_isa, native_error,
 )
 from omnidraft.shared.profiling import cpu_name
 
@@ -25,41 +24,29 @@ from omnidraft.shared.profiling import cpu_name
 FEATURES = {"x86_64": ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
                        "amx_bf16"),
             "aarch64": ("asimd", "asimddp")}
-NO_KERNELS = ("int8 models run on fbgemm instead of the native kernels: slower, and verification blocks "
-              "are not bit-identical to single steps (greedy output may differ from the target alone's)")
-
-
-def _machine() -> str:
-    m = platform.machine()
-    return "aarch64" if m in ("aarch64", "arm64") else m
 
 
 def diagnose() -> dict:
     """The machine, its kernels, models and profiles as JSON-able values (see the module docstring)."""
-    machine = _machine()
+    machine = cpu_machine()
     flags = cpu_flags()
-    isas = {}
-    for isa in NATIVE_ISAS:
-        if NATIVE_MACHINES[isa] != machine:
-            continue
-        needs = NATIVE_ISAS[isa][1]
-        lacking = sorted(needs - flags)
-        isas[isa] = ("ok" if not lacking and native_error(isa) is None
-                     else f"CPU lacks {', '.join(lacking)}" if lacking else native_error(isa))
+    # each build for this machine: "ok" or why not (the CPU's missing features, the compiler, the OS)
+    isas = {isa: native_error(isa) or "ok" for isa, arch in NATIVE_MACHINES.items() if arch == machine}
     default = default_native_isa()
-    usable = default is not None and isas.get(default) == "ok"
+    usable = default is not None and native_error(default) is None
+    bf16 = cpu_has_native_bf16()
     home = catalog.omnidraft_home()
     models = {name: catalog.info(name)["bytes_on_disk"] for name in catalog.CATALOG if catalog.is_pulled(name)}
     profiles = home / "profiles"
     missing = []
     if os.environ.get("OMNIDRAFT_NATIVE") == "0":
-        missing.append(f"native kernels switched off (OMNIDRAFT_NATIVE=0): {NO_KERNELS}")
+        missing.append(f"native kernels switched off (OMNIDRAFT_NATIVE=0): {FALLBACK_COST}")
     elif not usable:
-        why = (isas.get(default) or native_error(default)) if default else "no instruction set of this CPU has native kernels"
-        missing.append(f"no native int8 kernels ({why}): {NO_KERNELS}")
+        why = native_error(default) if default else "no instruction set of this CPU has native kernels"
+        missing.append(f"no native int8 kernels ({why}): {FALLBACK_COST}")
     if not shutil.which(os.environ.get("CC", "gcc")):
         missing.append(f"no C compiler ({os.environ.get('CC', 'gcc')}): kernels not built yet cannot be built")
-    if machine == "x86_64" and not cpu_has_native_bf16():
+    if machine == "x86_64" and not bf16:
         missing.append("no native bf16 (AVX512-BF16/AMX): training runs in float32, about 2x slower")
     if not models:
         missing.append("no catalog model on disk yet: the first run downloads and converts them "
@@ -71,7 +58,7 @@ def diagnose() -> dict:
         "cpu_features": {f: f in flags for f in FEATURES.get(machine, ())},
         "native_kernels": isas,
         "int8_backend": f"native-{default}" if usable else "fbgemm (no native kernels)",
-        "native_bf16": cpu_has_native_bf16(),
+        "native_bf16": bf16,
         "home": str(home),
         "models_bytes": models,
         "profiles": len(list(profiles.glob("*.json"))) if profiles.is_dir() else 0,

@@ -69,7 +69,6 @@ class Engine:
     lookup: LookupDrafter | None = field(default_factory=LookupDrafter, repr=False)
     # the forwards timed while decoding (profile check; no decision reads them)
     timings: StepTimings = field(default_factory=StepTimings, repr=False)
-    _float_target_released: bool = field(default=False, repr=False)  # see _release_float_target
     _hf_target: torch.nn.Module | None = field(default=None, repr=False)
 
     @classmethod
@@ -120,7 +119,6 @@ class Engine:
         if getattr(runner, "native_isa", None) is not None:
             runner.own_weights()
             self.target.model.to("meta")
-            self._float_target_released = True
 
     def hf_target_model(self) -> torch.nn.Module:
         """The transformers target in this engine's precision, for transformers' own
@@ -128,7 +126,7 @@ class Engine:
         quantized in place (fbgemm) on first use."""
         runner = self.target_runner  # a fast runner packs from the float weights first
         model = self.target.model
-        if self._float_target_released:  # the native kernels run the target: load a float copy for transformers
+        if model.device.type == "meta":  # freed once packed (_release_float_target): load a float copy for transformers
             if self._hf_target is None:
                 self._hf_target = model_runner.load(str(self.target.path), load_dtype(self.precision), progress=False).model
             model = self._hf_target

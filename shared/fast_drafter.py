@@ -94,10 +94,15 @@ def _aarch64_hwcaps() -> set[str]:
     return {name for bit, name in _AARCH64_HWCAPS.items() if hwcap >> bit & 1}
 
 
+def cpu_machine() -> str:
+    """This machine's architecture as the native builds name it (``x86_64``, ``aarch64``, ...)."""
+    return {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux names them (``/proc/cpuinfo`` on x86-64, ``AT_HWCAP`` on
     AArch64); empty where neither can be read."""
-    if platform.machine() in ("aarch64", "arm64"):
+    if cpu_machine() == "aarch64":
         return _aarch64_hwcaps()
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -195,6 +200,9 @@ def native_error(isa: str | None = None) -> str | None:
     return _native(isa)[1]
 
 
+# what running int8 weights without the native kernels costs (warnings, omnidraft doctor)
+FALLBACK_COST = ("int8 runs on fbgemm: slower, and verification blocks are not bit-identical to single "
+                 "steps (greedy output may differ from the target alone's)")
 _warned: set[str] = set()
 
 
@@ -204,8 +212,7 @@ def _warn_no_kernels(reason: str | None) -> None:
     if reason is None or "OMNIDRAFT_NATIVE=0" in reason or reason in _warned:
         return
     _warned.add(reason)
-    print(f"warning: no native int8 kernels ({reason}); int8 runs on fbgemm: slower, and verification "
-          "blocks are not bit-identical to single steps (omnidraft doctor)", file=sys.stderr)
+    print(f"warning: no native int8 kernels ({reason}); {FALLBACK_COST}; see omnidraft doctor", file=sys.stderr)
 
 
 def native_source(isa: str) -> str:
@@ -219,8 +226,7 @@ def _build_native(isa: str):
         raise RuntimeError("disabled by OMNIDRAFT_NATIVE=0")
     if isa not in NATIVE_ISAS:
         raise RuntimeError(f"unknown instruction set {isa!r} (choose {', '.join(NATIVE_ISAS)})")
-    machine = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
-    if platform.system() != "Linux" or machine != NATIVE_MACHINES[isa]:
+    if platform.system() != "Linux" or cpu_machine() != NATIVE_MACHINES[isa]:
         raise RuntimeError(f"the {isa} kernels need {NATIVE_MACHINES[isa]} Linux")
     isa_flags, cpu_needs = NATIVE_ISAS[isa]
     missing = cpu_needs - cpu_flags()
