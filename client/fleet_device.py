@@ -48,6 +48,7 @@ from omnidraft.shared.distill import LossConfig
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.recordings import Recording, RecordingStore
 
 GLOBAL_DIR = "global"
 FLEET_FILE = "fleet.json"
@@ -150,6 +151,9 @@ class DeviceProfile:
     state_key: str = ""  # key file that encrypts the device state at rest ("": not encrypted)
     policy: ResourcePolicy = field(default_factory=ResourcePolicy)  # the owner's limits
     project: str = ""  # simulations: the codebase the device's user works in ("": not one project)
+    # simulations: where the target's greedy decodes are recorded (``recordings``): a learning
+    # decode of a prompt recorded before replays it, at the drafter's cost ("": the target always runs)
+    recordings: str = ""
 
     def at_round(self, round_: int) -> DeviceProfile:
         """The device as it is at ``round_`` (domain drift applied)."""
@@ -401,9 +405,14 @@ class FleetDevice:
             next_prompt = served[-1][0] + 1 if served else start
         first, whole = Phase(), Phase()
         outputs = []
-        trained_tokens, update_s = 0, 0.0
+        trained_tokens, update_s, replayed = 0, 0.0, 0
+        store = self.recordings(session)
         for i, prompt in enumerate(prompts):
-            result = session.generate(prompt, p.generation, learn=True)
+            recording = store.get(prompt, p.generation, signal=True) if store is not None else None
+            result = session.generate(prompt, p.generation, learn=True, replay=recording)
+            replayed += recording is not None
+            if store is not None and session.last_recording is not None:
+                store.put(prompt, p.generation, session.last_recording)
             if i == 0:
                 first.add(result)
             whole.add(result)
@@ -423,10 +432,18 @@ class FleetDevice:
         metrics = {"trained-tokens": trained_tokens, "acceptance-first": f["acceptance_rate"],
                    "tokens-per-call-first": f["tokens_per_target_call"],
                    "acceptance": w["acceptance_rate"], "tokens-per-call": w["tokens_per_target_call"],
-                   "tokens-per-s": w["tokens_per_s"], "modelled-speedup": w["modelled_speedup_vs_ar"] or 0.0,
-                   "generated-tokens": w["new_tokens"],
+                   "modelled-speedup": w["modelled_speedup_vs_ar"] or 0.0,
+                   "replayed": replayed / len(prompts) if prompts else 0.0, "generated-tokens": w["new_tokens"],
                    "update-s": update_s, "cache-entries": len(session.cache)}
         return session.adapters.state_dict(p.target_model), learned, metrics
+
+    def recordings(self, session: DeviceSession) -> RecordingStore | None:
+        """The store this device's learning decodes replay from and record to (simulations
+        only: ``profile.recordings``), or None."""
+        p = self.profile
+        if not p.recordings or not p.generation.greedy:
+            return None
+        return session.engine.recordings(p.recordings)
 
     def request_log(self):
         """The prompts this device's generation service logged (``RequestLog``)."""
@@ -472,10 +489,15 @@ class FleetDevice:
             p = replace(p, heldout=[prompt for _, prompt in self.request_log().since(0)[-EVAL_PROMPTS:]])
         t0 = time.perf_counter()
         replay = bool(fixed_k) and p.generation.greedy
-        alone = self._target_alone(session, p) if replay or (adaptive and measure_ar) else None
+        timed = adaptive and measure_ar
+        # untimed, with a recording store (a simulation's newcomers and veterans; never a probe, the
+        # live panel), the adaptive pass replays the target's recorded output too: its speed is modelled
+        replay_adaptive = adaptive and not timed and not p.probe and self.recordings(session) is not None
+        alone = self._target_alone(session, p, timed) if replay or timed or replay_adaptive else None
         metrics = {}
         if adaptive:
-            metrics = self._evaluate_adaptive(session, p, alone if measure_ar else None)
+            metrics = self._evaluate_adaptive(session, p, alone if measure_ar else None,
+                                              replay=alone if replay_adaptive else None)
             if p.probe:  # a panel device keeps its rule's counted acceptance from round to round, as a
                 session.save()  # serving device does (re-fitted for each new adapter), not a cold rule each round
         if fixed_k:
@@ -486,11 +508,24 @@ class FleetDevice:
             metrics.setdefault("generated-tokens", fixed["new_tokens"])
         return {**metrics, "eval-s": time.perf_counter() - t0}
 
-    def _target_alone(self, session: DeviceSession, p: DeviceProfile) -> list[dict]:
+    def _target_alone(self, session: DeviceSession, p: DeviceProfile, timed: bool = True) -> list[dict]:
         """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
         "s": seconds}, run once per (target, prompts, generation length and stops) and kept in
-        ``fleet.json`` (only the latest set: a deployed device's prompts change)."""
+        ``fleet.json`` (only the latest set: a deployed device's prompts change). Not ``timed``
+        (only the output is needed) and with a recording store, the outputs come from the store
+        where it holds them ("s" is then 0)."""
         g = p.generation
+        store = self.recordings(session)
+        if not timed and store is not None:
+            runs = []
+            for prompt in p.heldout:
+                recording = store.get(prompt, g)
+                if recording is None:
+                    _, ids = session.engine.prompt_ids(prompt)
+                    recording = Recording(ids + target_alone(session, [prompt], g)[0].token_ids, len(ids))
+                    store.put(prompt, g, recording)
+                runs.append({"ids": recording.generated, "tokens": len(recording.generated), "s": 0.0})
+            return runs
         key = _sha256(json.dumps([p.target_model, p.heldout, g.max_new_tokens, list(g.stop_strings),
                                   g.temperature]).encode())[:16]
         held = self._fleet_meta().get("target-alone", {})
@@ -500,19 +535,30 @@ class FleetDevice:
             self._save_fleet_meta({**self._fleet_meta(), "target-alone": held})
         return held["runs"]
 
-    def _evaluate_adaptive(self, session: DeviceSession, p: DeviceProfile, alone: list[dict] | None) -> dict:
+    def _evaluate_adaptive(self, session: DeviceSession, p: DeviceProfile, alone: list[dict] | None,
+                           replay: list[dict] | None = None) -> dict:
         """The first ``speed_prompts`` held-out prompts decoded as the device decodes (adaptive
-        draft length); ``alone``: the target alone's runs on the held-out prompts (speedup)."""
+        draft length); ``alone``: the target alone's runs on the held-out prompts (speedup).
+        ``replay``: the target's recorded outputs of the held-out prompts, replayed instead of
+        running it (the speed is then only modelled: no live tok/s or speedup)."""
         n = p.speed_prompts or len(p.heldout)
         ar_tps = None
         if alone:
             runs = alone[:n]
             ar_tps = sum(r["tokens"] for r in runs) / max(sum(r["s"] for r in runs), 1e-9)
         phase = Phase()
-        for prompt in p.heldout[:n]:
-            phase.add(session.generate(prompt, p.generation, learn=False))
+        for i, prompt in enumerate(p.heldout[:n]):
+            recording = None
+            if replay is not None:
+                _, ids = session.engine.prompt_ids(prompt)
+                recording = Recording(ids + replay[i]["ids"], len(ids))
+            phase.add(session.generate(prompt, p.generation, learn=False, replay=recording))
         out = phase.summary(ar_tps)
-        return {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
-                "tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0,
-                "modelled-speedup": out["modelled_speedup_vs_ar"] or 0.0,
-                "generated-tokens": out["new_tokens"]}
+        st = phase.stats
+        metrics = {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
+                   "modelled-speedup": out["modelled_speedup_vs_ar"] or 0.0,
+                   "modelled-tokens-per-s": st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
+                   "generated-tokens": out["new_tokens"]}
+        if replay is None:
+            metrics.update({"tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0})
+        return metrics

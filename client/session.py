@@ -25,7 +25,9 @@ from omnidraft.shared.draft_policy import ThroughputRule
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.lookup_drafts import lookup_drafter
-from omnidraft.shared.training_signal import Intersection, SignalRecorder
+from omnidraft.shared.recorded_target import RecordedTarget
+from omnidraft.shared.recordings import Recording
+from omnidraft.shared.training_signal import Intersection, ReplayedSignal, SignalRecorder
 
 
 class DeviceSession:
@@ -74,6 +76,7 @@ class DeviceSession:
         self.state = DeviceState(state_dir, self.drafter_name, self.target, cipher) if state_dir is not None else None
         self.problems: list[str] = []
         self.last_update: UpdateReport | None = None  # set when a generation triggered an update
+        self.last_recording: Recording | None = None  # the last live greedy learning decode's (``generate``)
         self.rule: ThroughputRule | None = None  # this device's throughput rule (built on first use)
         self._saved_rule: dict | None = None  # its saved calibration, applied when it is built
         self._refit_pending = False  # the drafter changed after that calibration was saved
@@ -115,17 +118,35 @@ class DeviceSession:
 
     @torch.inference_mode(False)
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
-                 learn: bool | None = None, observe: bool = True, on_tokens=None) -> GenerationResult:
+                 learn: bool | None = None, observe: bool = True, on_tokens=None,
+                 replay: Recording | None = None) -> GenerationResult:
         """Decode ``prompt``; when learning, feed the learner afterwards (``last_update`` says
         whether that triggered a drafter update) and add the prompt and output to the lookup
         history, unless ``observe`` is False: then the result carries the training sample for a
         later ``learn_from``. Without learning the generation leaves no trace (an evaluation).
-        ``on_tokens(ids)`` streams the committed ids."""
+        ``on_tokens(ids)`` streams the committed ids.
+
+        ``replay`` (greedy ``config``; a learning decode needs the recording's signal): the
+        target's recorded decode of this prompt (``recordings``), replayed instead of running
+        the target; the decisions, acceptance and training sample are the live ones, the
+        wall-clock speed is not (``stats.modelled_s`` is). A live greedy learning decode
+        returns its own recording in ``last_recording``."""
         learn = self.learn if learn is None else learn
         text, ids = self.engine.prompt_ids(prompt, chat)
-        recorder = SignalRecorder(self.inter) if learn else None
-        result = self.decoder().generate(text, ids, config, recorder=recorder, on_tokens=on_tokens,
-                                         remember=learn)
+        target, recorder = None, SignalRecorder(self.inter) if learn else None
+        if replay is not None:
+            if not config.greedy or replay.ids[:replay.prompt_tokens] != ids:
+                raise ValueError("a replayed decode needs greedy decoding and the recording of this prompt")
+            target = RecordedTarget(replay.ids, self.engine.target.logit_rows)
+            if learn:
+                if replay.signal is None:
+                    raise ValueError("a replayed learning decode needs the recording's training signal")
+                recorder = ReplayedSignal(self.inter, replay.generated, replay.signal)
+        result = self.decoder(target).generate(text, ids, config, recorder=recorder, on_tokens=on_tokens,
+                                               remember=learn)
+        self.last_recording = None
+        if replay is None and recorder is not None and config.greedy and recorder.tokens == result.token_ids:
+            self.last_recording = Recording(ids + result.token_ids, len(ids), recorder.signal())
         self.last_update = self.learn_from(result) if learn and observe else None
         return result
 

@@ -44,7 +44,7 @@ TRAIN_METRICS: dict[str, tuple[float, float]] = {
     WEIGHT_KEY: (1.0, MAX_TOKENS), "generated-tokens": (0.0, MAX_TOKENS),
     "acceptance": (0.0, 1.0), "acceptance-first": (0.0, 1.0),
     "tokens-per-call": (0.0, 4096.0), "tokens-per-call-first": (0.0, 4096.0),
-    "tokens-per-s": (0.0, 1e6), "modelled-speedup": (0.0, 4096.0), "update-s": (0.0, 1e7),
+    "replayed": (0.0, 1.0), "modelled-speedup": (0.0, 4096.0), "update-s": (0.0, 1e7),
     "cache-entries": (0.0, 1e9), "uplink-bytes": (0.0, float(1 << 40))}
 
 

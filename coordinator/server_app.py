@@ -59,7 +59,7 @@ log = logging.getLogger("omnidraft.coordinator")
 STATE_FILE = "coordinator.json"
 POLL_S = (0.05, 1.0)  # first and longest pause between polls for replies (seconds)
 EVAL_KEYS = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup",  # averaged over a panel
-             "modelled-speedup", "fixed-k-acceptance", "fixed-k-tokens-per-call")
+             "modelled-speedup", "modelled-tokens-per-s", "fixed-k-acceptance", "fixed-k-tokens-per-call")
 ROUNDS_FILE = "rounds.jsonl"  # one line per finished round and target (``fleet status`` reads it)
 
 
@@ -76,6 +76,7 @@ class FleetConfig:
     measure_ar: bool = False  # evaluation also runs the target alone (for speedups)
     fixed_k: int = 0  # evaluation also decodes drafting exactly this many tokens per round (0: not)
     newcomer_evals: int = 2  # per target and round, newcomers measured with and without the global state (0: all)
+    newcomer_speed: bool = False  # newcomers and veterans also decode adaptively (their speed) beside fixed k
     seed: int = 0
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)  # how an aggregate moves the global adapter
@@ -174,13 +175,15 @@ class Panel:
     """Devices that evaluate together: ``nodes`` decode their held-out prompts with ``state``
     (None: their local state alone); ``held`` is their status (the parts they hold);
     ``prefix`` names the panel's metrics; ``adaptive=False`` decodes at the fixed draft length
-    only (``FleetConfig.fixed_k``)."""
+    only (``FleetConfig.fixed_k``); ``timed=False``: the adaptive decode is not timed against
+    the target alone (its speed is the modelled one)."""
 
     nodes: list[int]
     state: GlobalState | None
     held: dict[int, ConfigRecord] | None = None
     prefix: str = "eval-"
     adaptive: bool = True
+    timed: bool = True
 
 
 class Coordinator:
@@ -368,18 +371,19 @@ class Coordinator:
         measured in the same two exchanges. With a fixed draft length (``fixed_k``) these panels
         decode at that length only: the acceptance that compares states, at half the cost."""
         n = self.config.newcomer_evals
-        adaptive = not self.config.fixed_k
+        # with a fixed draft length, the adaptive pass only where newcomer_speed asks for it (untimed)
+        adaptive, timed = not self.config.fixed_k or self.config.newcomer_speed, not self.config.fixed_k
         cold, warm = {}, {}
         for target, group in by_target.items():
             order = sorted(group, key=lambda node: str(group[node].get("device", node)))
             new = [node for node in order if not group[node].get("trained")][: n or None]
             if not new or states[target].manifest.version == 0:
                 continue
-            cold[target, "cold"] = Panel(new, None, None, "new-cold-", adaptive)
-            warm[target, "warm"] = Panel(new, states[target], group, "new-warm-", adaptive)
+            cold[target, "cold"] = Panel(new, None, None, "new-cold-", adaptive, timed)
+            warm[target, "warm"] = Panel(new, states[target], group, "new-warm-", adaptive, timed)
             veterans = [node for node in order if group[node].get("trained")][: n or None]
             if veterans:
-                warm[target, "veteran"] = Panel(veterans, states[target], group, "veteran-", adaptive)
+                warm[target, "veteran"] = Panel(veterans, states[target], group, "veteran-", adaptive, timed)
         if not cold:
             return {}
         out: dict[str, dict] = defaultdict(dict)
@@ -517,7 +521,7 @@ class Coordinator:
         named with the panel's prefix}``, averaged over its devices weighted by tokens decoded."""
         records = {}
         for panel in panels.values():
-            extra = {"use-global": panel.state is not None, "measure-ar": self.config.measure_ar and panel.adaptive,
+            extra = {"use-global": panel.state is not None, "measure-ar": self.config.measure_ar and panel.adaptive and panel.timed,
                      "fixed-k": self.config.fixed_k, "adaptive": panel.adaptive}
             for node in panel.nodes:
                 records[node] = (ConfigRecord({"round": rnd, **extra}) if panel.state is None

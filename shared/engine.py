@@ -27,6 +27,7 @@ from omnidraft.shared.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.fast_drafter import FastLlamaRunner
 from omnidraft.shared.model_runner import LoadedModel, ModelRunner
 from omnidraft.shared.ngram_cache import NgramCache, seed_from_tokenizers
+from omnidraft.shared.recordings import RecordingStore
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 
@@ -208,6 +209,14 @@ class Engine:
         if self.drafter_weights != "hf" and model.config.model_type == "llama":
             return build_drafter_runner(model, self.drafter_weights)
         return ModelRunner(model)
+
+    def recordings(self, root=None) -> RecordingStore:
+        """The store of this engine's recorded greedy decodes (``recordings``): keyed by both
+        models, the target's precision and kernels and the machine, which decide its output."""
+        return RecordingStore({"drafter": profiling.model_fingerprint(self.drafter.path),
+                               "target": profiling.model_fingerprint(self.target.path),
+                               "precision": self.precision, "backend": runner_backend(self.target_runner),
+                               "machine": profiling.machine_fingerprint()}, root)
 
     def seed_cache(self) -> int:
         """Warm-start the n-gram cache from the two tokenizers alone; returns entries added."""

@@ -117,17 +117,25 @@ class SignalRecorder:
         self._rows.append((top.indices.to(torch.int32), top.values, mass, logp_t))
         self._tokens.extend(committed)
 
+    @property
+    def tokens(self) -> list[int]:
+        """The committed target tokens recorded so far."""
+        return list(self._tokens)
+
+    def signal(self) -> dict[str, torch.Tensor]:
+        """The rows recorded so far, one per committed token (``recordings.Recording.signal``)."""
+        if not self._rows:
+            return {"top_idx": torch.zeros(0, self.top_k, dtype=torch.int32), "top_logp": torch.zeros(0, self.top_k),
+                    "mass": torch.zeros(0), "logp_t": torch.zeros(0)}
+        return dict(zip(("top_idx", "top_logp", "mass", "logp_t"), (torch.cat(c) for c in zip(*self._rows))))
+
     @torch.inference_mode(False)
     def finish(self, context: DraftContext, response_start: int, target_bytes) -> TrainingSample:
         """Align the recorded tokens with ``context`` (which must hold the whole response);
         ``response_start`` is the committed-byte offset where the response begins. The sample's
         tensors are normal tensors (usable in autograd) even when decoding ran in inference mode."""
-        if self._rows:
-            top_idx, top_logp, mass, logp_t = (torch.cat(c) for c in zip(*self._rows))
-        else:
-            top_idx = torch.zeros(0, self.top_k, dtype=torch.int32)
-            top_logp = torch.zeros(0, self.top_k)
-            mass = logp_t = torch.zeros(0)
+        rows = self.signal()
+        top_idx, top_logp, mass, logp_t = rows["top_idx"], rows["top_logp"], rows["mass"], rows["logp_t"]
         ids, d2t = context.ids, self.inter.d2t
         dm_rows, dm_pos, ng_pos, ng_ids, ng_rows = [], [], [], [], []
         ng_count = 0
@@ -165,3 +173,28 @@ class SignalRecorder:
             ng_logp_t=logp_t[ng], ng_count=ng_count, target_tokens=len(self._tokens),
             seq_start=min(dm_pos[:1] + ng_pos[:1], default=len(ids)),
         )
+
+
+class ReplayedSignal(SignalRecorder):
+    """A ``SignalRecorder`` fed from a recording of the same greedy decode
+    (``recordings.Recording.signal``) instead of the verification rows: a decode against a
+    ``RecordedTarget`` commits the recorded tokens in order, and each ``record`` takes their
+    recorded rows (the logits it is given are the recording's own and carry no statistics)."""
+
+    def __init__(self, intersection: Intersection, generated: list[int], signal: dict[str, torch.Tensor],
+                 top_k: int = TOP_K) -> None:
+        super().__init__(intersection, top_k)
+        if signal["top_idx"].shape[1:] != (self.top_k,) or any(len(signal[k]) != len(generated) for k in signal):
+            raise ValueError("the recorded signal does not fit this pair (recorded again)")
+        self._generated = generated
+        self._signal = signal
+
+    def record(self, logits: torch.Tensor, committed: list[int]) -> None:
+        start, n = len(self._tokens), len(committed)
+        if n == 0:
+            return
+        if self._generated[start:start + n] != committed:
+            raise ValueError("the decode left the recording it replays")
+        s = self._signal
+        self._rows.append(tuple(s[k][start:start + n] for k in ("top_idx", "top_logp", "mass", "logp_t")))
+        self._tokens.extend(committed)

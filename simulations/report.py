@@ -23,7 +23,8 @@ PLOTS = {
     "cache.png": "Global n-gram cache entries, by round",
     "bytes.png": "Bytes per device and round (uplink: adapter + n-gram statistics; downlink: state sent)",
     "newcomers.png": "First session of a new device: with the global state (warm) vs without (cold), "
-                     "and devices that trained before (veterans) with the same state",
+                     "and devices that trained before (veterans) with the same state: acceptance, and where "
+                     "measured the modelled speedup",
 }
 
 
@@ -69,6 +70,9 @@ def target_summary(rows: list[dict]) -> dict:
         "modelled-speedup-first": first.get("eval-modelled-speedup"),
         "modelled-speedup-last": last.get("eval-modelled-speedup"),
         "tokens-per-s-last": last.get("eval-tokens-per-s"),
+        **{f"{who}-modelled-{k}": _mean([r.get(f"{who}-modelled-{k}") for r in newcomers])
+           for who in ("new-warm", "new-cold", "veteran") for k in ("speedup", "tokens-per-s")},
+        "train-replayed": _mean([r.get("train-replayed") for r in trained]),
         "new-warm-acceptance": _mean([r.get("new-warm-acceptance") for r in newcomers]),
         "new-cold-acceptance": _mean([r.get("new-cold-acceptance") for r in newcomers]),
         "new-devices": sum(int(r.get("new-warm-devices", 0)) for r in newcomers),
@@ -144,6 +148,9 @@ def verdict(summaries: dict[str, dict]) -> str:
         if s["new-devices"]:
             text += (f"; new devices start at {_fmt(s['new-warm-acceptance-k'] or s['new-warm-acceptance'])} "
                      f"with the fleet's state vs {_fmt(s['new-cold-acceptance-k'] or s['new-cold-acceptance'])} without")
+            if s.get("new-warm-modelled-speedup") is not None:
+                text += (f" (modelled speed {_times(s['new-warm-modelled-speedup'])} warm, "
+                         f"{_times(s['new-cold-modelled-speedup'])} cold, veterans {_times(s['veteran-modelled-speedup'])})")
         parts.append(text + ".")
     return " ".join(parts)
 
@@ -227,22 +234,27 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
     fig.savefig(out / "bytes.png", dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
     names = list(per_target)
     summaries = [target_summary(per_target[t]) for t in names]
     fixed = all(s["new-warm-acceptance-k"] is not None for s in summaries)
-    warm = [(s["new-warm-acceptance-k"] if fixed else s["new-warm-acceptance"]) or 0.0 for s in summaries]
-    cold = [(s["new-cold-acceptance-k"] if fixed else s["new-cold-acceptance"]) or 0.0 for s in summaries]
-    vets = [(s["veteran-acceptance-k"] if fixed else s["veteran-acceptance"]) or 0.0 for s in summaries]
-    xs = range(len(names))
-    for offset, values, label in ((-0.27, cold, "new, cold (no global state)"), (0.0, warm, "new, warm (global state)"),
-                                  (0.27, vets, "veterans (global state)")):
-        bars = ax.bar([x + offset for x in xs], values, width=0.27, label=label)
-        ax.bar_label(bars, fmt="%.3f", fontsize=7)
-    ax.set_xticks(list(xs), names, fontsize=8)
-    ax.set_ylabel("first-session acceptance" + (", fixed k" if fixed else ""))
-    ax.set_ylim(0, 1.35 * max([*cold, *warm, *vets, 0.01]))  # headroom: the legend sits above the bars
-    ax.legend(fontsize=7, loc="upper center", ncol=3)
+    speed = all(s["new-warm-modelled-speedup"] is not None for s in summaries)
+    fig, axes = plt.subplots(1, 2 if speed else 1, figsize=(10 if speed else 6, 3.6), squeeze=False)
+
+    def bars(ax, key: str, ylabel: str, fmt: str) -> None:
+        """Cold / warm / veterans per target, ``{who}-{key}`` of the summaries."""
+        groups = [[s[f"{who}-{key}"] or 0.0 for s in summaries] for who in ("new-cold", "new-warm", "veteran")]
+        xs = range(len(names))
+        for offset, values, label in zip((-0.27, 0.0, 0.27), groups, ("new, cold (no global state)",
+                                                                      "new, warm (global state)", "veterans (global state)")):
+            ax.bar_label(ax.bar([x + offset for x in xs], values, width=0.27, label=label), fmt=fmt, fontsize=7)
+        ax.set_xticks(list(xs), names, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, 1.35 * max([v for g in groups for v in g] + [0.01]))  # headroom: the legend sits above the bars
+        ax.legend(fontsize=7, loc="upper center", ncol=3 if not speed else 1)
+
+    bars(axes[0][0], "acceptance-k" if fixed else "acceptance", "first-session acceptance" + (", fixed k" if fixed else ""), "%.3f")
+    if speed:
+        bars(axes[0][1], "modelled-speedup", "first-session speedup vs target alone, modelled (x)", "%.2f")
     fig.tight_layout()
     fig.savefig(out / "newcomers.png", dpi=110)
     plt.close(fig)
@@ -255,10 +267,28 @@ def _warm_cold(r: dict) -> str:
                       for who in ("new-warm", "new-cold", "veteran"))
 
 
+def _warm_cold_speed(r: dict) -> str:
+    """A round's newcomers warm / cold and its veterans: modelled tok/s (speedup), where measured."""
+    if r.get("new-warm-modelled-tokens-per-s") is None:
+        return "–"
+    return " / ".join(f"{_fmt(r.get(f'{who}-modelled-tokens-per-s'), '.1f')} ({_times(r.get(f'{who}-modelled-speedup'))})"
+                      for who in ("new-warm", "new-cold", "veteran"))
+
+
+def _trained_speed(r: dict) -> str:
+    """The round's training devices: modelled speedup of their learning decodes (share replayed)."""
+    if r.get("train-modelled-speedup") is None:
+        return "–"
+    replayed = r.get("train-replayed")
+    return _times(r["train-modelled-speedup"]) + (f" ({replayed:.0%})" if replayed is not None else "")
+
+
 def round_table(rows: list[dict]) -> str:
     head = ("| round | devices serving (switched) | devices trained | state version | acceptance, fixed k "
             "| acceptance | tokens/call "
-            "| tok/s | speedup, live (modelled) | new warm / cold / veterans | cache entries | released | ε |")
+            "| tok/s | speedup, live (modelled) | new warm / cold / veterans "
+            "| new warm / cold / veterans: modelled tok/s (speedup) | trained devices: modelled speedup (replayed) "
+            "| cache entries | released | ε |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ngrams = r.get("ngrams", {})
@@ -271,7 +301,7 @@ def round_table(rows: list[dict]) -> str:
             f"| {_fmt(r.get('eval-fixed-k-acceptance'))} | {_fmt(r.get('eval-acceptance'))} "
             f"| {_fmt(r.get('eval-tokens-per-call'), '.2f')} | {_fmt(r.get('eval-tokens-per-s'), '.1f')} "
             f"| {_speeds(r.get('eval-speedup'), r.get('eval-modelled-speedup'))} "
-            f"| {_warm_cold(r)} "
+            f"| {_warm_cold(r)} | {_warm_cold_speed(r)} | {_trained_speed(r)} "
             f"| {_fmt(r.get('cache-entries'), 'd')} | {ngrams.get('released', '–')} | {_fmt(ngrams.get('epsilon'), '.2f')} |")
     return "\n".join(lines)
 
@@ -340,7 +370,11 @@ def write_report(run_dir: str | Path) -> Path:
         "their own held-out prompts with the same global state in the same round. A **modelled** speedup "
         "(in parentheses) charges each round the probe decoded its cost in the machine's cached cost "
         "profile (the same figures the draft rule decides from), prompt prefill excluded: it does not move "
-        "when the machine is busier or quieter between rounds, the live one does.",
+        "when the machine is busier or quieter between rounds, the live one does. "
+        + ("Training devices, newcomers and veterans replay the target's greedy output where it was "
+           "recorded before (this run or an earlier one on this machine): their drafting, acceptance and "
+           "learning are the live ones, their speed is only modelled; the probes' adaptive decodes run the "
+           "real target (the live panel)." if cfg.get("replay") else ""),
         "", "## Per target", "", summary_table(summaries), "",
     ]
     for name in plots:

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--draft-stop", choices=["auto", "cost", "confidence"],
       help="what each round drafts: auto/cost (default) the throughput rule, from the machine's cached cost "
            "profile and counted acceptance; confidence: always the drafter, stopping under a confidence threshold")
+    a("--replay", action=argparse.BooleanOptionalAction, default=None,
+      help="training devices replay the target's greedy output of a prompt decoded before (this run or an "
+           "earlier one on this machine; cached under $OMNIDRAFT_HOME/recordings): the same drafting, "
+           "acceptance and learning at the drafter's cost, their speed modelled (default; --no-replay: "
+           "the target runs for every decode)")
     a("--no-ar", action="store_true", help="probes do not run the target alone (no speedup figures)")
     a("--aggregation", choices=["fedavg", "median", "trimmed"])
     a("--clip-norm", type=float, help="L2 bound on each device's adapter update")

@@ -40,6 +40,7 @@ from omnidraft.coordinator.registry import TargetRegistry
 from omnidraft.coordinator.secure_aggregation import SecAggConfig
 from omnidraft.coordinator.server_opt import ServerOptConfig
 from omnidraft.coordinator.server_app import FleetConfig
+from omnidraft.shared import catalog
 from omnidraft.shared.adapters import LoraSpec
 from omnidraft.shared.generation import DRAFT_STOPS, GenerationConfig
 
@@ -157,6 +158,11 @@ class Scenario:
     # the drafter's confidence threshold, every round drafts
     draft_stop: str = "auto"
     measure_ar: bool = True  # probes also run the target alone (speedup)
+    # training devices (and newcomers' held-out outputs) replay the target's greedy decode of a
+    # prompt recorded before, in this run or an earlier one on this machine (shared.recordings):
+    # the same decisions, acceptance and training, at the drafter's cost; their speed is modelled.
+    # Probes' adaptive decodes always run the real target (the live panel).
+    replay: bool = True
     acceptance_k: int = 4  # probes and newcomers also decode drafting exactly this many tokens (0: not)
     seed: int = 0
     cpus_per_device: int = 1  # CPUs (and torch threads) per simulated device; Flower takes whole CPUs
@@ -314,7 +320,6 @@ def load_toml(path: str | Path) -> dict:
 def _models(scenario: Scenario) -> tuple[str, dict[str, str]]:
     """(drafter, {target name: model}) for the scenario."""
     if scenario.models == "tiny":
-        from omnidraft.shared import catalog
         from omnidraft.shared.tiny_models import ensure_tiny_fleet
 
         dirs = ensure_tiny_fleet(catalog.omnidraft_home() / "tiny")
@@ -407,7 +412,8 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
             translate=scenario.translate, probe=probe, fleet_key=fleet_key,
             speed_prompts=scenario.probe_speed_prompts if probe else 0,
             joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1,
-            project=projects[i] if projects else "")
+            project=projects[i] if projects else "",
+            recordings=str(catalog.omnidraft_home() / "recordings") if scenario.replay else "")
         if scenario.rollout is not None and not probe:  # every member can run the new target
             p.offers = {scenario.rollout.target: models[scenario.rollout.target]}
         if drift is not None:
@@ -447,7 +453,7 @@ def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
                                       max_trained_tokens=float(scenario.prompts_per_round * scenario.max_new_tokens))
     return FleetConfig(rounds=scenario.rounds, fraction=scenario.fraction, min_devices=nodes, wait_s=300,
                        seed=scenario.seed, measure_ar=scenario.measure_ar, newcomer_evals=scenario.newcomer_evals,
-                       fixed_k=scenario.acceptance_k, server_opt=scenario.server_opt,
+                       fixed_k=scenario.acceptance_k, newcomer_speed=scenario.replay, server_opt=scenario.server_opt,
                        aggregation=aggregation, release=scenario.release,
                        secagg=SecAggConfig(enabled=scenario.secagg))
 

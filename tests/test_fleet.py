@@ -134,7 +134,7 @@ def test_stale_unknown_oversized_and_weightless_replies_are_rejected():
     (metrics_of(1e20), "trained-tokens"),  # beyond any count (it would overflow the registry's uint64)
     (metrics_of(10, acceptance=1.5), "acceptance"),
     (metrics_of(10, **{"update-s": float("nan")}), "non-finite"),
-    (metrics_of(10, **{"tokens-per-s": -1.0}), "tokens-per-s"),
+    (metrics_of(10, replayed=1.5), "replayed"),
     (metrics_of(10, **{"cache-entries": [1, 2]}), "not a number"),
 ])
 def test_metrics_outside_the_coordinators_schema_drop_that_reply_alone(metrics, reason):
