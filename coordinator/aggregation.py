@@ -59,6 +59,11 @@ class AggregationConfig:
     max_trained_tokens: float = 4096.0  # the FedAvg weight of one reply is capped here (target tokens)
     max_payload_bytes: int = 256 << 20  # bigger replies are rejected (bytes)
     update_bits: int = 8  # devices send their update quantized to 4 or 8 bits (32: float32); shared.update_codec
+    # central differential privacy on the updates (DP-FedAvg through Flower's
+    # DifferentialPrivacyServerSideFixedClipping): Gaussian noise of std dp_noise * clip_norm / devices
+    # on the mean of the updates, each clipped to the fixed clip_norm, every device weighted equally
+    # (0: off). The privacy ledger composes one event per committed round (ngram_release).
+    dp_noise: float = 0.0
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -73,6 +78,11 @@ class AggregationConfig:
             raise ValueError("the weight cap (max trained tokens) must be >= 1")
         if self.update_bits not in BITS:
             raise ValueError(f"update bits must be one of {', '.join(map(str, BITS))}")
+        if self.dp_noise < 0 or not math.isfinite(self.dp_noise):
+            raise ValueError("the update noise multiplier must be a finite number >= 0 (0: off)")
+        if self.dp_noise > 0 and (self.method != "fedavg" or self.clip_norm is None):
+            raise ValueError("differential privacy on the updates needs the fedavg aggregation and a fixed "
+                             "clipping norm (a median-based bound depends on the devices' data)")
 
     def strategy(self) -> FedAvg:
         kw = {"weighted_by_key": WEIGHT_KEY, "arrayrecord_key": ADAPTER_KEY}
@@ -202,13 +212,24 @@ def scale_update(msg: Message, global_adapter: dict[str, np.ndarray], scale: flo
 def aggregate_target(server_round: int, replies: list[Message], global_adapter: dict[str, np.ndarray],
                      config: AggregationConfig) -> tuple[dict[str, np.ndarray], MetricRecord]:
     """Aggregate checked replies of one target with the configured Flower strategy (each update
-    clipped to this round's ``clip_bound`` first)."""
+    clipped to this round's ``clip_bound`` first). With ``dp_noise`` (DP-FedAvg) every reply
+    weighs the same (a device's own weight would be its say in the sensitivity) and the mean gets
+    Gaussian noise of std ``dp_noise * clip_norm / devices`` (Flower's ``compute_stdv`` and
+    ``add_gaussian_noise_inplace``; its ``DifferentialPrivacyServerSideFixedClipping`` wrapper
+    is not used because its clipping divides by the norm of an update that is exactly zero)."""
     norms = [update_norm(m, global_adapter) for m in replies]  # once per reply
     bound = clip_bound(norms, config)
     if bound is not None:
         for msg, norm in zip(replies, norms):
             if norm > bound:
                 scale_update(msg, global_adapter, bound / norm)
+    if config.dp_noise > 0:
+        for msg in replies:
+            msg.content[METRICS_KEY][WEIGHT_KEY] = 1.0
     arrays, metrics = config.strategy().aggregate_train(server_round, replies)
-    return ({k: v.numpy().astype(global_adapter[k].dtype) for k, v in arrays.items()},
-            metrics or MetricRecord())
+    out = [v.numpy().astype(global_adapter[k].dtype) for k, v in arrays.items()]
+    if config.dp_noise > 0:
+        from flwr.supercore.differential_privacy import add_gaussian_noise_inplace, compute_stdv
+
+        add_gaussian_noise_inplace(out, compute_stdv(config.dp_noise, config.clip_norm, len(replies)))
+    return dict(zip(arrays.keys(), out)), metrics or MetricRecord()

@@ -87,13 +87,15 @@ class ReleaseReport:
 class NgramRelease:
     """One target's release mechanism and its privacy ledger (persisted at ``path``)."""
 
-    def __init__(self, config: ReleaseConfig, ledger: dict | None = None) -> None:
+    def __init__(self, config: ReleaseConfig, ledger: dict | None = None, *, private_updates: bool = False) -> None:
         """``ledger``: what earlier rounds spent (``ledger()`` of the last committed release;
-        the registry keeps it with each version, so a round that never committed is not charged)."""
+        the registry keeps it with each version, so a round that never committed is not charged).
+        ``private_updates``: the round's adapter updates are released with differential privacy
+        too (``account_updates``), composed into the same ledger."""
         config.validate()
         self.config = config
         self.accountant = None
-        if config.noise_multiplier > 0:
+        if config.noise_multiplier > 0 or private_updates:
             from flwr.serverapp import PrivacyConfig, RdpAccountant
             from flwr.supercore.privacy_accounting import NeighboringRelation, SamplingMethod
 
@@ -135,9 +137,23 @@ class NgramRelease:
         return self.accountant.state_dict() if self.accountant is not None else None
 
     def epsilon(self) -> float:
-        if self.accountant is None or self.accountant.num_releases == 0:
-            return math.inf if self.accountant is None else 0.0
+        """Cumulative epsilon at ``delta`` over every release in the ledger (the n-gram releases
+        and any private adapter updates); infinite while the n-gram release has no noise."""
+        if self.accountant is None or self.config.noise_multiplier == 0:
+            return math.inf
+        if self.accountant.num_releases == 0:
+            return 0.0
         return self.accountant.get_epsilon(self.config.delta)
+
+    def account_updates(self, noise_multiplier: float) -> None:
+        """Compose one round of DP-FedAvg on the adapter updates (the Gaussian mechanism at
+        ``noise_multiplier`` times the clipping norm on the sum of clipped updates, one device
+        joining or leaving; no sampling amplification claimed) into this target's ledger."""
+        from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
+
+        if self.accountant is None:
+            raise ValueError("this release was not built to account private updates")
+        self.accountant.compose(GaussianPrivacyEvent(noise_multiplier, 1, 1))
 
     def release(self, bitmaps: list[np.ndarray], rng: np.random.Generator | None = None
                 ) -> tuple[dict[int, float], ReleaseReport]:

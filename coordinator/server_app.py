@@ -98,6 +98,9 @@ class FleetConfig:
         self.secagg.validate()
         if self.secagg.enabled and self.aggregation.method != "fedavg":
             raise ValueError("SecAgg+ reveals only the weighted mean: use the fedavg aggregation with it")
+        if self.secagg.enabled and self.aggregation.dp_noise > 0:
+            raise ValueError("differential privacy on the updates clips them on the coordinator, which SecAgg+ "
+                             "never shows it: use one or the other")
 
 
 def last_round(root: Path) -> int:
@@ -211,8 +214,21 @@ class Coordinator:
             raise ValueError("SecAgg+ needs the ServerApp's Context")
         self.context = context
         start = last_round(self.root) + 1
+        self._forget_unfinished(start)
         for rnd in range(start, self.config.rounds + 1):
             self.round(grid, rnd)
+
+    def _forget_unfinished(self, start: int) -> None:
+        """Drop the records of a round that never finished (the coordinator stopped after writing
+        them, before ``coordinator.json``): the rerun writes them again. Round 0's records are
+        written with round 1's."""
+        history = self.root / ROUNDS_FILE
+        if not history.exists():
+            return
+        lines = history.read_bytes().splitlines(keepends=True)
+        kept = [line for line in lines if start > 1 and json.loads(line)["round"] < start]
+        if len(kept) != len(lines):
+            write_bytes_atomic(history, b"".join(kept))
 
     # -- one round ------------------------------------------------------------------------------
     def round(self, grid: Grid, rnd: int) -> list[dict]:
@@ -238,6 +254,11 @@ class Coordinator:
         sampled = set(random.Random(cfg.seed * 100_003 + rnd).sample(eligible, size))
         by_target = {t: {n: s for n, s in group.items() if n in sampled} for t, group in members.items()}
         by_target = {t: g for t, g in by_target.items() if g}
+        # a target whose state this round already committed (the coordinator stopped after that commit,
+        # before the round was recorded) does not train again: no version twice, privacy charged once
+        recovered = sorted(t for t in by_target if self._committed_in(states[t], rnd))
+        round_devices = by_target  # who evaluates a target's new state where it has no probes
+        by_target = {t: g for t, g in by_target.items() if t not in recovered}
         newcomers = self._first_sessions(grid, rnd, states, by_target)
 
         secure = {"update-bits": cfg.aggregation.update_bits}
@@ -262,10 +283,16 @@ class Coordinator:
             record["skipped"] = [r for r in skipped if repr(target) in r or f"({target})" in r] \
                 + (fleet_wide if not trained else [])
             trained.append(record)
+        for target in recovered:
+            log.warning("round %d, %s: version %d was committed by this round before a restart; not trained again",
+                        rnd, target, states[target].manifest.version)
+            trained.append({"round": rnd, "target": target, "aggregated": 0, "recovered": True,
+                            "version": int(states[target].manifest.version), "devices": len(members[target]),
+                            "switched": switched.get(target, 0), "rejected": [], "skipped": []})
         if cfg.evaluate:  # the probe panels (else the round's devices) measure the new states, all at once
-            panels = {r["target"]: Panel(list(probes.get(r["target"]) or by_target[r["target"]]),
+            panels = {r["target"]: Panel(list(probes.get(r["target"]) or round_devices[r["target"]]),
                                          self.registry.load(r["target"]), probes.get(r["target"]))
-                      for r in trained if r["aggregated"]}
+                      for r in trained if r["aggregated"] or r.get("recovered")}
             measured = self.evaluate_panels(grid, rnd, panels)
             for record in trained:
                 record.update(measured.get(record["target"], {}))
@@ -279,6 +306,12 @@ class Coordinator:
         for record in records:
             self.on_round(record)
         return records
+
+    @staticmethod
+    def _committed_in(state: GlobalState, rnd: int) -> bool:
+        """Whether ``state`` is what round ``rnd``'s aggregation committed (not a rollback)."""
+        m = state.manifest
+        return m.version > 0 and m.round == rnd and not m.HasField("restored_from")
 
     def _census(self, grid: Grid, rnd: int, nodes: list[int]):
         """Ask every connected device for its status; returns (members, probes, skipped, states):
@@ -481,7 +514,10 @@ class Coordinator:
             record["rejected"] += ["the aggregate is not finite: round not committed"]
             record["aggregated"] = 0
             return record
-        release = NgramRelease(cfg.release, self.registry.privacy_ledger(target))
+        release = NgramRelease(cfg.release, self.registry.privacy_ledger(target), private_updates=cfg.aggregation.dp_noise > 0)
+        if cfg.aggregation.dp_noise > 0:  # charged in the same ledger, committed with the version
+            release.account_updates(cfg.aggregation.dp_noise)
+            record["update-noise-std"] = cfg.aggregation.dp_noise * cfg.aggregation.clip_norm / len(msgs)
         released, report = release.release([b for _, b in good])  # noise from OS entropy, never the seed
         cache = state.cache()
         candidates = self.registry.candidates(target)

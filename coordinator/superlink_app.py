@@ -14,6 +14,7 @@ The same ``Coordinator`` round loop as in the simulation; its settings come from
 ``round-timeout-s``  longest wait for one wave of replies (seconds)
 ``k``, ``noise``   n-gram release threshold (devices) and Gaussian noise multiplier
 ``aggregation``    fedavg | median | trimmed; ``clip-norm`` (0: none)
+``dp-noise``       DP-FedAvg on the updates: Gaussian noise multiplier (0: off; needs ``clip-norm``)
 ``update-bits``    bits per value of the update a device sends: 4, 8 or 32 (float32)
 ``secagg``         sum the adapter updates with SecAgg+ (fedavg only)
 ``evaluate``       evaluate each new global state on the devices; ``newcomer-evals``; ``seed``
@@ -41,7 +42,7 @@ def config_from_run(run_config: dict, root: Path) -> FleetConfig:
     """The ``FleetConfig`` a run config asks for (see the module docstring); ValueError with
     one line for a bad value."""
     known = {"fleet-dir", "rounds", "fraction", "min-devices", "wait-s", "round-timeout-s", "k", "noise",
-             "aggregation", "clip-norm", "update-bits", "evaluate", "newcomer-evals", "seed", "secagg"}
+             "aggregation", "clip-norm", "dp-noise", "update-bits", "evaluate", "newcomer-evals", "seed", "secagg"}
     unknown = sorted(set(run_config) - known)
     if unknown:
         raise ValueError(f"unknown run config key(s): {', '.join(unknown)}")
@@ -58,6 +59,7 @@ def config_from_run(run_config: dict, root: Path) -> FleetConfig:
             seed=int(run_config.get("seed", 0)),
             aggregation=AggregationConfig(method=str(run_config.get("aggregation", "fedavg")),
                                           clip_norm=clip if clip > 0 else None,
+                                          dp_noise=float(run_config.get("dp-noise", 0.0)),
                                           update_bits=int(run_config.get("update-bits", 8))),
             release=ReleaseConfig(k=int(run_config.get("k", 5)),
                                   noise_multiplier=float(run_config.get("noise", ReleaseConfig.noise_multiplier))),

@@ -15,7 +15,8 @@ flwr-<run id>``, which the ServerApp and every ClientApp derive alike):
 The ClientApp of partition ``p`` is the device in ``devices/device-p``; its profile is read from
 disk in the worker (no device's text goes through Flower or Ray). ``client-mods`` (run config:
 ``MODULE:NAME`` paths, comma-separated) wraps the device's handlers in extra Flower mods, e.g.
-to inject faults or to audit what leaves a device. While the rounds run, the ServerApp writes
+to inject faults or to audit what leaves a device; ``coordinator-hooks`` (the same form) are
+called with the ``Coordinator`` before its rounds (a test's crash at a chosen point). While the rounds run, the ServerApp writes
 ``progress.json`` (round, replies, messages sent) for ``run.py``'s progress bars; the round
 records are the coordinator's ``coordinator/rounds.jsonl``; ``flower-run.json`` says how the run
 ended (``finished``, or ``failed`` with the error).
@@ -105,8 +106,11 @@ def serve(grid: Grid, context: Context) -> None:
         else:
             scenario = Scenario.from_dict(saved_scenario(out), source=str(out / SCENARIO_FILE))
         nodes = sum(1 for _ in (out / "devices").iterdir())
-        Coordinator(out / "coordinator", fleet_config(scenario, nodes), progress=_progress_file(out),
-                    before_round=operator_actions(scenario)).run(grid, context)
+        coordinator = Coordinator(out / "coordinator", fleet_config(scenario, nodes), progress=_progress_file(out),
+                                  before_round=operator_actions(scenario))
+        for hook in _mods(str(context.run_config.get("coordinator-hooks", "") or "")):
+            hook(coordinator)  # e.g. fault injection in tests: a crash at a chosen point of a round
+        coordinator.run(grid, context)
         if standalone:  # the report run.py would write (its records are the coordinator's)
             from omnidraft.simulations import report
 
@@ -155,7 +159,7 @@ def _mods(paths: str) -> tuple:
         try:
             mods.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"run config: client-mods {path!r}: {exc}") from None
+            raise ValueError(f"run config: {path!r} is not importable: {exc}") from None
     return tuple(mods)
 
 
@@ -170,11 +174,15 @@ def run_config_mods(msg: Message, context: Context, call_next) -> Message:
 client_app = make_client_app(device_for, mods=[run_config_mods])
 
 
-def run_config(directory: Path, client_mods: tuple = ()) -> dict[str, str]:
+def run_config(directory: Path, client_mods: tuple = (), coordinator_hooks: tuple = ()) -> dict[str, str]:
     """The run config that points ``flwr run`` at a prepared ``directory`` (``client_mods``:
-    mod functions, importable by name in the workers)."""
-    return {"run-dir": str(Path(directory).resolve()),
-            "client-mods": ",".join(f"{m.__module__}:{m.__qualname__}" for m in client_mods)}
+    mod functions, importable by name in the workers; ``coordinator_hooks``: functions called
+    with the ``Coordinator`` before it runs, importable in the ServerApp's process)."""
+    def names(funcs: tuple) -> str:
+        return ",".join(f"{f.__module__}:{f.__qualname__}" for f in funcs)
+
+    return {"run-dir": str(Path(directory).resolve()), "client-mods": names(client_mods),
+            "coordinator-hooks": names(coordinator_hooks)}
 
 
 class RunFollower:

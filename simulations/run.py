@@ -93,10 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-ar", action="store_true", help="probes do not run the target alone (no speedup figures)")
     a("--aggregation", choices=["fedavg", "median", "trimmed"])
     a("--clip-norm", type=float, help="L2 bound on each device's adapter update")
+    a("--dp-noise", type=float,
+      help="differential privacy on the adapter updates (DP-FedAvg, Flower's server-side fixed clipping): "
+           "Gaussian noise of this multiplier times --clip-norm on the sum of the clipped updates, composed "
+           "into the reported epsilon (default 0: off; needs --clip-norm and the fedavg aggregation)")
     a("--update-bits", type=int, choices=(4, 8, 32), help="bits per value of the update a device sends (the default scenario: 4, with FFA-LoRA)")
     a("--k", type=int, help="devices that must hold an n-gram before it is released (default 5)")
     a("--noise", type=float, help="Gaussian noise multiplier on n-gram counts")
     a("--seed", type=int)
+    a("--cpus-per-device", type=int, help="CPUs (and torch threads) per simulated device (the default: 2)")
     a("--ray-address", help="join an existing Ray cluster (ray start --head) instead of a local one")
     a("--attack", action="append", metavar="KIND:FRACTION",
       help="fault injection (repeatable): this share of the training devices sends spoiled replies of KIND "
@@ -115,7 +120,7 @@ def scenario_from_args(args: argparse.Namespace):
     tiny = (args.models or from_file.get("models")) == "tiny"
     raw: dict = load_toml(TINY_SCENARIO if tiny else DEFAULT_SCENARIO)
     raw.update(from_file)
-    skip = {"scenario", "out", "targets", "attack", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "update_bits", "k", "noise",
+    skip = {"scenario", "out", "targets", "attack", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "dp_noise", "update_bits", "k", "noise",
             "server_opt", "server_lr"}
     raw.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
     if args.targets:
@@ -133,7 +138,7 @@ def scenario_from_args(args: argparse.Namespace):
 
         raw["attacks"] = {**(raw.get("attacks") or {}), **parse_attacks(args.attack)}
     aggregation = dict(raw.get("aggregation") or {})
-    aggregation.update({k: v for k, v in (("method", args.aggregation), ("clip_norm", args.clip_norm),
+    aggregation.update({k: v for k, v in (("method", args.aggregation), ("clip_norm", args.clip_norm), ("dp_noise", args.dp_noise),
                                                      ("update_bits", args.update_bits)) if v is not None})
     raw["aggregation"] = aggregation
     server_opt = dict(raw.get("server_opt") or {})

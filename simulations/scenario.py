@@ -231,6 +231,8 @@ class Scenario:
         self.release.validate()
         if self.secagg and self.aggregation.method != "fedavg":
             raise ValueError("SecAgg+ reveals only the weighted mean: use the fedavg aggregation with it")
+        if self.secagg and self.aggregation.dp_noise > 0:
+            raise ValueError("--dp-noise clips updates on the coordinator, which SecAgg+ never shows it: use one or the other")
 
     def target_shares(self) -> dict[str, float]:
         return self.targets or (TINY_TARGETS if self.models == "tiny" else REAL_TARGETS)
@@ -458,13 +460,16 @@ def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
                        secagg=SecAggConfig(enabled=scenario.secagg))
 
 
-def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, verbose: bool = False) -> list[DeviceProfile]:
+def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, verbose: bool = False,
+        coordinator_hooks=()) -> list[DeviceProfile]:
     """Prepare the fleet under ``out`` and run it as the Flower App (``simulations.flower_app``)
     through ``flwr run`` on a private local SuperLink (``simulations.flower_runner``).
 
     ``on_round`` gets one metrics dict per round and target as the coordinator records it,
     ``progress(round, replies, messages)`` is called as replies arrive; ``mods``: extra ClientApp
-    mods (importable by name in the workers). A failed run raises ``FlowerRunError``."""
+    mods (importable by name in the workers); ``coordinator_hooks``: functions called with the
+    ``Coordinator`` in the ServerApp's process before its rounds. A failed run raises
+    ``FlowerRunError``."""
     from omnidraft.shared.atomic_io import write_bytes_atomic
     from omnidraft.simulations import flower_app
     from omnidraft.simulations.flower_runner import FlowerRunError, run_app
@@ -482,7 +487,7 @@ def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, ve
         from omnidraft.simulations.attacks import attack_mod
 
         mods = (*mods, attack_mod)
-    run_app(APP_DIR, flower_app.run_config(out, tuple(mods)), len(profiles), out / "flwr",
+    run_app(APP_DIR, flower_app.run_config(out, tuple(mods), tuple(coordinator_hooks)), len(profiles), out / "flwr",
             cpus_per_device=scenario.cpus_per_device, ray_address=scenario.ray_address, verbose=verbose,
             watch=follow)
     outcome = out / flower_app.OUTCOME_FILE

@@ -69,3 +69,70 @@ def wire_mod(msg: Message, context, call_next) -> Message:
               "array-bytes": sum(r.count_bytes() for r in content.array_records.values()) if content else 0}
     (folder / f"{uuid.uuid4().hex}.pkl").write_bytes(pickle.dumps(record))
     return reply
+
+
+class SimulatedCrash(BaseException):
+    """Raised by ``crash_hook`` where the coordinator is made to stop (nothing catches it below
+    the ServerApp, as nothing would run after a kill)."""
+
+
+CRASH_POINTS = ("before-send", "mid-replies", "after-ledger", "after-commit", "after-records")
+
+
+def crash_hook(coordinator) -> None:
+    """Stop the coordinator at ``$OMNIDRAFT_TEST_CRASH`` = ``POINT@ROUND`` (``CRASH_POINTS``): before
+    the round's train messages go out, after its first train replies came in, after the first
+    target's privacy ledger was written (before its manifest), after the first target's commit,
+    or after the round's records were written (before ``coordinator.json``)."""
+    from omnidraft.coordinator import server_app
+
+    point, _, when = os.environ["OMNIDRAFT_TEST_CRASH"].partition("@")
+    rnd = int(when)
+    now = lambda: coordinator._progress[0]  # noqa: E731 (the round the coordinator is in)
+
+    def crash(where: str):
+        raise SimulatedCrash(f"simulated crash {where} in round {rnd}")
+
+    send, registry = coordinator._send, coordinator.registry
+    write_ledger, commit, write = registry._write_ledger, registry._commit, server_app.write_bytes_atomic
+
+    class PullsThenCrashes:
+        def __init__(self, grid):
+            self.grid = grid
+
+        def __getattr__(self, name):
+            return getattr(self.grid, name)
+
+        def pull_messages(self, ids):
+            got = list(self.grid.pull_messages(ids))
+            if got:
+                crash("mid-replies")
+            return got
+
+    def _send(grid, nodes, message_type, content, r):
+        if r == rnd and message_type == "train":
+            if point == "before-send":
+                crash(point)
+            if point == "mid-replies":
+                grid = PullsThenCrashes(grid)
+        return send(grid, nodes, message_type, content, r)
+
+    def _write_ledger(*args, **kw):
+        write_ledger(*args, **kw)
+        if point == "after-ledger" and now() == rnd:
+            crash(point)
+
+    def _commit(*args, **kw):
+        out = commit(*args, **kw)
+        if point == "after-commit" and now() == rnd:
+            crash(point)
+        return out
+
+    def _write(path, data):
+        if point == "after-records" and now() == rnd and Path(path).name == server_app.STATE_FILE:
+            crash(point)
+        return write(path, data)
+
+    coordinator._send = _send
+    registry._write_ledger, registry._commit = _write_ledger, _commit
+    server_app.write_bytes_atomic = _write

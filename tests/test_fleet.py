@@ -157,6 +157,48 @@ def test_a_huge_self_reported_weight_is_capped_at_what_a_round_asks():
     assert np.allclose(avg["a"], (3 * 1.0 + 9.0) / 4)  # one device's share, not all of it
 
 
+def test_private_updates_are_clipped_equally_weighted_and_noised(monkeypatch):
+    """DP-FedAvg: each update clipped to the fixed norm (an update of exactly zero included), every
+    device weighing the same whatever it reports, Gaussian noise of std noise * clip / devices
+    on the mean, fresh each round; the settings it needs are checked, and each committed round is
+    charged to the privacy ledger."""
+    big = {"a": np.full((2, 3), 100.0, np.float32), "b": np.full(4, 100.0, np.float32)}  # norm 316
+    small = {"a": np.full((2, 3), 0.1, np.float32), "b": np.zeros(4, np.float32)}
+    cfg = AggregationConfig(clip_norm=1.0, dp_noise=1e-9)  # noise negligible: the clipped mean shows
+    msgs = [reply(big, 1e6), reply(small, 1)]
+    avg, _ = aggregate_target(1, msgs, GLOBAL, cfg)
+    clipped_big = 100.0 / math.sqrt(10 * 100.0 ** 2)  # each coordinate of the clipped update (norm 1)
+    assert np.allclose(avg["a"], (clipped_big + 0.1) / 2, atol=1e-6)  # equal weights, not 1e6 : 1
+    assert np.allclose(avg["b"], clipped_big / 2, atol=1e-6)
+    noisy = AggregationConfig(clip_norm=2.0, dp_noise=3.0)
+    zeros = {"a": np.zeros((40, 50), np.float32), "b": np.zeros(1000, np.float32)}
+    flat = [np.concatenate([v.ravel() for v in aggregate_target(1, [reply(zeros, 1) for _ in range(4)],
+                                                                {"a": zeros["a"], "b": zeros["b"]}, noisy)[0].values()])
+            for _ in range(2)]
+    assert np.std(flat[0]) == pytest.approx(3.0 * 2.0 / 4, rel=0.05)
+    assert not np.array_equal(flat[0], flat[1])  # fresh noise each round
+    for bad in (AggregationConfig(dp_noise=1.0), AggregationConfig(dp_noise=1.0, clip_norm=1.0, method="median"),
+                AggregationConfig(dp_noise=-1.0)):
+        with pytest.raises(ValueError):
+            bad.validate()
+    with pytest.raises(ValueError, match="SecAgg"):
+        from omnidraft.coordinator.secure_aggregation import SecAggConfig
+
+        FleetConfig(aggregation=AggregationConfig(dp_noise=1.0, clip_norm=1.0), secagg=SecAggConfig(enabled=True)).validate()
+    # the ledger: an update round composes into the same accountant as the n-gram release
+    plain = NgramRelease(ReleaseConfig())
+    plain.release([np.ones(8, bool)] * 10)
+    private = NgramRelease(ReleaseConfig(), private_updates=True)
+    private.account_updates(1.0)
+    private.release([np.ones(8, bool)] * 10)
+    assert math.isfinite(private.epsilon()) and private.epsilon() > plain.epsilon()
+    resumed = NgramRelease(ReleaseConfig(), json.loads(json.dumps(private.ledger())), private_updates=True)
+    assert resumed.epsilon() == pytest.approx(private.epsilon())
+    with pytest.raises(ValueError, match="private updates"):
+        NgramRelease(ReleaseConfig(noise_multiplier=0)).account_updates(1.0)
+    assert NgramRelease(ReleaseConfig(noise_multiplier=0), private_updates=True).epsilon() == math.inf  # k-anonymous n-grams
+
+
 # -- n-gram release -------------------------------------------------------------------------------
 
 def test_server_optimizers():
@@ -522,7 +564,7 @@ def _scenario(**kw):
     return Scenario(**base)
 
 
-def _run_with(out: Path, tiny, scenario, mods) -> tuple[list, list[dict], list[dict]]:
+def _run_with(out: Path, tiny, scenario, mods, hooks=()) -> tuple[list, list[dict], list[dict]]:
     """Run ``scenario`` under ``out`` with client ``mods`` (from ``fleet_mods``, which run in the
     Ray workers and write to ``$OMNIDRAFT_TEST_CAPTURE``); returns (device profiles, round
     records, captured records)."""
@@ -535,7 +577,7 @@ def _run_with(out: Path, tiny, scenario, mods) -> tuple[list, list[dict], list[d
     os.environ.update(env)
     records = []
     try:
-        profiles = run(scenario, out / "run", records.append, mods=mods)
+        profiles = run(scenario, out / "run", records.append, mods=mods, coordinator_hooks=hooks)
     finally:
         for k, v in old.items():
             if v is None:
@@ -673,6 +715,38 @@ def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
     assert all(reg.manifest(t).version == 3 for t in reg.names())
     # the server optimizer's state was saved with each version and taken up after the restart
     assert all(float(reg.server_state(t)["step"]) == 3 for t in reg.names())
+
+
+@pytest.mark.parametrize("point", ["before-send", "mid-replies", "after-ledger", "after-commit", "after-records"])
+def test_a_coordinator_stopped_anywhere_in_a_round_resumes_without_losing_or_repeating_anything(tmp_path, tiny, point):
+    """The coordinator stops at ``point`` of its last round (tests/fleet_mods.crash_hook) and runs again
+    on the same directory: every target ends at one version per round, each committed round is
+    charged to the privacy ledger once, and each round is recorded once."""
+    import fleet_mods
+    from omnidraft.coordinator.server_app import ROUNDS_FILE
+    from omnidraft.simulations.flower_runner import FlowerRunError
+
+    scenario = _scenario(devices=4, rounds=2, late_joiners=0, prompts_per_device=3, prompts_per_round=3,
+                         max_new_tokens=8, release=ReleaseConfig(k=1))
+    os.environ["OMNIDRAFT_TEST_CRASH"] = f"{point}@2"
+    try:
+        with pytest.raises(FlowerRunError):
+            _run_with(tmp_path, tiny, scenario, [], hooks=[fleet_mods.crash_hook])
+    finally:
+        del os.environ["OMNIDRAFT_TEST_CRASH"]
+    _run_with(tmp_path, tiny, scenario, [])  # the same run directory: it resumes
+    coord = tmp_path / "run" / "coordinator"
+    reg = TargetRegistry(coord)
+    records = [json.loads(line) for line in (coord / ROUNDS_FILE).read_text().splitlines()]
+    assert sorted((r["round"], r["target"]) for r in records) == [
+        (rnd, t) for rnd in (1, 2) for t in ("tiny-target-a", "tiny-target-b")]  # each round once
+    for t in ("tiny-target-a", "tiny-target-b"):
+        m = reg.manifest(t)
+        assert (m.version, m.round) == (2, 2) and reg.versions(t) == [0, 1, 2], (point, t)
+        ledger = NgramRelease(ReleaseConfig(k=1), reg.privacy_ledger(t))
+        assert ledger.accountant.num_releases == 2, (point, t)  # charged once per committed round
+    if point == "after-commit":  # the first target's round-2 commit survived: the rerun did not train it again
+        assert any(r.get("recovered") for r in records if r["round"] == 2)
 
 
 def test_secagg_sums_adapters_without_the_coordinator_seeing_one(tmp_path, tiny):
