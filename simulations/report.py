@@ -254,7 +254,7 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
 
     bars(axes[0][0], "acceptance-k" if fixed else "acceptance", "first-session acceptance" + (", fixed k" if fixed else ""), "%.3f")
     if speed:
-        bars(axes[0][1], "modelled-speedup", "first-session speedup vs target alone, modelled (x)", "%.2f")
+        bars(axes[0][1], "modelled-speedup", "speedup vs target alone, modelled (x)", "%.2f")
     fig.tight_layout()
     fig.savefig(out / "newcomers.png", dpi=110)
     plt.close(fig)
