@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -50,6 +51,7 @@ from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.recordings import Recording, RecordingStore
 
+log = logging.getLogger("omnidraft.device")
 GLOBAL_DIR = "global"
 FLEET_FILE = "fleet.json"
 HISTORY_FILE = "history.jsonl"
@@ -185,6 +187,15 @@ class DeviceProfile:
         data["policy"] = ResourcePolicy(**data.get("policy", {}))
         return cls(**{**data, "state_dir": Path(data["state_dir"]),
                       "generation": GenerationConfig(**gen), "online": OnlineConfig(**online)})
+
+
+def _keep(store: RecordingStore, prompt: str, config: GenerationConfig, recording: Recording) -> None:
+    """Keep a recording; a store that cannot be written (a full or read-only disk) only costs
+    later decodes their replay, never this one."""
+    try:
+        store.put(prompt, config, recording)
+    except OSError as exc:
+        log.warning("recording not kept (%s): later decodes of this prompt run the target", exc)
 
 
 _PROFILES: dict[str, tuple[int, DeviceProfile]] = {}
@@ -412,7 +423,7 @@ class FleetDevice:
             result = session.generate(prompt, p.generation, learn=True, replay=recording)
             replayed += recording is not None
             if store is not None and session.last_recording is not None:
-                store.put(prompt, p.generation, session.last_recording)
+                _keep(store, prompt, p.generation, session.last_recording)
             if i == 0:
                 first.add(result)
             whole.add(result)
@@ -523,7 +534,7 @@ class FleetDevice:
                 if recording is None:
                     _, ids = session.engine.prompt_ids(prompt)
                     recording = Recording(ids + target_alone(session, [prompt], g)[0].token_ids, len(ids))
-                    store.put(prompt, g, recording)
+                    _keep(store, prompt, g, recording)
                 runs.append({"ids": recording.generated, "tokens": len(recording.generated), "s": 0.0})
             return runs
         key = _sha256(json.dumps([p.target_model, p.heldout, g.max_new_tokens, list(g.stop_strings),

@@ -511,6 +511,29 @@ def test_a_cold_first_session_then_the_global_state_in_one_process(tmp_path, tin
         device.evaluate(adaptive=False)
 
 
+def test_a_recording_store_that_cannot_be_written_costs_only_the_replay(tmp_path, tiny):
+    """A simulated device whose recording store is unwritable (here: a file where the folder
+    should be) still trains and evaluates, with the target running instead of a replay."""
+    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+
+    blocked = tmp_path / "recordings"
+    blocked.write_text("not a folder")
+    profile = DeviceProfile(device_id="d", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
+                            drafter=str(tiny["tiny-drafter"]), prompts=["def add(a, b):", "import os\n"],
+                            heldout=["def f(x):"], state_dir=tmp_path / "dev", prompts_per_round=2,
+                            recordings=str(blocked))
+    device = FleetDevice(profile, EnginePool("fp32", "fp32"))
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=8))
+    state = reg.load("tiny-target-a")
+    device.receive(state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature)
+    _, _, metrics = device.train_round(1)
+    assert metrics["replayed"] == 0.0 and metrics["trained-tokens"] > 0
+    cold = device.evaluate(use_global=False, fixed_k=2)  # held-out outputs: the target alone, not the store
+    assert 0 <= cold["fixed-k-acceptance"] <= 1 and cold["modelled-speedup"] > 0 and "tokens-per-s" not in cold
+    assert blocked.read_text() == "not a folder"
+
+
 def test_fleet_cli_register_and_status(tmp_path, tiny, capsys):
     from omnidraft.cli import main
 
