@@ -193,11 +193,13 @@ def update_norm(msg: Message, global_adapter: dict[str, np.ndarray]) -> float:
 
 def clip_bound(norms: list[float], config: AggregationConfig) -> float | None:
     """This round's L2 bound on one update: the fixed ``clip_norm``, else ``clip_median_factor``
-    times the median of ``norms`` (None: no clipping)."""
+    times the lower median of ``norms`` (the middle one, the smaller of the two middle ones for an
+    even count: with two replies, one of them an attacker's, the bound is then the other's, not
+    half the attacker's; None: no clipping)."""
     if config.clip_norm is not None:
         return config.clip_norm
     if config.clip_median_factor > 0 and norms:
-        return config.clip_median_factor * float(np.median(norms)) or None
+        return config.clip_median_factor * sorted(norms)[(len(norms) - 1) // 2] or None
     return None
 
 

@@ -157,6 +157,17 @@ def test_a_huge_self_reported_weight_is_capped_at_what_a_round_asks():
     assert np.allclose(avg["a"], (3 * 1.0 + 9.0) / 4)  # one device's share, not all of it
 
 
+def test_an_attacker_among_two_replies_is_clipped_to_the_honest_norm():
+    """With an even count the bound is twice the lower middle norm: of two replies, one scaled
+    by 10^4, the attacker is clipped to twice the honest update's norm (the mean of the two middle
+    norms would have let it through at half its size)."""
+    cfg = AggregationConfig(clip_median_factor=2.0)
+    honest = {"a": np.full((2, 3), 0.1, np.float32), "b": np.full(4, 0.1, np.float32)}
+    attacker = {k: v * 1e4 for k, v in honest.items()}
+    avg, _ = aggregate_target(1, [reply(honest, 10), reply(attacker, 10)], GLOBAL, cfg)
+    assert np.allclose(avg["a"], (0.1 + 2 * 0.1) / 2) and np.allclose(avg["b"], (0.1 + 2 * 0.1) / 2)
+
+
 def test_private_updates_are_clipped_equally_weighted_and_noised(monkeypatch):
     """DP-FedAvg: each update clipped to the fixed norm (an update of exactly zero included), every
     device weighing the same whatever it reports, Gaussian noise of std noise * clip / devices
