@@ -59,8 +59,8 @@ class AggregationConfig:
     max_trained_tokens: float = 4096.0  # the FedAvg weight of one reply is capped here (target tokens)
     max_payload_bytes: int = 256 << 20  # bigger replies are rejected (bytes)
     update_bits: int = 8  # devices send their update quantized to 4 or 8 bits (32: float32); shared.update_codec
-    # central differential privacy on the updates (DP-FedAvg through Flower's
-    # DifferentialPrivacyServerSideFixedClipping): Gaussian noise of std dp_noise * clip_norm / devices
+    # central differential privacy on the updates (DP-FedAvg with Flower's DP helpers; see
+    # aggregate_target): Gaussian noise of std dp_noise * clip_norm / devices
     # on the mean of the updates, each clipped to the fixed clip_norm, every device weighted equally
     # (0: off). The privacy ledger composes one event per committed round (ngram_release).
     dp_noise: float = 0.0

@@ -517,7 +517,9 @@ class Coordinator:
         release = NgramRelease(cfg.release, self.registry.privacy_ledger(target), private_updates=cfg.aggregation.dp_noise > 0)
         if cfg.aggregation.dp_noise > 0:  # charged in the same ledger, committed with the version
             release.account_updates(cfg.aggregation.dp_noise)
-            record["update-noise-std"] = cfg.aggregation.dp_noise * cfg.aggregation.clip_norm / len(msgs)
+            from flwr.supercore.differential_privacy import compute_stdv
+
+            record["update-noise-std"] = compute_stdv(cfg.aggregation.dp_noise, cfg.aggregation.clip_norm, len(msgs))
         released, report = release.release([b for _, b in good])  # noise from OS entropy, never the seed
         cache = state.cache()
         candidates = self.registry.candidates(target)

@@ -25,16 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as st_save
 
 from omnidraft.shared import catalog
 from omnidraft.shared.atomic_io import write_bytes_atomic
 from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.training_signal import SIGNAL_KEYS
 
 RECORDING_VERSION = 1
-SIGNAL_KEYS = ("top_idx", "top_logp", "mass", "logp_t")
 
 
 @dataclass
@@ -61,17 +60,15 @@ class Recording:
                                           "prompt_tokens": str(self.prompt_tokens)})
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Recording:
-        tensors = st_load(data)
-        signal = {k: tensors[k] for k in SIGNAL_KEYS} if all(k in tensors for k in SIGNAL_KEYS) else None
-        meta = _metadata(data)
-        return cls(tensors["ids"].tolist(), int(meta["prompt_tokens"]), signal)
-
-
-def _metadata(data: bytes) -> dict:
-    """The ``__metadata__`` of a safetensors blob (its JSON header)."""
-    size = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + size]).get("__metadata__", {})
+    def load(cls, path: Path, key: dict) -> Recording | None:
+        """The recording in ``path`` if it was written under ``key`` (else None)."""
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            if json.loads(meta.get("key", "null")) != key:
+                return None
+            names = set(f.keys())
+            signal = {k: f.get_tensor(k) for k in SIGNAL_KEYS} if names >= set(SIGNAL_KEYS) else None
+            return cls(f.get_tensor("ids").tolist(), int(meta["prompt_tokens"]), signal)
 
 
 class RecordingStore:
@@ -98,13 +95,10 @@ class RecordingStore:
         key = self._key(prompt, config)
         path = self._path(key)
         try:
-            data = path.read_bytes()
-            if json.loads(_metadata(data).get("key", "null")) != key:
-                return None
-            recording = Recording.from_bytes(data)
+            recording = Recording.load(path, key)
         except (OSError, ValueError, KeyError, SafetensorError):
             return None
-        return None if signal and recording.signal is None else recording
+        return None if recording is None or (signal and recording.signal is None) else recording
 
     def put(self, prompt: str, config: GenerationConfig, recording: Recording) -> Path:
         """Keep ``recording`` (atomically; replaces an older one of the same prompt)."""

@@ -30,6 +30,8 @@ from omnidraft.shared.draft_context import DraftContext
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 TOP_K = 32
+# what the recorder keeps per committed token (``SignalRecorder.signal``; see the module docstring)
+SIGNAL_KEYS = ("top_idx", "top_logp", "mass", "logp_t")
 
 
 class Intersection:
@@ -127,7 +129,7 @@ class SignalRecorder:
         if not self._rows:
             return {"top_idx": torch.zeros(0, self.top_k, dtype=torch.int32), "top_logp": torch.zeros(0, self.top_k),
                     "mass": torch.zeros(0), "logp_t": torch.zeros(0)}
-        return dict(zip(("top_idx", "top_logp", "mass", "logp_t"), (torch.cat(c) for c in zip(*self._rows))))
+        return dict(zip(SIGNAL_KEYS, (torch.cat(c) for c in zip(*self._rows))))
 
     @torch.inference_mode(False)
     def finish(self, context: DraftContext, response_start: int, target_bytes) -> TrainingSample:
@@ -196,5 +198,5 @@ class ReplayedSignal(SignalRecorder):
         if self._generated[start:start + n] != committed:
             raise ValueError("the decode left the recording it replays")
         s = self._signal
-        self._rows.append(tuple(s[k][start:start + n] for k in ("top_idx", "top_logp", "mass", "logp_t")))
+        self._rows.append(tuple(s[k][start:start + n] for k in SIGNAL_KEYS))
         self._tokens.extend(committed)

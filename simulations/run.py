@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--aggregation", choices=["fedavg", "median", "trimmed"])
     a("--clip-norm", type=float, help="L2 bound on each device's adapter update")
     a("--dp-noise", type=float,
-      help="differential privacy on the adapter updates (DP-FedAvg, Flower's server-side fixed clipping): "
+      help="differential privacy on the adapter updates (DP-FedAvg: fixed clipping, equal weights, central noise): "
            "Gaussian noise of this multiplier times --clip-norm on the sum of the clipped updates, composed "
            "into the reported epsilon (default 0: off; needs --clip-norm and the fedavg aggregation)")
     a("--update-bits", type=int, choices=(4, 8, 32), help="bits per value of the update a device sends (the default scenario: 4, with FFA-LoRA)")
