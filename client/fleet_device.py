@@ -521,30 +521,32 @@ class FleetDevice:
 
     def _target_alone(self, session: DeviceSession, p: DeviceProfile, timed: bool = True) -> list[dict]:
         """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
-        "s": seconds}, run once per (target, prompts, generation length and stops) and kept in
-        ``fleet.json`` (only the latest set: a deployed device's prompts change). Not ``timed``
-        (only the output is needed) and with a recording store, the outputs come from the store
-        where it holds them ("s" is then 0)."""
+        "s": seconds}, run live once per (target, prompts, generation length and stops), their
+        record kept in ``fleet.json`` (only the latest set: a deployed device's prompts change).
+        With a recording store only the first ``speed_prompts`` are run that way, and only when
+        ``timed`` (the speed baseline): the other outputs are needed as outputs only and come
+        from the store where it holds them ("s" 0; recorded live where it does not)."""
         g = p.generation
         store = self.recordings(session)
-        if not timed and store is not None:
-            runs = []
-            for prompt in p.heldout:
-                recording = store.get(prompt, g)
-                if recording is None:
-                    _, ids = session.engine.prompt_ids(prompt)
-                    recording = Recording(ids + target_alone(session, [prompt], g)[0].token_ids, len(ids))
-                    _keep(store, prompt, g, recording)
-                runs.append({"ids": recording.generated, "tokens": len(recording.generated), "s": 0.0})
-            return runs
-        key = _sha256(json.dumps([p.target_model, p.heldout, g.max_new_tokens, list(g.stop_strings),
-                                  g.temperature]).encode())[:16]
-        held = self._fleet_meta().get("target-alone", {})
-        if held.get("key") != key:
-            held = {"key": key, "runs": [{"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": r.stats.wall_s}
-                                         for r in target_alone(session, p.heldout, g)]}
-            self._save_fleet_meta({**self._fleet_meta(), "target-alone": held})
-        return held["runs"]
+        n_timed = len(p.heldout) if store is None else (p.speed_prompts or len(p.heldout)) if timed else 0
+        runs = []
+        if n_timed:
+            key = _sha256(json.dumps([p.target_model, p.heldout[:n_timed], g.max_new_tokens, list(g.stop_strings),
+                                      g.temperature]).encode())[:16]
+            held = self._fleet_meta().get("target-alone", {})
+            if held.get("key") != key:
+                held = {"key": key, "runs": [{"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": r.stats.wall_s}
+                                             for r in target_alone(session, p.heldout[:n_timed], g)]}
+                self._save_fleet_meta({**self._fleet_meta(), "target-alone": held})
+            runs = list(held["runs"])
+        for prompt in p.heldout[n_timed:]:
+            recording = store.get(prompt, g)
+            if recording is None:
+                _, ids = session.engine.prompt_ids(prompt)
+                recording = Recording(ids + target_alone(session, [prompt], g)[0].token_ids, len(ids))
+                _keep(store, prompt, g, recording)
+            runs.append({"ids": recording.generated, "tokens": len(recording.generated), "s": 0.0})
+        return runs
 
     def _evaluate_adaptive(self, session: DeviceSession, p: DeviceProfile, alone: list[dict] | None,
                            replay: list[dict] | None = None) -> dict:

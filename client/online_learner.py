@@ -5,9 +5,10 @@
 AdamW steps on the active target's LoRA adapter with the configured loss (sequence-level
 NLL by default, or the paper's hybrid loss); the buffer is then
 cleared (one pass over the stream, on-policy: each sample was decoded with the current
-drafter). After the step, the updated drafter re-scores the buffer to label the acceptance
-head's replay buffer; on every other prompt the head takes one step on a replayed batch
-(interleaved training). The caller runs ``observe`` between requests, so an update never
+drafter). The training forwards of the update's last pass also label the acceptance head's
+replay buffer (each sample's hidden states with the acceptance its drafter logits would get, a
+consistent pair from the drafter state of that step), and the head takes one step; on every
+other prompt the head takes one step on a replayed batch (interleaved training). The caller runs ``observe`` between requests, so an update never
 blocks a generation in progress; ``UpdateReport.seconds`` is the time it took.
 """
 
@@ -122,7 +123,8 @@ class OnlineLearner:
 
     def update(self) -> UpdateReport:
         """``epochs`` passes over the buffer, each ``steps_per_update`` optimizer steps on the
-        loss; the report's loss is the first pass's (before most steps)."""
+        loss; the report's loss is the first pass's (before most steps). The last pass's
+        forwards label the acceptance head's replay buffer (no forward of its own)."""
         t0 = time.perf_counter()
         self.adapters.activate(self.target)
         kind = self.config.loss.kind
@@ -131,28 +133,33 @@ class OnlineLearner:
         steps = max(1, min(self.config.steps_per_update, len(samples)))
         batches = [samples[i::steps] for i in range(steps)]
         totals = {"loss": 0.0, "dm_terms": 0, "ngram_terms": 0, "terms": 0}
+        head_rows = 0
         model = self.adapters.peft
         model.train()
         try:
             for epoch in range(self.config.epochs):
+                last = epoch == self.config.epochs - 1
                 for batch in batches:
                     terms = sum(s.positions(kind) for s in batch)
                     self.optimizer.zero_grad(set_to_none=True)
                     for s in batch:
                         n = s.positions(kind)
-                        loss, parts, _, _ = self._sample_loss(s, grad=True)
+                        loss, parts, hidden, dm_logits = self._sample_loss(s, grad=True)
                         (loss * (n / terms)).backward()
                         if epoch == 0:
                             totals["loss"] += float(loss.detach()) * n
                             totals["terms"] += n
                             totals["dm_terms"] += parts.get("dm_terms", 0)
                             totals["ngram_terms"] += parts.get("ngram_terms", 0)
+                        if last and self.head is not None:
+                            head_rows += self._label_for_head(s, hidden.detach(), dm_logits.detach())
                     if terms:
                         self.optimizer.step()
         finally:
             model.eval()
         self.adapters.invalidate(self.target)
-        head_rows = self._label_for_head(samples) if self.head is not None else 0
+        if self.head is not None and self.replay.size:
+            self.head_step()
         self.updates += 1
         n_terms = totals["terms"]
         report = UpdateReport(self.updates, self.prompts_seen, time.perf_counter() - t0,
@@ -171,7 +178,7 @@ class OnlineLearner:
         """``(loss, parts, hidden, dm_logits)`` of one sample: the teacher-forced drafter over
         its ids, logits only at the rows that predict a loss position (``hidden`` and
         ``dm_logits`` at the DM positions, for the acceptance head's labels)."""
-        decoder, lm_head = self.adapters.decoder_and_head()
+        decoder, lm_head = self.adapters.decoder_and_head(torch.bfloat16 if self.autocast else None)
         ids = torch.tensor([s.draft_ids], dtype=torch.long)
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
         with ctx, self._autocast():
@@ -203,20 +210,15 @@ class OnlineLearner:
         return total / terms if terms else 0.0
 
     # -- the acceptance head ---------------------------------------------------------------------
-    def _label_for_head(self, samples: list[TrainingSample]) -> int:
-        """Re-score ``samples`` with the updated drafter; push (hidden, soft label) rows into the
-        replay buffer and take one head step. Returns the rows added."""
-        added = 0
-        for s in samples:
-            if not s.dm_pos.numel():
-                continue
-            _, _, hidden, logits = self._sample_loss(s, grad=False)
-            labels, keep = soft_labels(logits, self.inter.index_of_draft, s.dm_top_idx, s.dm_top_logp)
-            self.replay.push(hidden[keep], labels[keep])
-            added += int(keep.sum())
-        if self.replay.size:
-            self.head_step()
-        return added
+    def _label_for_head(self, s: TrainingSample, hidden: torch.Tensor, logits: torch.Tensor) -> int:
+        """Push sample ``s``'s (hidden state, soft label) rows at its DM positions into the
+        replay buffer, from the drafter ``hidden`` states and ``logits`` there (a training
+        forward's); returns the rows added."""
+        if not s.dm_pos.numel():
+            return 0
+        labels, keep = soft_labels(logits, self.inter.index_of_draft, s.dm_top_idx, s.dm_top_logp)
+        self.replay.push(hidden[keep], labels[keep])
+        return int(keep.sum())
 
     def head_step(self) -> float:
         """One weighted-BCE step of the head on a replayed batch; returns the loss."""

@@ -152,6 +152,20 @@ def eval_metrics_usable(metrics) -> bool:
     return number(weight) and 0 <= weight < 1 << 40 and all(number(metrics[k]) for k in EVAL_KEYS if k in metrics)
 
 
+class PhaseClock:
+    """Wall seconds of a round's phases, in order: ``lap(name)`` charges the time since the
+    previous lap (or since the clock started) to ``name``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+
 def wait_for_devices(grid: Grid, minimum: int, wait_s: float) -> list[int]:
     """Connected node ids once ``minimum`` are connected; after ``wait_s`` whatever is there."""
     deadline = time.monotonic() + wait_s
@@ -239,14 +253,17 @@ class Coordinator:
             log.warning("round %d: no device connected after %.0f s; round skipped", rnd, cfg.wait_s)
             return []
         self._progress = [rnd, 0, 0]
+        phases = PhaseClock()
         self.before_round(rnd, self.registry)
         members, probes, skipped, states = self._census(grid, rnd, nodes)
         switched = self._roll_out(grid, rnd, members, states, skipped)
+        phases.lap("census")
         records = []
         if rnd == 1 and cfg.evaluate:  # the starting point: every target's state before any round
             start = self.evaluate_panels(grid, 0, {t: Panel(list(probes[t]), states[t], probes[t]) for t in probes})
             records += [{"round": 0, "target": t, "version": int(states[t].manifest.version), **start[t]}
                         for t in sorted(probes)]
+            phases.lap("start-eval")
         # sampled in the order of the devices' own ids (Flower's node ids change between runs)
         eligible = sorted((node for group in members.values() for node in group),
                           key=lambda n: str(next(g[n] for g in members.values() if n in g).get("device", n)))
@@ -260,6 +277,7 @@ class Coordinator:
         round_devices = by_target  # who evaluates a target's new state where it has no probes
         by_target = {t: g for t, g in by_target.items() if t not in recovered}
         newcomers = self._first_sessions(grid, rnd, states, by_target)
+        phases.lap("newcomers")
 
         secure = {"update-bits": cfg.aggregation.update_bits}
         if cfg.secagg.enabled:  # devices keep their update for the secure aggregation
@@ -269,6 +287,7 @@ class Coordinator:
         downlink = {node: sum(len(v) for v in rec[FLEET_KEY].values() if isinstance(v, bytes))
                     for node, rec in messages.items()}
         replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
+        phases.lap("train")
 
         trained = []
         # reasons that name no target (a garbage status, no status at all) go to the round's first record
@@ -289,6 +308,7 @@ class Coordinator:
             trained.append({"round": rnd, "target": target, "aggregated": 0, "recovered": True,
                             "version": int(states[target].manifest.version), "devices": len(members[target]),
                             "switched": switched.get(target, 0), "rejected": [], "skipped": []})
+        phases.lap("aggregate")
         if cfg.evaluate:  # the probe panels (else the round's devices) measure the new states, all at once
             panels = {r["target"]: Panel(list(probes.get(r["target"]) or round_devices[r["target"]]),
                                          self.registry.load(r["target"]), probes.get(r["target"]))
@@ -296,8 +316,10 @@ class Coordinator:
             measured = self.evaluate_panels(grid, rnd, panels)
             for record in trained:
                 record.update(measured.get(record["target"], {}))
+            phases.lap("eval")
         for record in trained:
             record["round-s"] = time.perf_counter() - t0
+            record["phase-s"] = dict(phases.seconds)
         records += trained
         history = self.root / ROUNDS_FILE
         lines = "".join(json.dumps(r, default=float) + "\n" for r in records).encode()

@@ -306,6 +306,24 @@ def round_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PHASES = {"census": "status and rollout", "start-eval": "round 0 evaluation", "newcomers": "new devices and veterans",
+          "train": "training devices", "aggregate": "aggregation", "eval": "probes"}
+
+
+def time_table(records: list[dict]) -> str | None:
+    """Wall seconds of each round's phases (the coordinator's ``phase-s``: one clock for all
+    targets of a round), or None when the records carry none."""
+    rounds = {r["round"]: r for r in records if "phase-s" in r}
+    if not rounds:
+        return None
+    head = "| round | " + " | ".join(PHASES.values()) + " | round |"
+    lines = [head, "|" + "---|" * (len(PHASES) + 2)]
+    for rnd, r in sorted(rounds.items()):
+        cells = [_fmt(r["phase-s"].get(k), ".0f") for k in PHASES]
+        lines.append(f"| {rnd} | " + " | ".join(cells) + f" | {_fmt(r.get('round-s'), '.0f')} |")
+    return "\n".join(lines)
+
+
 def finish(run_dir: str | Path, config: dict, wall_s: float, peak_rss_mb: float | None = None,
            peak_rss_scope: str = "not measured") -> tuple[dict, Path | None]:
     """Write ``summary.json`` (``config``: the scenario's ``to_dict()``; the run's wall time in
@@ -389,6 +407,9 @@ def write_report(run_dir: str | Path) -> Path:
                       + ", ".join(f"{k} {v:.0%}" for k, v in sorted(cfg["attacks"].items())))
     if events:
         parts += ["## Events", "", *[f"- {e}" for e in events], ""]
+    times = time_table([r for rows in per_target.values() for r in rows])
+    if times:
+        parts += ["## Where the time went (wall seconds)", "", times, ""]
     reasons = rejection_reasons([r for rows in per_target.values() for r in rows])
     if reasons:
         parts += ["## Rejected replies and skipped devices, by reason", "", "| reason | count |", "|---|---|",

@@ -204,6 +204,59 @@ def test_epochs_repeat_the_pass_and_the_optimizer_is_configurable(pair_dir):
             OnlineConfig(**bad).validate()
 
 
+def test_bf16_training_on_frozen_weight_copies_is_bit_identical(pair_dir):
+    """Under bf16 autocast, a training forward that reads bf16 copies of the frozen Linear
+    weights gives the same logits and adapter gradients, bit for bit, as the fp32 weights
+    autocast casts at every call; the copies hold frozen weights only, are made once per
+    drafter and are rebuilt after a respec (other modules carry LoRA then)."""
+    engine = _engine(pair_dir)
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
+    adapters.add("t")
+    with torch.no_grad():  # a trained adapter: B != 0, so the LoRA path counts
+        for n, p in adapters.peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    ids = torch.tensor([engine.drafter.tokenizer.encode(PROMPTS[0] + PROMPTS[1])])
+
+    def forward_backward(frozen_dtype):
+        decoder, head = adapters.decoder_and_head(frozen_dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = head(decoder(input_ids=ids).last_hidden_state).float()
+        logits.logsumexp(-1).sum().backward()
+        grads = {n: p.grad.clone() for n, p in adapters.peft.named_parameters() if p.grad is not None}
+        adapters.peft.zero_grad(set_to_none=True)
+        return logits.detach(), grads
+
+    ref_logits, ref_grads = forward_backward(None)
+    logits, grads = forward_backward(torch.bfloat16)
+    assert ref_grads and torch.equal(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    in_decoder, in_head = copies = adapters._frozen[torch.bfloat16]
+    assert in_decoder and all(".lora_" not in n and t.dtype == torch.bfloat16 for n, t in in_decoder.items())
+    assert list(in_head) == ["weight"]
+    adapters.decoder_and_head(torch.bfloat16)
+    assert adapters._frozen[torch.bfloat16] is copies  # made once
+    adapters.respec(LoraSpec(rank=4, modules="attn"))
+    assert not adapters._frozen
+
+
+def test_the_update_labels_the_acceptance_head_from_its_own_forwards(pair_dir):
+    """The acceptance head's replay rows come from the update's training forwards (one row per
+    labelled DM position of the samples, no forward of their own), with bf16 autocast on."""
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=4),
+                            online=OnlineConfig(interval=100, lr=3e-3, bf16_autocast=True))
+    samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:3]]
+    learner = session.learner
+    forwards = []
+    learner._sample_loss = (lambda f: lambda s, grad: (forwards.append(grad), f(s, grad))[1])(learner._sample_loss)
+    learner.buffer = list(samples)
+    report = learner.update()
+    assert forwards == [True] * len(samples)  # the training forwards only
+    assert 0 < report.head_rows == learner.replay.size <= sum(s.dm_pos.numel() for s in samples)
+    assert session.head.trained_steps == 1
+
+
 def test_one_packing_serves_every_adapter(pair_dir):
     """Adapters draft on forks of one base packing, each with its own KV cache; a trained
     adapter is merged into its own runner's weights: training, loading and resetting an

@@ -545,6 +545,37 @@ def test_a_recording_store_that_cannot_be_written_costs_only_the_replay(tmp_path
     assert blocked.read_text() == "not a folder"
 
 
+def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_prompts(tmp_path, tiny, monkeypatch):
+    """With a recording store, a probe runs the target alone live (timed: the speed baseline)
+    on its ``speed_prompts`` only; its other held-out outputs come from the store, recorded live
+    the first time, so a fresh probe later runs only its speed prompts. The fixed-k figures are
+    the store-less probe's."""
+    from omnidraft.client import adapt_run, fleet_device
+    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+
+    heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
+    pool = EnginePool("fp32", "fp32")
+
+    def probe(name: str, recordings: str) -> FleetDevice:
+        return FleetDevice(DeviceProfile(device_id=name, target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
+                                         drafter=str(tiny["tiny-drafter"]), prompts=[], heldout=heldout,
+                                         state_dir=tmp_path / name, speed_prompts=1, probe=True,
+                                         recordings=recordings), pool)
+
+    runs = []
+    real_alone = adapt_run.target_alone
+    monkeypatch.setattr(fleet_device, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    store = str(tmp_path / "recordings")
+    first = probe("p1", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    assert runs == [heldout[:1]] + [[p] for p in heldout[1:]] and first["speedup"] > 0
+    runs.clear()
+    second = probe("p2", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    assert runs == [heldout[:1]]  # the timed baseline only: the rest is in the store
+    plain = probe("p3", "").evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    for key in ("fixed-k-acceptance", "fixed-k-tokens-per-call"):
+        assert first[key] == second[key] == plain[key]
+
+
 def test_fleet_cli_register_and_status(tmp_path, tiny, capsys):
     from omnidraft.cli import main
 

@@ -252,6 +252,11 @@ def test_smoke_run_writes_every_output(smoke):
     trained_rounds = [r for r in records if r["round"]]
     assert all(0 <= r["train-replayed"] <= 1 and r["train-modelled-speedup"] > 0 for r in trained_rounds)
     assert "modelled tok/s (speedup)" in (out / "report.md").read_text()
+    for r in trained_rounds:  # where each round's time went, phase by phase, adding up to the round
+        phases = r["phase-s"]
+        assert {"census", "newcomers", "train", "aggregate", "eval"} <= set(phases) and min(phases.values()) >= 0
+        assert sum(phases.values()) <= r["round-s"] + 1e-6 and ("start-eval" in phases) == (r["round"] == 1)
+    assert "## Where the time went (wall seconds)" in (out / "report.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["devices"] == 50 and summary["wall_s"] > 0 and summary["peak_rss_mb"] > 100
     assert summary["peak_rss_scope"] == "all processes"  # a local Ray: the workers are descendants
