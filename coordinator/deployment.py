@@ -4,13 +4,15 @@
 
     <root>/pki/               CA, SuperLink certificate, one key pair per device (``fleet_pki``)
     <root>/flwr/config.toml   Flower's CLI connection ``fleet`` (TLS, trusting the fleet's CA)
-    <root>/deployment.json    the SuperLink address and the certificate's host names
+    <root>/deployment.json    the devices' address and the operator's loopback control address
 
 The other commands build the command lines of Flower's executables from it:
-``fleet superlink`` (``flower-superlink`` with TLS and ``--enable-supernode-auth``),
+``fleet superlink`` (``flower-superlink`` with TLS and ``--enable-supernode-auth`` on loopback
+only, behind ``fleet_gateway`` on the devices' address, which serves the Fleet API and nothing
+else: a stranger holding ``ca.crt`` can neither register a SuperNode key nor push an app bundle),
 ``fleet register-node`` (``flwr supernode register``) and ``fleet run`` (``flwr run`` of the
-app in ``flower_app/`` with the run config). ``FLWR_HOME`` points at ``<root>/flwr`` so the
-operator's own Flower configuration is left alone.
+app in ``flower_app/`` with the run config), both through the loopback address. ``FLWR_HOME``
+points at ``<root>/flwr`` so the operator's own Flower configuration is left alone.
 """
 
 from __future__ import annotations
@@ -50,27 +52,36 @@ class Deployment:
     def flwr_home(self) -> Path:
         return self.root / "flwr"
 
-    @property
-    def address(self) -> str:
+    def _field(self, key: str) -> str:
         try:
-            return json.loads((self.root / "deployment.json").read_text())["superlink"]
+            return json.loads((self.root / "deployment.json").read_text())[key]
         except (OSError, ValueError, KeyError):
             raise PkiError(f"{self.root} is not prepared for a deployment: run omnidraft fleet init first") from None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the devices connect to (the gateway)."""
+        return self._field("superlink")
+
+    @property
+    def control_address(self) -> str:
+        """``127.0.0.1:port`` of the SuperLink itself (the operator's CLI and the ServerApp)."""
+        return self._field("control")
 
     def env(self) -> dict[str, str]:
         """The environment for Flower's CLI: this directory's connection, no runtime installs."""
         return {**os.environ, "FLWR_HOME": str(self.flwr_home),
                 "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 
-    def superlink_command(self, listen_host: str | None = None, database: str | None = None) -> list[str]:
-        """``flower-superlink`` with TLS and SuperNode authentication on this deployment's port
-        (``listen_host``: the interface; default the address's host). ``database``: a SQLite
-        file that keeps registered nodes across restarts; default Flower's in-memory state (a
-        file database locked up under multi-MB messages on a loaded 2-core machine, ending the
-        ServerApp; measured)."""
-        host, port = split_address(self.address)
+    def superlink_command(self, database: str | None = None) -> list[str]:
+        """``flower-superlink`` with TLS and SuperNode authentication on the loopback control
+        address (the devices reach it through the gateway). ``database``: a SQLite file that keeps
+        registered nodes across restarts; default Flower's in-memory state (a file database
+        locked up under multi-MB messages on a loaded 2-core machine, ending the ServerApp;
+        measured)."""
+        host, port = split_address(self.control_address)
         pki = self.pki
-        cmd = ["flower-superlink", "--host", listen_host or host, "--port", str(port),
+        cmd = ["flower-superlink", "--host", host, "--port", str(port),
                "--ssl-ca-certfile", str(pki.ca_cert), "--ssl-certfile", str(pki.server_cert),
                "--ssl-keyfile", str(pki.server_key), "--enable-supernode-auth",
                "--disable-runtime-dependency-installation"]
@@ -80,7 +91,8 @@ class Deployment:
         """``flwr supernode register`` of device ``name``'s public key."""
         key = self.pki.node_public_key(name)
         if not key.exists():
-            raise PkiError(f"no key pair for node {name!r} in {self.pki.root} (omnidraft fleet init --node {name})")
+            raise PkiError(f"no key for node {name!r} in {self.pki.root}: give the device's own with --public-key "
+                           f"(omnidraft device keygen on the device)")
         return ["flwr", "supernode", "register", str(key), CONNECTION, "--name", name]
 
     def run_command(self, run_config: dict[str, object]) -> list[str]:
@@ -89,15 +101,21 @@ class Deployment:
         return ["flwr", "run", str(APP_DIR), CONNECTION, "--stream", "--run-config", toml_pairs(config)]
 
 
-def init(root: str | os.PathLike[str], address: str, nodes: list[str], hosts: list[str] | None = None) -> tuple[Deployment, list[str]]:
-    """Prepare ``root`` for a SuperLink at ``address`` (see the module docstring); the
+def init(root: str | os.PathLike[str], address: str, nodes: list[str], hosts: list[str] | None = None,
+         control_port: int | None = None) -> tuple[Deployment, list[str]]:
+    """Prepare ``root`` for devices connecting to ``address`` (see the module docstring), the
+    SuperLink itself on ``127.0.0.1:control_port`` (default: the address's port + 1); the
     certificate is valid for ``hosts`` (default: the address's host, 127.0.0.1, localhost).
     Returns the deployment and the files created."""
-    host, _ = split_address(address)
+    host, port = split_address(address)
+    control = f"127.0.0.1:{control_port or port + 1}"
+    _, control_port = split_address(control)
+    if control_port == port:
+        raise PkiError(f"control port {control_port}: give a port other than the devices' {port}")
     dep = Deployment(Path(root))
     _, created = init_pki(dep.pki.root, nodes, list(dict.fromkeys([host, *(hosts or []), "127.0.0.1", "localhost"])))
-    write_bytes_atomic(dep.root / "deployment.json", json.dumps({"superlink": address}).encode())
+    write_bytes_atomic(dep.root / "deployment.json", json.dumps({"superlink": address, "control": control}).encode())
     config = (f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-              f'address = "{address}"\nroot-certificates = "{dep.pki.ca_cert.resolve()}"\n')
+              f'address = "{control}"\nroot-certificates = "{dep.pki.ca_cert.resolve()}"\n')
     write_bytes_atomic(dep.flwr_home / "config.toml", config.encode())
     return dep, [f"pki/{name}" for name in created]

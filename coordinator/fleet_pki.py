@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.node_keys import checked_public_key, write_node_key
 
 CA_DAYS = 3650
 SERVER_DAYS = 825  # the longest server-certificate life browsers and most TLS stacks accept
@@ -134,21 +135,38 @@ def _make_server_cert(pki: FleetPki, ca: x509.Certificate, ca_key, hosts: list[s
     write_bytes_atomic(pki.server_cert, cert.public_bytes(serialization.Encoding.PEM))
 
 
-def add_node(pki: FleetPki, name: str) -> bool:
-    """Create the key pair of SuperNode ``name`` unless it exists; True when created."""
+def _checked_name(name: str) -> None:
     if not _NODE_NAME.match(name):
         raise PkiError(f"node name {name!r}: use 1-64 letters, digits, '.', '_', '-'")
+
+
+def add_node(pki: FleetPki, name: str) -> bool:
+    """Create the key pair of SuperNode ``name`` unless it exists (the operator's own test
+    devices; a real device makes its own: ``add_public_key``); True when created."""
+    _checked_name(name)
     if pki.node_key(name).exists() and pki.node_public_key(name).exists():
         return False
-    key = ec.generate_private_key(ec.SECP384R1())
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                serialization.NoEncryption())
-    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     pki.node_key(name).parent.mkdir(parents=True, exist_ok=True)
     os.chmod(pki.node_key(name).parent, 0o700)
-    write_bytes_atomic(pki.node_key(name), private)
-    write_bytes_atomic(pki.node_public_key(name), public + f" {name}\n".encode())
+    write_node_key(pki.node_key(name), name)
     return True
+
+
+def add_public_key(pki: FleetPki, name: str, public: bytes, source: str) -> None:
+    """Keep device ``name``'s own public key (made on the device: ``omnidraft device keygen``)
+    as ``nodes/<name>.pub``; no private key is stored. PkiError for a bad name, a key that is
+    not an OpenSSH P-384 public key, or a name already holding another key."""
+    _checked_name(name)
+    try:
+        line = checked_public_key(public, source)
+    except ValueError as exc:
+        raise PkiError(str(exc)) from None
+    path = pki.node_public_key(name)
+    if path.exists() and path.read_bytes().split()[:2] != line.split()[:2]:
+        raise PkiError(f"node {name!r} already has another key ({path}); pick another name")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    write_bytes_atomic(path, line)
 
 
 def init(root: str | os.PathLike[str], nodes: list[str], hosts: list[str] | None = None) -> tuple[FleetPki, list[str]]:

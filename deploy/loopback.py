@@ -4,19 +4,22 @@
 
 What it runs (the steps of README's "Edge boards" section, on loopback):
 
-1. ``omnidraft fleet register-target`` and ``omnidraft fleet init`` (CA, SuperLink certificate,
-   device keys) in ``<out>/coordinator``;
-2. ``omnidraft fleet superlink`` (TLS + SuperNode authentication), ``omnidraft fleet
-   register-node`` for two devices;
+1. ``omnidraft fleet register-target`` and ``omnidraft fleet init`` (CA, SuperLink certificate)
+   in ``<out>/coordinator``; each device makes its own key pair (``omnidraft device keygen``);
+2. ``omnidraft fleet superlink`` (TLS + SuperNode authentication, the SuperLink on a loopback
+   control port behind the gateway the devices use), ``omnidraft fleet register-node
+   --public-key`` of two devices' public keys (the coordinator never holds a device's private key);
 3. per device: ``omnidraft device serve`` on its state directory and a few ``omnidraft device
    ask`` requests (the prompts it will train on), then ``omnidraft device join``;
-4. a third device whose key was never registered tries to join and must be refused;
+4. a third device whose key was never registered tries to join and must be refused; a stranger
+   holding ``ca.crt`` tries Flower's Control API at the devices' address (``flwr supernode
+   register`` of its own key, ``flwr run`` of an app bundle) and must be refused both;
 5. ``omnidraft fleet run --rounds R``; then each device answers one more request, with the
    state the rounds left in its state directory.
 
 Writes ``<out>/summary.json``: wall times, the registry's version before and after, the
-rounds' records (bytes per device, acceptance), whether the unregistered device was refused,
-and what each device holds. Every process is stopped at the end. Default models: the tiny
+rounds' records (bytes per device, acceptance), whether the unregistered device and the
+stranger were refused, and what each device holds. Every process is stopped at the end. Default models: the tiny
 test models (built on first use); ``--drafter/--target`` take catalog names.
 """
 
@@ -91,6 +94,27 @@ def checked(result: subprocess.CompletedProcess) -> str:
     return result.stdout
 
 
+def stranger_tries_the_control_api(out: Path, coord: Path, port: int, key: Path) -> dict:
+    """Someone who holds ``ca.crt`` (every device does) points Flower's CLI at the devices'
+    address and tries to register their own SuperNode key and to start a run of an app bundle:
+    ``{"register": {"exit", "error"}, "run": {...}}`` (both must fail)."""
+    home = out / "stranger-flwr"
+    home.mkdir(exist_ok=True)
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "s"\n\n[superlink.s]\naddress = "127.0.0.1:{port}"\n'
+                                      f'root-certificates = "{(coord / "pki" / "ca.crt").resolve()}"\n')
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    flwr = str(Path(sys.executable).with_name("flwr"))
+    app = Path(__file__).resolve().parent.parent / "coordinator" / "flower_app"
+    tries = {"register": [flwr, "supernode", "register", f"{key}.pub", "s"],
+             "run": [flwr, "run", str(app), "s"]}
+    results = {}
+    for name, cmd in tries.items():
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        text = " ".join(line.strip(" │╭╮╰╯─") for line in (done.stdout + done.stderr).splitlines())  # Flower's boxed error
+        results[name] = {"exit": done.returncode, "error": " ".join(text.split())[-200:]}
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -120,14 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checked(omnidraft("fleet", "register-target", "t", "--model", target, "--drafter", drafter,
                           "--lora-rank", "8", env=env))
-        checked(omnidraft("fleet", "init", "--superlink", f"127.0.0.1:{port}", "--nodes", "3", env=env))
+        control_port = free_port()
+        checked(omnidraft("fleet", "init", "--superlink", f"127.0.0.1:{port}",
+                          "--control-port", str(control_port), env=env))
+        keys = {}  # each device makes its own key pair; the coordinator gets the public halves only
+        for name in ("device0", "device1", "stranger"):
+            keys[name] = out / name / "node.key"
+            checked(omnidraft("device", "keygen", "--key", str(keys[name]), "--name", name, env=env))
         fleet_key = checked(omnidraft("fleet", "public-key", env=env)).strip()
         summary["version-before"] = json.loads(checked(omnidraft("fleet", "status", "--json", env=env)))["targets"][0]["version"]
 
         superlink = procs.start("superlink", [sys.executable, "-m", "omnidraft", "fleet", "superlink"])
+        wait_port(control_port, 60, superlink)
         wait_port(port, 60, superlink)
-        for name in ("node0", "node1"):
-            checked(omnidraft("fleet", "register-node", name, env=env))
+        for i in (0, 1):
+            checked(omnidraft("fleet", "register-node", f"node{i}", "--public-key", f"{keys[f'device{i}']}.pub", env=env))
         summary["infrastructure-s"] = round(time.perf_counter() - t0, 1)
 
         pair = ["--drafter", drafter, "--target", target, "--dtype", args.dtype, "--drafter-weights", weights,
@@ -146,14 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         for i in (0, 1):
             procs.start(f"join{i}", [sys.executable, "-m", "omnidraft", "device", "join", *pair,
                                      "--superlink", f"127.0.0.1:{port}", "--cert", str(coord / "pki" / "ca.crt"),
-                                     "--key", str(coord / "pki" / "nodes" / f"node{i}"), "--fleet-key", fleet_key,
+                                     "--key", str(keys[f"device{i}"]), "--fleet-key", fleet_key,
                                      "--target-name", "t", "--state-dir", str(out / f"device{i}"),
                                      "--prompts-per-round", "2", "--runtime-port", str(free_port())])
         stranger = omnidraft("device", "join", *pair, "--superlink", f"127.0.0.1:{port}",
-                             "--cert", str(coord / "pki" / "ca.crt"), "--key", str(coord / "pki" / "nodes" / "node2"),
+                             "--cert", str(coord / "pki" / "ca.crt"), "--key", str(keys["stranger"]),
                              "--fleet-key", fleet_key, "--target-name", "t", "--state-dir", str(out / "device2"),
                              "--runtime-port", str(free_port()), "--max-retries", "1", env=env, timeout=120)
         summary["unregistered"] = {"exit": stranger.returncode, "error": (stranger.stderr.strip().splitlines() or [""])[-1]}
+        summary["stranger"] = stranger_tries_the_control_api(out, coord, port, keys["stranger"])
+        summary["coordinator-holds-private-keys"] = any(p.suffix != ".pub" for p in (coord / "pki" / "nodes").iterdir())
 
         t1 = time.perf_counter()
         run = omnidraft("fleet", "run", "--rounds", str(args.rounds), "--min-devices", "2", "--k", "1",

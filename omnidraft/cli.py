@@ -6,11 +6,11 @@
     omnidraft adapt --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
     omnidraft profile --drafter NAME --target NAME [...]
     omnidraft fleet register-target NAME --model NAME|DIR [--root DIR] | fleet status [--root DIR]
-    omnidraft fleet init --superlink HOST:PORT --node NAME ... | fleet superlink | fleet register-node NAME
+    omnidraft fleet init --superlink HOST:PORT --node NAME ... | fleet superlink | fleet register-node NAME [--public-key F]
     omnidraft fleet run [--rounds N ...] | fleet rollback NAME [--to V] | fleet public-key
     omnidraft device serve --drafter NAME --target NAME --state-dir DIR [--listen ADDR]
     omnidraft device join --superlink HOST:PORT --cert CA.crt --key NODE_KEY --drafter NAME --target NAME --state-dir DIR
-    omnidraft device ask "PROMPT" [--server ADDR] [--stream] | device health [--server ADDR]
+    omnidraft device ask "PROMPT" [--server ADDR] [--stream] | device health [--server ADDR] | device keygen --key PATH
 
 Every user error prints one line to stderr and exits with status 2.
 """
@@ -210,6 +210,10 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--state-key", default=os.environ.get("OMNIDRAFT_STATE_KEY"),
                         help="the state's key file, if it is encrypted")
     export.add_argument("--out", required=True, help="directory for adapter_config.json and adapter_model.safetensors")
+    keygen = dsub.add_parser("keygen", help="make this device's SuperNode key pair (the private key stays here; "
+                                            "give the operator the .pub file)")
+    keygen.add_argument("--key", required=True, help="private key file to create (the public key goes to KEY.pub)")
+    keygen.add_argument("--name", default=None, help="comment in the public key line (default: the host name)")
     ask = dsub.add_parser("ask", help="send one prompt to a running service")
     ask.add_argument("prompt")
     ask.add_argument("--max-new-tokens", type=int, default=0, help="0: the service's default")
@@ -253,13 +257,19 @@ def _build_parser() -> argparse.ArgumentParser:
     init.add_argument("--node", action="append", default=[], help="a device name to create a key pair for (repeat)")
     init.add_argument("--nodes", type=int, default=0, help="create key pairs node0 .. node<N-1>")
     init.add_argument("--san", action="append", default=[], help="another host name or IP the certificate is valid for")
-    superlink = fsub.add_parser("superlink", help="run flower-superlink with TLS and SuperNode authentication")
-    superlink.add_argument("--listen-host", default=None, help="interface to listen on (default: the init address's host)")
+    init.add_argument("--control-port", type=int, default=None,
+                      help="loopback port of the SuperLink itself, for the operator's CLI (default: the devices' port + 1)")
+    superlink = fsub.add_parser("superlink", help="run flower-superlink (TLS, SuperNode authentication) on loopback "
+                                                  "behind a gateway that serves the devices the Fleet API only")
+    superlink.add_argument("--listen-host", default=None, help="interface the gateway listens on (default: the init address's host)")
     superlink.add_argument("--database", default=None,
                            help="SQLite file for the SuperLink's state (registered nodes survive a restart); "
                                 "default in memory: nodes must be registered again after a restart")
     regnode = fsub.add_parser("register-node", help="let a device's key in (flwr supernode register)")
     regnode.add_argument("name")
+    regnode.add_argument("--public-key", default=None,
+                         help="the device's own public key file (omnidraft device keygen on the device); "
+                              "default: the pair fleet init made for NAME")
     frun = fsub.add_parser("run", help="run federated rounds on the SuperLink's connected devices (flwr run)")
     frun.add_argument("--rounds", type=int, default=1, help="rounds to run now")
     frun.add_argument("--fraction", type=float, default=1.0, help="share of joined devices sampled per round")
@@ -288,8 +298,9 @@ def _deployment(args) -> int:
         if args.nodes < 0:
             raise UsageError("omnidraft fleet init: --nodes must be >= 0")
         nodes = list(dict.fromkeys(args.node + [f"node{i}" for i in range(args.nodes)]))
-        dep, created = deployment.init(args.root, args.superlink, nodes, args.san)
-        print(f"{dep.root}: SuperLink {args.superlink}; created {', '.join(created) or 'nothing (all present)'}")
+        dep, created = deployment.init(args.root, args.superlink, nodes, args.san, args.control_port)
+        print(f"{dep.root}: devices connect to {args.superlink}, the operator's CLI to {dep.control_address}; "
+              f"created {', '.join(created) or 'nothing (all present)'}")
         print(f"devices: copy {dep.pki.ca_cert} and their own key from {dep.pki.root / 'nodes'}; "
               f"register each with: omnidraft fleet register-node NAME --root {dep.root}")
         return 0
@@ -301,8 +312,15 @@ def _deployment(args) -> int:
     dep = deployment.Deployment(Path(args.root))
     dep.address  # PkiError (one line) when `fleet init` has not prepared the directory
     if args.action == "superlink":
-        cmd = dep.superlink_command(args.listen_host, args.database)
+        return _superlink(dep, args.listen_host, args.database)
     elif args.action == "register-node":
+        if args.public_key is not None:
+            from omnidraft.coordinator.fleet_pki import add_public_key
+
+            path = Path(args.public_key)
+            if not path.is_file():
+                raise UsageError(f"omnidraft fleet register-node: {path} is not a file")
+            add_public_key(dep.pki, args.name, path.read_bytes(), str(path))
         cmd = dep.register_node_command(args.name)
     else:
         cmd = dep.run_command({"rounds": args.rounds, "fraction": args.fraction, "min-devices": args.min_devices,
@@ -319,6 +337,30 @@ def _deployment(args) -> int:
         # `flwr run --stream` returns 0 even when the ServerApp died
         raise UsageError(f"omnidraft fleet run: the federation stopped after round {last_round(dep.root)} of "
                          f"{before + args.rounds} (the SuperLink's log says why)")
+    return 0
+
+
+def _superlink(dep, listen_host: str | None, database: str | None) -> int:
+    """``fleet superlink``: Flower's SuperLink on the loopback control address, and the gateway
+    (``coordinator.fleet_gateway``) on the devices' address, until the SuperLink exits."""
+    from omnidraft.coordinator.deployment import split_address
+    from omnidraft.coordinator.fleet_gateway import serve_gateway
+    from omnidraft.shared.processes import run_foreground
+
+    host, port = split_address(dep.address)
+    pki = dep.pki
+    try:
+        gateway, thread = serve_gateway(listen_host or host, port, f"https://{dep.control_address}",
+                                        ca_cert=pki.ca_cert, certfile=pki.server_cert, keyfile=pki.server_key)
+    except OSError as exc:
+        raise UsageError(f"omnidraft fleet superlink: cannot listen on {listen_host or host}:{port}: {exc}") from None
+    try:
+        code = run_foreground(dep.superlink_command(database), dep.env())
+    finally:
+        gateway.should_exit = True
+        thread.join(timeout=10)
+    if code:
+        raise UsageError(f"omnidraft fleet superlink: flower-superlink exited with status {code}")
     return 0
 
 
@@ -679,6 +721,32 @@ def _export_adapter(args) -> int:
     return 0
 
 
+def _keygen(args) -> int:
+    """``device keygen``: this device's SuperNode key pair; an existing pair is kept (its public
+    line printed again), so the command is safe to repeat."""
+    import socket
+
+    from omnidraft.shared.node_keys import checked_public_key, public_key_path, write_node_key
+
+    key, public = Path(args.key), public_key_path(args.key)
+    if key.exists() or public.exists():
+        if not (key.is_file() and public.is_file()):
+            raise UsageError(f"omnidraft device keygen: {key} or {public} exists without the other; move it away first")
+        try:
+            line = checked_public_key(public.read_bytes(), str(public))
+        except ValueError as exc:
+            raise UsageError(f"omnidraft device keygen: {exc}") from None
+        print(f"kept the existing key {key}; its public key ({public}):", file=sys.stderr)
+    else:
+        try:
+            line = write_node_key(key, args.name or socket.gethostname())
+        except OSError as exc:
+            raise UsageError(f"omnidraft device keygen: cannot write {key}: {exc.strerror}") from None
+        print(f"wrote {key} (private, stays on this device) and {public}; give the operator {public}:", file=sys.stderr)
+    print(line.decode().strip())
+    return 0
+
+
 def _device(args) -> int:
     if args.action == "serve":
         return _serve(args)
@@ -686,6 +754,8 @@ def _device(args) -> int:
         return _join(args)
     if args.action == "export-adapter":
         return _export_adapter(args)
+    if args.action == "keygen":
+        return _keygen(args)
     import grpc
     from google.protobuf.json_format import MessageToDict
 

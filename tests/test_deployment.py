@@ -58,20 +58,134 @@ def test_fleet_init_creates_a_ca_a_server_certificate_and_node_keys(tmp_path, ca
     private = serialization.load_ssh_private_key(pki.node_key("node0").read_bytes(), password=None)
     assert private.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                              serialization.PublicFormat.OpenSSH) == public.rsplit(b" ", 1)[0]
-    config = (root / "flwr" / "config.toml").read_text()
-    assert 'address = "10.0.0.5:9092"' in config and str(pki.ca_cert.resolve()) in config
+    config = (root / "flwr" / "config.toml").read_text()  # the operator's CLI: the loopback SuperLink
+    assert 'address = "127.0.0.1:9093"' in config and str(pki.ca_cert.resolve()) in config
     # again: the CA and the keys are kept, only the new node is added
     before = pki.ca_cert.read_bytes(), pki.node_key("node0").read_bytes()
     assert cli(["fleet", "init", "--root", str(root), "--superlink", "10.0.0.5:9092", "--node", "node9"]) == 0
     assert (pki.ca_cert.read_bytes(), pki.node_key("node0").read_bytes()) == before
     assert "created pki/nodes/node9, pki/nodes/node9.pub" in capsys.readouterr().out
-    cmd = deployment.Deployment(root).superlink_command()
-    assert "--enable-supernode-auth" in cmd and cmd[cmd.index("--port") + 1] == "9092"
+    cmd = deployment.Deployment(root).superlink_command()  # on loopback only, behind the gateway
+    assert "--enable-supernode-auth" in cmd and cmd[cmd.index("--port") + 1] == "9093"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and deployment.Deployment(root).address == "10.0.0.5:9092"
     assert deployment.Deployment(root).register_node_command("node1")[-3:] == ["fleet", "--name", "node1"]
+
+
+def test_the_gateway_serves_the_fleet_api_and_refuses_the_control_api(tmp_path):
+    """What devices reach (the gateway on the devices' address) forwards the Fleet API to the
+    loopback SuperLink byte for byte, headers included (SuperNode authentication still happens
+    there), and refuses the Control and Runtime APIs and anything else with 403, over TLS with
+    the fleet's certificate."""
+    import socket
+    import ssl
+    import threading
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.error import HTTPError
+
+    from omnidraft.coordinator.fleet_gateway import serve_gateway
+
+    assert cli(["fleet", "init", "--root", str(tmp_path / "c"), "--superlink", "127.0.0.1:9"]) == 0
+    pki = deployment.Deployment(tmp_path / "c").pki
+    seen = []
+
+    class Upstream(BaseHTTPRequestHandler):  # stands in for the SuperLink: echoes what it got
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, self.headers.get("x-node-signature"), body))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/protobuf")
+            self.end_headers()
+            self.wfile.write(b"reply:" + body)
+
+        def log_message(self, *args):
+            pass
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(pki.server_cert, pki.server_key)
+    upstream.socket = context.wrap_socket(upstream.socket, server_side=True)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gateway, thread = serve_gateway("127.0.0.1", port, f"https://127.0.0.1:{upstream.server_address[1]}",
+                                    ca_cert=pki.ca_cert, certfile=pki.server_cert, keyfile=pki.server_key)
+    client = ssl.create_default_context(cafile=str(pki.ca_cert))
+
+    def post(path: str, body: bytes = b"\x08\x01", method: str = "POST"):
+        req = urllib.request.Request(f"https://127.0.0.1:{port}{path}", data=body if method == "POST" else None,
+                                     method=method, headers={"X-Node-Signature": "sig", "Content-Type": "application/protobuf"})
+        try:
+            with urllib.request.urlopen(req, context=client, timeout=10) as reply:
+                return reply.status, reply.read()
+        except HTTPError as exc:
+            return exc.code, exc.read()
+
+    try:
+        assert post("/v1/fleet/pull-messages") == (200, b"reply:\x08\x01")
+        assert seen == [("/v1/fleet/pull-messages", "sig", b"\x08\x01")]
+        for path, method in (("/v1/control/start-run", "POST"), ("/v1/control/create-node-cli", "POST"),
+                             ("/v1/runtime/pull-task-input", "POST"), ("/v1/fleet/../control/start-run", "POST"),
+                             ("/v1/fleet/pull-messages", "GET"), ("/", "GET"), ("/docs", "GET")):
+            status, _ = post(path, method=method)
+            assert status in (403, 404), (path, method, status)
+        assert len(seen) == 1  # nothing but the Fleet API reached the SuperLink
+        with pytest.raises(OSError, match="did not start"):  # the port is taken: a clear error
+            serve_gateway("127.0.0.1", port, "https://127.0.0.1:1", ca_cert=pki.ca_cert,
+                          certfile=pki.server_cert, keyfile=pki.server_key)
+    finally:
+        gateway.should_exit = True
+        thread.join(timeout=10)
+        upstream.shutdown()
+
+
+def test_a_device_makes_its_own_key_and_the_coordinator_keeps_only_the_public_half(tmp_path, capsys, monkeypatch):
+    """``device keygen`` writes the device's pair (private 0600, kept when run again);
+    ``fleet register-node --public-key`` stores only the public line, refuses a private key,
+    another key type or a second key under the same name, each in one line."""
+    key = tmp_path / "board" / "node.key"
+    assert cli(["device", "keygen", "--key", str(key), "--name", "board-01"]) == 0
+    public = capsys.readouterr().out.strip()
+    assert public.startswith("ecdsa-sha2-nistp384 ") and public.endswith(" board-01")
+    assert mode(key) == 0o600 and (tmp_path / "board" / "node.key.pub").read_text().strip() == public
+    serialization.load_ssh_private_key(key.read_bytes(), password=None)
+    assert cli(["device", "keygen", "--key", str(key)]) == 0  # kept, not replaced
+    assert capsys.readouterr().out.strip() == public
+    root = tmp_path / "coord"
+    assert cli(["fleet", "init", "--root", str(root), "--superlink", "127.0.0.1:9092"]) == 0
+    ran = []
+    monkeypatch.setattr("omnidraft.shared.processes.run_foreground", lambda cmd, env=None, **kw: ran.append(cmd) or 0)
+    assert cli(["fleet", "register-node", "board-01", "--public-key", str(key) + ".pub", "--root", str(root)]) == 0
+    pki = deployment.Deployment(root).pki
+    assert pki.node_public_key("board-01").read_text().strip() == public and not pki.node_key("board-01").exists()
+    assert ran[-1][:4] == ["flwr", "supernode", "register", str(pki.node_public_key("board-01"))]
+    other = tmp_path / "other.key"
+    assert cli(["device", "keygen", "--key", str(other)]) == 0
+    capsys.readouterr()
+    for bad, message in ((key, "never its private key"), (other.with_suffix(".key.pub"), "already has another key"),
+                         (tmp_path / "board" / "missing.pub", "is not a file")):
+        assert cli(["fleet", "register-node", "board-01", "--public-key", str(bad), "--root", str(root)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    wrong_type = tmp_path / "ed25519.pub"
+    wrong_type.write_bytes(ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b" someone\n")
+    garbage = tmp_path / "garbage.pub"
+    garbage.write_text("ecdsa-sha2-nistp384 AAAA-not-base64 someone\n")
+    for bad, message in ((wrong_type, "takes an ecdsa-sha2-nistp384 key"), (garbage, "is not an OpenSSH public key")):
+        assert cli(["fleet", "register-node", "x", "--public-key", str(bad), "--root", str(root)]) == 2
+        assert message in capsys.readouterr().err
+    assert cli(["fleet", "register-node", "nobody", "--root", str(root)]) == 2
+    assert "--public-key" in capsys.readouterr().err
+    assert len(ran) == 1
 
 
 @pytest.mark.parametrize("argv, message", [
     (["fleet", "init", "--superlink", "nohost"], "give host:port"),
+    (["fleet", "init", "--superlink", "h:9", "--control-port", "9"], "other than the devices'"),
     (["fleet", "init", "--superlink", "h:1", "--node", "bad name"], "node name"),
     (["fleet", "superlink"], "run omnidraft fleet init first"),
     (["fleet", "run", "--secagg", "--aggregation", "median"], "use --aggregation fedavg with --secagg"),
@@ -185,6 +299,11 @@ def test_loopback_deployment_with_tls_and_node_authentication(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["version-before"] == 0 and summary["version-after"] == 2
     assert summary["unregistered"]["exit"] == 2 and "refused this device's key" in summary["unregistered"]["error"]
+    # a stranger holding ca.crt reaches only the gateway: no Control API, so no key of its own, no app bundle
+    for attempt, path in (("register", "/v1/control/register-node"), ("run", "/v1/control/start-run")):
+        tried = summary["stranger"][attempt]
+        assert tried["exit"] != 0 and "403 Forbidden" in tried["error"] and path in tried["error"], tried
+    assert summary["coordinator-holds-private-keys"] is False  # devices made their own pairs
     rounds = summary["rounds"]
     assert [r["round"] for r in rounds] == [1, 2] and all(r["aggregated"] == 2 and not r["rejected"] for r in rounds)
     assert all(r["trained-tokens"] > 0 and r["uplink-bytes-per-device"] > 0 for r in rounds)
