@@ -10,6 +10,10 @@ every ``interval`` samples) between requests, then saves the device state atomic
 that cancels or disconnects mid-request stops its decode at the next verification step and
 frees the engine. Bad requests get ``INVALID_ARGUMENT`` with a one-line reason.
 
+Only the owner teaches the device (``client.owner_token``): with an owner token set, a request
+that does not present it is served without learning or logging on loopback, and refused
+(``UNAUTHENTICATED``) where strangers are not served (any other address).
+
 The state directory may be shared with the device's SuperNode (``omnidraft device join``): each
 served prompt goes to the device's ``RequestLog`` (its federated rounds train on them), and when
 a federated round saved a new state, the service loads it before the next request; its own
@@ -29,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from omnidraft.client import owner_token
 from omnidraft.client.request_log import RequestLog
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import generation_pb2 as pb
@@ -69,8 +74,11 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def __init__(self, session: DeviceSession, limits: ServiceLimits | None = None, *,
                  base: GenerationConfig | None = None, precision: str = "", learn: bool = True,
-                 request_log: RequestLog | None = None) -> None:
+                 request_log: RequestLog | None = None, owner: str | None = None,
+                 serve_strangers: bool = True) -> None:
         self.session = session
+        self.owner = owner  # the owner's token; None: every caller is the owner
+        self.serve_strangers = serve_strangers
         self.request_log = request_log
         self.limits = limits or ServiceLimits()
         self.base = base or GenerationConfig()  # drafting settings; requests set the sampling ones
@@ -107,8 +115,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
         return config
 
+    def _is_owner(self, context: grpc.ServicerContext) -> bool:
+        return self.owner is None or owner_token.presented_by(context.invocation_metadata(), self.owner)
+
     def _run(self, request: pb.GenerateRequest, context: grpc.ServicerContext, on_text=None) -> tuple[GenerationResult, float]:
         """Decode one request in its turn; returns (result, seconds queued)."""
+        teaches = self._is_owner(context)
+        if not teaches and not self.serve_strangers:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this device serves its owner only: present the owner token")
         config = self._config(request, context)
         if not self._slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -137,13 +151,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                         if text:
                             on_text(text)
 
-                result = self.session.generate(request.prompt, config, chat=request.chat, learn=self.learn,
-                                               observe=False, on_tokens=on_tokens)
+                result = self.session.generate(request.prompt, config, chat=request.chat,
+                                               learn=self.learn and teaches, observe=False, on_tokens=on_tokens)
                 if on_text is not None:
                     tail = decoder.decode(b"", final=True)
                     if tail:
                         on_text(tail)
-            if self.request_log is not None or (self.learn and result.training_sample is not None):
+            if teaches and (self.request_log is not None or (self.learn and result.training_sample is not None)):
                 self._samples.put((request.prompt, result))
             with self._count:
                 self.requests += 1
@@ -189,6 +203,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         yield pb.GenerateChunk(stats=_stats(result, queued), done=True)
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        if not self.serve_strangers and not self._is_owner(context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this device serves its owner only: present the owner token")
         s = self.session
         return pb.HealthReply(status="SERVING", drafter=s.drafter_name, target=s.target,
                               precision=self.precision, queued=self.in_flight, requests=self.requests,
@@ -244,12 +260,23 @@ class GenerationService(pb_grpc.GenerationServicer):
             self._save()
 
 
-def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: int | None = None) -> tuple[grpc.Server, int]:
+def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: int | None = None,
+          tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``service`` on ``listen`` (host:port; port 0 picks one); returns
-    (server, bound port). Plain-text transport: the default address is loopback only."""
+    (server, bound port). ``tls``: (certificate chain PEM, private key PEM). Plain text only on
+    loopback: ValueError for another address without ``tls``, or for one where the service
+    would serve strangers (it must hold an owner token and refuse the rest)."""
+    if not owner_token.is_loopback(listen):
+        if tls is None:
+            raise ValueError("an address other than loopback needs TLS (a certificate and its key)")
+        if service.owner is None or service.serve_strangers:
+            raise ValueError("an address other than loopback serves the owner only (an owner token, strangers refused)")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers or service.limits.max_queue + 2))
     pb_grpc.add_GenerationServicer_to_server(service, server)
-    port = server.add_insecure_port(listen)
+    if tls is not None:
+        port = server.add_secure_port(listen, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+    else:
+        port = server.add_insecure_port(listen)
     if port == 0:
         raise ValueError(f"cannot listen on {listen!r}")
     server.start()

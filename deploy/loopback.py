@@ -10,7 +10,8 @@ What it runs (the steps of README's "Edge boards" section, on loopback):
    control port behind the gateway the devices use), ``omnidraft fleet register-node
    --public-key`` of two devices' public keys (the coordinator never holds a device's private key);
 3. per device: ``omnidraft device serve`` on its state directory and a few ``omnidraft device
-   ask`` requests (the prompts it will train on), then ``omnidraft device join``;
+   ask`` requests with the owner's token (the prompts it will train on), then ``omnidraft device
+   join``;
 4. a third device whose key was never registered tries to join and must be refused; a stranger
    holding ``ca.crt`` tries Flower's Control API at the devices' address (``flwr supernode
    register`` of its own key, ``flwr run`` of an app bundle) and must be refused both;
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, (grpc_port, serve) in services.items():
             wait_port(grpc_port, 300, serve)
             for prompt in PROMPTS[i:i + 4]:
-                checked(omnidraft("device", "ask", prompt, "--server", f"127.0.0.1:{grpc_port}", "--json", env=env))
+                checked(omnidraft("device", "ask", prompt, "--server", f"127.0.0.1:{grpc_port}", "--json",
+                                  "--owner-token", str(out / f"device{i}" / "owner.token"), env=env))
         for i in (0, 1):
             procs.start(f"join{i}", [sys.executable, "-m", "omnidraft", "device", "join", *pair,
                                      "--superlink", f"127.0.0.1:{port}", "--cert", str(coord / "pki" / "ca.crt"),

@@ -166,7 +166,14 @@ def _build_parser() -> argparse.ArgumentParser:
     dsub = device.add_subparsers(dest="action", required=True, parser_class=_Parser)
     serve = dsub.add_parser("serve", help="serve omnidraft.v1.Generation over gRPC, learning between requests")
     pair(serve)
-    serve.add_argument("--listen", default="127.0.0.1:50051", help="host:port (default loopback only)")
+    serve.add_argument("--listen", default="127.0.0.1:50051",
+                       help="host:port (default loopback only; another address needs --tls-cert/--tls-key and "
+                            "serves the owner only)")
+    serve.add_argument("--owner-token", default=None,
+                       help="file with the owner's token (created if missing; default <state-dir>/owner.token): only "
+                            "requests presenting it teach the device (learning, the request log its rounds train on)")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain for a TLS listener")
+    serve.add_argument("--tls-key", default=None, help="PEM private key for a TLS listener")
     serve.add_argument("--max-queue", type=int, default=8, help="requests waiting or running at once")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
     serve.add_argument("--max-new-tokens-limit", type=int, default=1024, help="largest max_new_tokens a request may ask")
@@ -228,6 +235,10 @@ def _build_parser() -> argparse.ArgumentParser:
     health.add_argument("--json", action="store_true")
     for sp in (ask, health):
         sp.add_argument("--server", default="127.0.0.1:50051")
+        sp.add_argument("--owner-token", default=None,
+                        help="the device's owner token file: the request teaches the device (device serve's "
+                             "--owner-token, default <state-dir>/owner.token)")
+        sp.add_argument("--tls-ca", default=None, help="PEM CA certificate of a TLS service")
         sp.add_argument("--timeout", type=float, default=600.0, help="seconds")
 
     fleet = sub.add_parser("fleet", help="the coordinator's target registry")
@@ -762,11 +773,22 @@ def _device(args) -> int:
     from omnidraft.proto import generation_pb2 as pb
     from omnidraft.proto import generation_pb2_grpc as pb_grpc
 
+    from omnidraft.client import owner_token
+
+    meta = ()
     try:
-        with grpc.insecure_channel(args.server) as channel:
+        if args.owner_token:
+            meta = owner_token.metadata(owner_token.read(args.owner_token))
+        credentials = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()) if args.tls_ca else None
+    except OSError as exc:
+        raise UsageError(f"omnidraft device {args.action}: {exc.filename}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"omnidraft device {args.action}: {exc}") from None
+    try:
+        with (grpc.secure_channel(args.server, credentials) if credentials else grpc.insecure_channel(args.server)) as channel:
             stub = pb_grpc.GenerationStub(channel)
             if args.action == "health":
-                reply = stub.Health(pb.HealthRequest(), timeout=args.timeout)
+                reply = stub.Health(pb.HealthRequest(), timeout=args.timeout, metadata=meta)
                 if args.json:
                     print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True)))
                 else:
@@ -778,7 +800,7 @@ def _device(args) -> int:
                                          chat=args.chat, **({"seed": args.seed} if args.seed is not None else {}))
             if args.stream:
                 stats = None
-                for chunk in stub.GenerateStream(request, timeout=args.timeout):
+                for chunk in stub.GenerateStream(request, timeout=args.timeout, metadata=meta):
                     if chunk.done:
                         stats = chunk.stats
                     elif not args.json:
@@ -787,7 +809,7 @@ def _device(args) -> int:
                     print()
                 reply = pb.GenerateReply(stats=stats)
             else:
-                reply = stub.Generate(request, timeout=args.timeout)
+                reply = stub.Generate(request, timeout=args.timeout, metadata=meta)
                 if not args.json:
                     print(reply.text)
     except grpc.RpcError as exc:
@@ -889,6 +911,22 @@ def _serve(args) -> int:
     if min(args.max_queue, args.max_prompt_tokens, args.max_new_tokens_limit, args.interval) < 1:
         raise UsageError("omnidraft device serve: --max-queue, --max-prompt-tokens, --max-new-tokens-limit "
                          "and --interval must be >= 1")
+    from omnidraft.client import owner_token
+
+    loopback = owner_token.is_loopback(args.listen)
+    token_file = args.owner_token or str(Path(args.state_dir) / owner_token.TOKEN_FILE)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("omnidraft device serve: give both --tls-cert and --tls-key")
+    if not loopback and not args.tls_cert:
+        raise UsageError(f"omnidraft device serve: {args.listen} is not loopback: give --tls-cert and --tls-key "
+                         f"(only the owner is served there)")
+    try:
+        tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes()) if args.tls_cert else None
+        owner = owner_token.load_or_create(token_file)
+    except OSError as exc:
+        raise UsageError(f"omnidraft device serve: {exc.filename}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"omnidraft device serve: {exc}") from None
     base = _config(args)
     handler = logging.StreamHandler()  # the service's own notes (state reloads, learning failures)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -907,9 +945,9 @@ def _serve(args) -> int:
         request_log = RequestLog(args.state_dir, StateCipher(args.state_key) if args.state_key else None,
                                  keep=args.keep_prompts)
     service = GenerationService(session, limits, base=base, precision=engine.precision, learn=not args.no_learn,
-                                request_log=request_log)
+                                request_log=request_log, owner=owner, serve_strangers=loopback)
     try:
-        server, port = serve(service, args.listen)
+        server, port = serve(service, args.listen, tls=tls)
     except (ValueError, RuntimeError) as exc:
         service.close()
         raise UsageError(f"omnidraft device serve: cannot listen on {args.listen}: {exc}") from None
@@ -917,8 +955,10 @@ def _serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     host = args.listen.rsplit(":", 1)[0]
-    print(f"serving omnidraft.v1.Generation on {host}:{port} ({engine.drafter_name} -> {args.target}, "
-          f"{engine.precision}); state in {args.state_dir}", file=sys.stderr, flush=True)
+    print(f"serving omnidraft.v1.Generation on {host}:{port}{' (TLS)' if tls else ''} ({engine.drafter_name} -> "
+          f"{args.target}, {engine.precision}); state in {args.state_dir}; requests presenting {token_file} teach "
+          f"the device{', others are served without learning' if loopback else ', others are refused'}",
+          file=sys.stderr, flush=True)
     stop.wait()
     server.stop(grace=5).wait()
     service.close()

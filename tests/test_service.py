@@ -156,6 +156,66 @@ def test_cli_ask_and_health_against_a_running_service(running, capsys):
     assert err.startswith("error:") and "UNAVAILABLE" in err and "Traceback" not in err
 
 
+def test_only_the_owner_teaches_the_device(pair_dir, tmp_path, capsys):
+    """With an owner token, a loopback caller without it (or with a wrong one) is served but
+    teaches nothing (no learning, no request log for the device's rounds); the owner's requests
+    do. Where strangers are not served (any non-loopback address), they get UNAUTHENTICATED,
+    and such an address refuses plain text or a service that serves strangers."""
+    from omnidraft.cli import main
+    from omnidraft.client import owner_token
+    from omnidraft.client.request_log import RequestLog
+
+    engine = Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64",
+                         drafter_weights="fp32", progress=False)
+    session = DeviceSession(engine, target_name="t", state_dir=tmp_path / "state",
+                            online=OnlineConfig(interval=100, lr=1e-2))
+    token_file = tmp_path / "state" / owner_token.TOKEN_FILE
+    token = owner_token.load_or_create(token_file)
+    assert token_file.stat().st_mode & 0o777 == 0o600 and owner_token.load_or_create(token_file) == token
+    log = RequestLog(tmp_path / "state")
+    service = GenerationService(session, ServiceLimits(max_new_tokens=32), request_log=log, owner=token)
+    server, port = serve(service, "127.0.0.1:0")
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    try:
+        stranger = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=8), timeout=60)
+        forged = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=8), timeout=60,
+                               metadata=owner_token.metadata("0" * 64))
+        assert stranger.text and forged.text  # served
+        assert main(["device", "ask", PROMPTS[2], "--server", f"127.0.0.1:{port}", "--max-new-tokens", "8",
+                     "--owner-token", str(token_file)]) == 0
+        assert service.wait_learned(timeout=60)
+        assert [p for _, p in log.since(0)] == [PROMPTS[2]]  # only the owner's prompt teaches
+        assert session.learner.prompts_seen == 1
+        capsys.readouterr()
+        bad = tmp_path / "bad.token"
+        bad.write_text("not a token")
+        assert main(["device", "ask", "x", "--server", f"127.0.0.1:{port}", "--owner-token", str(bad)]) == 2
+        assert "is not a token" in capsys.readouterr().err
+    finally:
+        server.stop(grace=None).wait()
+        service.close()
+    closed = GenerationService(session, ServiceLimits(max_new_tokens=32), owner=token, serve_strangers=False)
+    server, port = serve(closed, "127.0.0.1:0")
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    try:
+        for call in (lambda **kw: stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=4), timeout=60, **kw),
+                     lambda **kw: stub.Health(pb.HealthRequest(), timeout=10, **kw)):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert call(metadata=owner_token.metadata(token))  # the owner is served
+    finally:
+        server.stop(grace=None).wait()
+        closed.close()
+    with pytest.raises(ValueError, match="needs TLS"):
+        serve(closed, "0.0.0.0:0")
+    with pytest.raises(ValueError, match="serves the owner only"):
+        serve(GenerationService(session, owner=None), "0.0.0.0:0", tls=(b"cert", b"key"))
+    for host in ("127.0.0.1:1", "localhost:1", "[::1]:1"):
+        assert owner_token.is_loopback(host)
+    assert not any(owner_token.is_loopback(h) for h in ("0.0.0.0:1", "10.0.0.5:1", "board.local:1"))
+
+
 def test_serve_refuses_bad_settings(tmp_path, capsys):
     from omnidraft.cli import main
 
@@ -164,6 +224,12 @@ def test_serve_refuses_bad_settings(tmp_path, capsys):
     assert main(["device", "serve", "--drafter", "x", "--target", "y", "--state-dir", str(tmp_path),
                  "--max-queue", "0"]) == 2
     assert "--max-queue" in capsys.readouterr().err
+    for extra, message in ((["--listen", "0.0.0.0:50051"], "is not loopback: give --tls-cert"),
+                           (["--tls-cert", "c.pem"], "give both --tls-cert and --tls-key"),
+                           (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "k.pem"], "No such file")):
+        assert main(["device", "serve", "--drafter", "x", "--target", "y", "--state-dir", str(tmp_path), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
 
 
 def test_service_bench_reports_overhead_with_identical_texts(pair_dir, tmp_path, capsys):
