@@ -128,14 +128,18 @@ def is_codebases(corpus: Corpus) -> bool:
 
 
 def split_projects(corpus: Corpus, devices: int, per_device: int, *, seed: int,
-                   newcomers: frozenset[int] = frozenset()) -> tuple[list[list[int]], list[str]]:
+                   newcomers: frozenset[int] = frozenset(), share: bool = False) -> tuple[list[list[int]], list[str]]:
     """Each device's project and ``per_device`` prompt indices (a contiguous, disjoint stretch
     of that project's prompts in file order): the project's label order is its popularity
     rank, and each device draws its project with weight ``1 / (rank + 1) ** ZIPF`` among the
     projects with room left. Devices in ``newcomers`` (late joiners) draw among the projects
     some earlier device works in, except the last newcomer, who works in a project no other
     device has (the least popular one with room: the fleet has never seen it). Returns
-    (indices per device, project label per device)."""
+    (indices per device, project label per device).
+
+    ``share``: when the projects hold fewer disjoint stretches than there are devices, a device
+    drawn into a project whose stretches are all taken gets one of them again (the project's
+    next stretch in turn, as a teammate working in the same code), instead of the ValueError."""
     projects: dict[str, list[int]] = {}
     for i, label in enumerate(corpus.labels):
         projects.setdefault(label, []).append(i)
@@ -147,10 +151,13 @@ def split_projects(corpus: Corpus, devices: int, per_device: int, *, seed: int,
         unseen = next((n for n in reversed(names) if room[n] >= 1), None)
         if unseen is not None:
             room[unseen] = 1  # only the last newcomer works in it
+    stretches = dict(room)
     if sum(room.values()) < devices:
-        raise ValueError(f"the codebases hold {sum(len(v) for v in projects.values())} prompts in "
-                         f"{len(names)} projects: too few for {devices} devices x {per_device} prompts "
-                         f"(fewer devices or prompts per device)")
+        if not share:
+            raise ValueError(f"the codebases hold {sum(len(v) for v in projects.values())} prompts in "
+                             f"{len(names)} projects: too few for {devices} devices x {per_device} prompts "
+                             f"(fewer devices or prompts per device, or --share-projects)")
+        room = {n: (devices if n != unseen and r >= 1 else r) for n, r in room.items()}  # teammates share
     rng = random.Random(seed)
     used = {name: 0 for name in names}
     known: set[str] = set()
@@ -168,7 +175,7 @@ def split_projects(corpus: Corpus, devices: int, per_device: int, *, seed: int,
                 raise ValueError(f"the codebases have no room left for device {d} "
                                  f"(fewer devices or prompts per device)")
             name = rng.choices(pool, weights=[weight[n] for n in pool])[0]
-        start = used[name] * per_device
+        start = (used[name] % stretches[name]) * per_device
         parts.append(projects[name][start:start + per_device])
         used[name] += 1
         chosen.append(name)

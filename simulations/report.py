@@ -402,6 +402,9 @@ def write_report(run_dir: str | Path) -> Path:
     events = [f"{k}: {cfg[k]}" for k in ("rollout", "rollback", "drift") if cfg.get(k)]
     if cfg.get("late_joiners"):
         events.append(f"{cfg['late_joiners']} devices join at round {cfg.get('join_round') or cfg['rounds']}")
+    if cfg.get("share_projects"):
+        events.append("more devices than the codebases' own stretches: teammates share a project's prompts "
+                      "(a new device's held-out prompts may be a teammate's training prompts)")
     if cfg.get("attacks"):
         events.append("attacks (share of the training devices): "
                       + ", ".join(f"{k} {v:.0%}" for k, v in sorted(cfg["attacks"].items())))

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--draft-stop", choices=["auto", "cost", "confidence"],
       help="what each round drafts: auto/cost (default) the throughput rule, from the machine's cached cost "
            "profile and counted acceptance; confidence: always the drafter, stopping under a confidence threshold")
+    a("--share-projects", action="store_true", default=None,
+      help="with codebases too small for every device to hold its own prompts (e.g. --devices 1000): devices "
+           "beyond a project's own stretches share its code, as teammates do")
     a("--replay", action=argparse.BooleanOptionalAction, default=None,
       help="training devices replay the target's greedy output of a prompt decoded before (this run or an "
            "earlier one on this machine; cached under $OMNIDRAFT_HOME/recordings): the same drafting, "

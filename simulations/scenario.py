@@ -133,6 +133,9 @@ class Scenario:
     # device), or PATH.jsonl (None: humaneval,stdlib,pydoc, or the tiny corpus)
     data: str | None = None
     alpha: float = 0.5  # Dirichlet concentration of each device's mix of sources (small: skewed)
+    # codebases with fewer prompts than devices x prompts per device: devices beyond a project's
+    # disjoint stretches share its code (teammates; data.split_projects), instead of an error
+    share_projects: bool = False
     prompts_per_device: int = 8
     heldout_per_device: int = 2
     prompts_per_round: int = 4
@@ -357,7 +360,8 @@ def _corpora(scenario: Scenario, devices: int, newcomers: frozenset[int] = froze
             main = data.Corpus([full.prompts[i] for i in keep], [full.labels[i] for i in keep])
     projects = None
     if data.is_codebases(main):
-        main_parts, projects = data.split_projects(main, devices, per, seed=scenario.seed, newcomers=newcomers)
+        main_parts, projects = data.split_projects(main, devices, per, seed=scenario.seed, newcomers=newcomers,
+                                                   share=scenario.share_projects)
     else:
         main_parts = data.split(main, devices, per, alpha=scenario.alpha, seed=scenario.seed)
     drift_parts = data.split(drift, devices, per, alpha=scenario.alpha, seed=scenario.seed + 1) if drift else None

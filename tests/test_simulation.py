@@ -98,8 +98,17 @@ def test_codebase_projects_split_by_popularity_with_unseen_newcomer():
     assert projects[29] not in known and projects.count(projects[29]) == 1  # a project the fleet never saw
     assert (parts, projects) == data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers)
     assert projects != data.split_projects(corpus, 30, 5, seed=2, newcomers=newcomers)[1]
-    with pytest.raises(ValueError, match="too few"):
+    with pytest.raises(ValueError, match="too few.*--share-projects"):
         data.split_projects(corpus, 60, 5, seed=0)
+    # more devices than disjoint stretches: teammates share a project's stretches, in turn
+    parts, projects = data.split_projects(corpus, 60, 5, seed=0, newcomers=frozenset(range(56, 60)), share=True)
+    assert len(parts) == 60 and len({tuple(p) for p in parts}) < 60  # some devices share a stretch
+    for part, project in zip(parts, projects):
+        assert {labels[i] for i in part} == {project} and part == list(range(part[0], part[0] + 5))
+        assert (part[0] - labels.index(project)) % 5 == 0  # one of the project's own stretches
+    assert projects[59] not in set(projects[:59])  # the unseen project stays unseen
+    assert data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers, share=True) == \
+        data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers)  # room enough: sharing changes nothing
 
 
 def test_codebase_sources_are_real_projects():
