@@ -8,8 +8,9 @@ cleared (one pass over the stream, on-policy: each sample was decoded with the c
 drafter). The training forwards of the update's last pass also label the acceptance head's
 replay buffer (each sample's hidden states with the acceptance its drafter logits would get, a
 consistent pair from the drafter state of that step), and the head takes one step; on every
-other prompt the head takes one step on a replayed batch (interleaved training). The caller runs ``observe`` between requests, so an update never
-blocks a generation in progress; ``UpdateReport.seconds`` is the time it took.
+other prompt the head takes one step on a replayed batch (interleaved training). The caller
+runs ``observe`` between requests, so an update never blocks a generation in progress;
+``UpdateReport.seconds`` is the time it took.
 """
 
 from __future__ import annotations
