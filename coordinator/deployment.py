@@ -108,10 +108,10 @@ def init(root: str | os.PathLike[str], address: str, nodes: list[str], hosts: li
     certificate is valid for ``hosts`` (default: the address's host, 127.0.0.1, localhost).
     Returns the deployment and the files created."""
     host, port = split_address(address)
-    control = f"127.0.0.1:{control_port or port + 1}"
-    _, control_port = split_address(control)
-    if control_port == port:
-        raise PkiError(f"control port {control_port}: give a port other than the devices' {port}")
+    control_port = control_port or port + 1
+    if not 0 < control_port < 65536 or control_port == port:
+        raise PkiError(f"control port {control_port}: give --control-port, a port other than the devices' {port}")
+    control = f"127.0.0.1:{control_port}"
     dep = Deployment(Path(root))
     _, created = init_pki(dep.pki.root, nodes, list(dict.fromkeys([host, *(hosts or []), "127.0.0.1", "localhost"])))
     write_bytes_atomic(dep.root / "deployment.json", json.dumps({"superlink": address, "control": control}).encode())

@@ -140,14 +140,20 @@ def _checked_name(name: str) -> None:
         raise PkiError(f"node name {name!r}: use 1-64 letters, digits, '.', '_', '-'")
 
 
+def _nodes_dir(pki: FleetPki) -> None:
+    """``nodes/``, created if missing, readable by the owner only."""
+    folder = pki.root / "nodes"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+
+
 def add_node(pki: FleetPki, name: str) -> bool:
     """Create the key pair of SuperNode ``name`` unless it exists (the operator's own test
     devices; a real device makes its own: ``add_public_key``); True when created."""
     _checked_name(name)
     if pki.node_key(name).exists() and pki.node_public_key(name).exists():
         return False
-    pki.node_key(name).parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(pki.node_key(name).parent, 0o700)
+    _nodes_dir(pki)
     write_node_key(pki.node_key(name), name)
     return True
 
@@ -164,8 +170,7 @@ def add_public_key(pki: FleetPki, name: str, public: bytes, source: str) -> None
     path = pki.node_public_key(name)
     if path.exists() and path.read_bytes().split()[:2] != line.split()[:2]:
         raise PkiError(f"node {name!r} already has another key ({path}); pick another name")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
+    _nodes_dir(pki)
     write_bytes_atomic(path, line)
 
 
