@@ -1,6 +1,6 @@
 """The ``omnidraft`` command line.
 
-    omnidraft models list | pull NAME | info NAME
+    omnidraft models list | pull NAME... [--format gguf] | info NAME
     omnidraft generate --drafter NAME --target NAME --prompt TEXT [...]
     omnidraft bench --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
     omnidraft adapt --drafter NAME --target NAME --dataset humaneval|PATH.jsonl [...]
@@ -58,9 +58,14 @@ def _build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="the model catalog")
     msub = models.add_subparsers(dest="action", required=True, parser_class=_Parser)
     msub.add_parser("list", help="list catalog models").add_argument("--json", action="store_true")
-    pull = msub.add_parser("pull", help="download, verify and convert a model")
-    pull.add_argument("name")
+    pull = msub.add_parser("pull", help="download, verify and store models")
+    pull.add_argument("names", nargs="+", metavar="NAME")
     pull.add_argument("--force", action="store_true", help="pull again even if present")
+    pull.add_argument("--format", choices=("safetensors", "gguf"), default=None,
+                      help="safetensors: converted to float32, quick to load; gguf: the GGUF as shipped, "
+                           "a sixth of the disk, packed from it layer by layer at load (a device's footprint). "
+                           "Default: the format a model is pulled in, else $OMNIDRAFT_MODEL_FORMAT, else "
+                           "safetensors")
     info = msub.add_parser("info", help="show a model's pins and on-disk state")
     info.add_argument("name")
 
@@ -518,12 +523,14 @@ def _models(args) -> int:
             print(json.dumps(rows, indent=2))
         else:
             for r in rows:
-                state = "pulled" if r["pulled"] else "not pulled"
-                print(f"{r['name']:<20} {r['role']:<8} {r['gguf_bytes'] / 1e6:8.0f} MB  {state:<11} {r['description']}")
+                state = f"pulled ({r['format']})" if r["pulled"] else "not pulled"
+                print(f"{r['name']:<20} {r['role']:<8} {r['gguf_bytes'] / 1e6:8.0f} MB  {state:<20} {r['description']}")
         return 0
     if args.action == "pull":
-        path = catalog.pull(args.name, force=args.force)
-        print(path)
+        for name in args.names:
+            catalog.spec(name)  # every name checked before anything is downloaded
+        for name in args.names:
+            print(catalog.pull(name, force=args.force, fmt=args.format))
         return 0
     print(json.dumps(catalog.info(args.name), indent=2))
     return 0

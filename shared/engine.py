@@ -94,7 +94,8 @@ class Engine:
         fast = drafter_weights != "hf"  # the fast runners pack from float32 weights
         d = drafter_model or model_runner.load(drafter, torch.float32 if fast else load_dtype(precision),
                                                progress=progress)
-        t = model_runner.load(target, load_dtype(precision), progress=progress)
+        # an int8 target kept as GGUF is packed from it layer by layer (no float copy in memory)
+        t = model_runner.load(target, load_dtype(precision), progress=progress, stream=precision == "int8")
         bridge = VocabBridge.from_tokenizers(d.tokenizer, t.tokenizer, d.logit_rows, t.logit_rows)
         engine = cls(d, t, bridge, cache if cache is not None else NgramCache(),
                      build_expand_map(bridge, t.tokenizer), drafter, target, drafter_weights, precision)
@@ -107,7 +108,7 @@ class Engine:
     @cached_property
     def target_runner(self):
         """The one runner both decoders verify / decode with (``precision``'s kernels)."""
-        return build_target_runner(self.target.model, self.precision)
+        return build_target_runner(self.target.model, self.precision, self.target.checkpoint)
 
     def _release_float_target(self) -> None:
         """Free the target's float weights once the native int8 kernels hold their packed copy

@@ -71,6 +71,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from omnidraft.shared.heap import release_freed_memory
+
 WEIGHT_KINDS = ("fp32", "bf16", "int8")
 # Llama and Qwen2 share the decoder (Qwen2 adds biases to q/k/v, which the runner folds in)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -332,6 +334,32 @@ def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor |
     return [packed, scales, bias]
 
 
+# rows of an LM head read, scaled and packed at a time when it is packed from a GGUF (a
+# multiple of 16: slices pack to exactly the bytes of the whole matrix)
+HEAD_SLICE_ROWS = 8192
+
+
+def _pack_native_slices(read_rows: Callable[[int, int], torch.Tensor], n: int) -> list[torch.Tensor | None]:
+    """``_pack_native`` of an ``[n, K]`` matrix without a bias, read as ``read_rows(lo, hi)``
+    slices of ``HEAD_SLICE_ROWS`` rows: the same bytes as packing it whole (rows are quantized
+    independently; only the last slice is padded), with one slice in float32 at a time."""
+    packed = scales = None
+    for lo in range(0, n, HEAD_SLICE_ROWS):
+        part, part_scales, _ = _pack_native(read_rows(lo, min(lo + HEAD_SLICE_ROWS, n)), None)
+        if packed is None:  # the whole matrix's buffers, filled slice by slice (no second copy)
+            blocks = -(-n // 16)
+            packed = torch.empty((blocks, *part.shape[1:]), dtype=part.dtype)
+            scales = torch.empty((blocks, *part_scales.shape[1:]), dtype=part_scales.dtype)
+        packed[lo // 16: lo // 16 + part.shape[0]] = part
+        scales[lo // 16: lo // 16 + part.shape[0]] = part_scales
+    return [packed, scales, None]
+
+
+def _param_name(model: torch.nn.Module, param: torch.Tensor) -> str:
+    """The name of ``param`` in ``model`` (the first one, for tied weights)."""
+    return next(name for name, p in model.named_parameters() if p is param)
+
+
 @dataclass(frozen=True)
 class _Packing:
     """One set of packed decoder-layer weights: per torch kernel kind, per layer, the four fused
@@ -375,14 +403,18 @@ class FastLlamaRunner:
     kernels, calls with more than ``prefill_min_tokens`` tokens on the int8 kernels; None = as
     ``activation_bits``; drafters use 8: their prompt prefill only fills the KV cache, so it
     may be less exact, and it is ~1.6x faster); ``native_isa`` (a key of ``NATIVE_ISAS``;
-    None = ``default_native_isa()``). ``backend`` names the kernels in use.
+    None = ``default_native_isa()``); ``checkpoint`` (a ``gguf_weights.GgufCheckpoint`` holding
+    the weights ``model`` left on the meta device: each decoder layer is read when it is packed
+    and released after, so one layer exists in float32 at a time; the input embeddings stay in
+    the GGUF, read row by row; with the native kernels and no LM-head pruning the LM head is
+    packed in slices of rows). ``backend`` names the kernels in use.
     """
 
     def __init__(self, model, *, weights: str = "int8", max_positions: int = 4096,
                  vocab_rows: torch.Tensor | None = None, prefill_weights: str | None = "auto",
                  prefill_min_tokens: int = 16, native: bool | None = None,
                  threads: int | None = None, activation_bits: int = 16, native_isa: str | None = None,
-                 prefill_activation_bits: int | None = None) -> None:
+                 prefill_activation_bits: int | None = None, checkpoint=None) -> None:
         if weights not in WEIGHT_KINDS:
             raise ValueError(f"unknown weights kind {weights!r}: choose one of {', '.join(WEIGHT_KINDS)}")
         config = model.config
@@ -468,26 +500,33 @@ class FastLlamaRunner:
         self._q_perm, self._k_perm = q_perm, k_perm
         self._torch_kinds = torch_kinds
         self._source_layers = decoder.layers  # the model's float weights (a reference): adapters merge into them
+        self._layer_weights = (partial(checkpoint.materialized, model) if checkpoint is not None
+                               else lambda layer: contextlib.nullcontext(layer))
         self.lora_rank = 0
         self._base_packing = self._pack_layers()
         self._packing = self._base_packing
 
         # --- embeddings and (optionally pruned) LM head -------------------------------------
-        self._embed = model.get_input_embeddings().weight.detach()
-        head = model.get_output_embeddings()
-        w_head = head.weight.detach().float() * decoder.norm.weight.detach().float()[None, :]
-        b_head = None if getattr(head, "bias", None) is None else head.bias.detach().float()
-        self.vocab = w_head.shape[0]
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        embed_name, head_name = _param_name(model, embed.weight), _param_name(model, head.weight)
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("FastLlamaRunner supports LM heads without a bias")
+        gain = decoder.norm.weight.detach().float()[None, :]
+        self._embed = embed.weight.detach() if checkpoint is None else checkpoint.rows(embed_name)
+        self.vocab = head.weight.shape[0]
         self.vocab_rows = None
+        head_slices = checkpoint is not None and lib is not None and not torch_kinds and vocab_rows is None
+        w_head = None
+        if not head_slices:
+            w_head = (head.weight.detach().float() if checkpoint is None else checkpoint.tensor(head_name)) * gain
         if vocab_rows is not None:
             rows = torch.as_tensor(vocab_rows, dtype=torch.long).flatten().unique(sorted=True)
             if rows.numel() == 0 or rows[0] < 0 or rows[-1] >= self.vocab:
                 raise ValueError("vocab_rows must hold ids in [0, vocab)")
             self.vocab_rows = rows
             w_head = w_head[rows]
-            b_head = None if b_head is None else b_head[rows]
-        self.head_rows = w_head.shape[0]
-        self._head = {k: _make_linear(k, w_head, b_head) for k in torch_kinds}
+        self.head_rows = self.vocab if w_head is None else w_head.shape[0]
+        self._head = {k: _make_linear(k, w_head, None) for k in torch_kinds}
 
         # --- static KV cache -----------------------------------------------------------------
         # keys as [layers, kv_heads, blocks of 16 positions, head_dim, 16]: a query scores 16 keys
@@ -500,7 +539,13 @@ class FastLlamaRunner:
         self._pos_pad = pos_pad
 
         if lib is not None:
-            bufs = _pack_native(w_head, b_head)
+            if w_head is None:  # from the GGUF, HEAD_SLICE_ROWS rows at a time
+                head_rows = checkpoint.rows(head_name)
+                bufs = _pack_native_slices(lambda lo, hi: head_rows.index_select(0, torch.arange(lo, hi)) * gain,
+                                           self.vocab)
+                release_freed_memory()
+            else:
+                bufs = _pack_native(w_head, None)
             head_ptrs = torch.tensor([0 if t is None else t.data_ptr() for t in bufs], dtype=torch.int64)
             self._head_tensors = [t for t in bufs if t is not None] + [head_ptrs]
             self._head_pad = bufs[0].shape[0] * 16
@@ -558,7 +603,8 @@ class FastLlamaRunner:
         ptrs: list[int] = []
         for i, layer in enumerate(self._source_layers):
             deltas = {} if layer_deltas is None else layer_deltas[i]
-            mats = self._layer_mats(layer, deltas() if callable(deltas) else deltas)
+            with self._layer_weights(layer):
+                mats = self._layer_mats(layer, deltas() if callable(deltas) else deltas)
             for k in self._torch_kinds:
                 torch_layers[k].append(tuple(_make_linear(k, w, b) for w, b in mats))
             if self._lib is not None:

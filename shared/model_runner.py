@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from omnidraft.shared import catalog
+from omnidraft.shared import catalog, gguf_weights
 
 @dataclass
 class LoadedModel:
@@ -23,6 +23,9 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     path: Path
+    # where the weights not loaded yet are read from (``load(..., stream=True)`` of a model kept
+    # as GGUF): its decoder layers and embeddings stay on the meta device until a runner packs them
+    checkpoint: gguf_weights.GgufCheckpoint | None = None
 
     @property
     def logit_rows(self) -> int:
@@ -30,14 +33,23 @@ class LoadedModel:
         return self.model.get_output_embeddings().weight.shape[0]
 
 
-def load(name_or_path: str, dtype: torch.dtype = torch.float32, *, progress: bool = True) -> LoadedModel:
-    """Load a catalog model (pulled on first use) or a local HF directory, in eval mode."""
+def load(name_or_path: str, dtype: torch.dtype = torch.float32, *, progress: bool = True,
+         stream: bool = False) -> LoadedModel:
+    """Load a catalog model (pulled on first use) or a local HF directory, in eval mode.
+
+    A model kept as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at
+    load; with ``stream`` its decoder layers and embeddings are left in the GGUF for a runner
+    that packs them one layer at a time (``LoadedModel.checkpoint``)."""
     path = catalog.resolve(name_or_path, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    checkpoint = None
+    if gguf_weights.gguf_file(path) is not None:
+        model, checkpoint = gguf_weights.load_model(path, dtype, stream=stream)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(model, tokenizer, path)
+    return LoadedModel(model, tokenizer, path, checkpoint if stream else None)
 
 
 def set_threads(n: int | None = None) -> None:

@@ -71,18 +71,23 @@ def fast_runner_supports(model: torch.nn.Module) -> bool:
             and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ()))
 
 
-def build_target_runner(model: torch.nn.Module, precision: str) -> ModelRunner | FastLlamaRunner:
+def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None) -> ModelRunner | FastLlamaRunner:
     """The runner that executes ``model`` (loaded with :func:`load_dtype`) in ``precision``.
 
     For ``int8`` on an architecture without a fast runner the model's Linear layers are
-    quantized in place.
+    quantized in place. ``checkpoint`` is the GGUF of a model loaded with ``stream`` (its
+    layers on the meta device): the fast runner packs from it layer by layer; any other runner
+    gets the model filled first.
     """
-    if precision != "int8":
-        return ModelRunner(model)
-    if fast_runner_supports(model):
+    if precision == "int8" and fast_runner_supports(model):
         # prompt prefill on the int8 kernels too: every call of a sequence runs one kernel path,
         # and on this project's machines int8 prefill is faster than bf16 (BENCHMARKS.md)
-        return FastLlamaRunner(model, weights="int8", prefill_weights=None, activation_bits=TARGET_ACTIVATION_BITS)
+        return FastLlamaRunner(model, weights="int8", prefill_weights=None, activation_bits=TARGET_ACTIVATION_BITS,
+                               checkpoint=checkpoint)
+    if checkpoint is not None:
+        checkpoint.load(model)
+    if precision != "int8":
+        return ModelRunner(model)
     return ModelRunner(quantize_linear_int8(model))
 
 

@@ -110,7 +110,7 @@ def model_fingerprint(path: str | Path) -> str:
     h = hashlib.sha256()
     config = path / "config.json"
     h.update(config.read_bytes() if config.is_file() else str(path).encode())
-    for f in sorted(path.glob("*.safetensors")):
+    for f in sorted([*path.glob("*.safetensors"), *path.glob("*.gguf")]):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()
@@ -322,20 +322,24 @@ def choose_precision(target: str, candidates: tuple[str, ...] | None = None, *, 
     :func:`verification_score` on this machine, and each candidate's measured costs.
 
     Candidates default to int8 and fp32, plus bf16 where the CPU has native bf16 (AMX or
-    AVX512-BF16); each one not cached yet is loaded and measured once.
+    AVX512-BF16); each one not cached yet is loaded and measured once. A model kept as GGUF
+    (a device's footprint) runs int8 only: a float copy of it is what that format avoids.
     """
-    from omnidraft.shared import model_runner
+    from omnidraft.shared import gguf_weights, model_runner
     from omnidraft.shared.fast_drafter import cpu_has_native_bf16
     from omnidraft.shared.precision import build_target_runner, load_dtype, runner_backend
 
+    path = catalog.resolve(target, progress=progress)
+    if candidates is None and gguf_weights.gguf_file(path) is not None:
+        candidates = ("int8",)
     if candidates is None:
         candidates = ("int8", "bf16", "fp32") if cpu_has_native_bf16() else ("int8", "fp32")
-    path = catalog.resolve(target, progress=progress)
     costs: dict[str, dict[int, float]] = {}
     for precision in candidates:
         def measure_one(precision=precision) -> dict[int, float]:
-            loaded = model_runner.load(str(path), load_dtype(precision), progress=progress)
-            runner = build_target_runner(loaded.model, precision)
+            loaded = model_runner.load(str(path), load_dtype(precision), progress=progress,
+                                       stream=precision == "int8")
+            runner = build_target_runner(loaded.model, precision, loaded.checkpoint)
             return target_costs(runner, path, precision, runner_backend(runner), refresh=refresh)
 
         costs[precision] = _cached_precision_costs(path, precision, measure_one, refresh)

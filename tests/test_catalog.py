@@ -102,3 +102,42 @@ def test_home_is_configurable(tmp_path, monkeypatch):
     assert catalog.model_dir("gemma3-270m") == tmp_path / "models" / "gemma3-270m"
     info = catalog.info("gemma3-270m")
     assert info["pulled"] is False and info["gguf_sha256"] == catalog.CATALOG["gemma3-270m"].gguf_sha256
+
+
+def test_formats_pulled_and_switched(tmp_path, monkeypatch):
+    """A model kept as GGUF is reported so, serves as its own GGUF, and asking for the other
+    format pulls again (here: the download is reached); an unknown format is one line."""
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    name = "gemma3-270m"
+    with pytest.raises(CatalogError, match="unknown model format 'onnx'"):
+        catalog.pull(name, fmt="onnx", progress=False)
+    assert catalog.pulled_format(name) is None
+    d = catalog.model_dir(name)
+    d.mkdir(parents=True)
+    (d / catalog.MARKER).write_text("{}")
+    assert catalog.pulled_format(name) == "safetensors"
+    (d / catalog.GGUF_FILE).write_bytes(b"GGUF")
+    assert catalog.pulled_format(name) == "gguf"
+    assert catalog.info(name)["format"] == "gguf"
+    assert catalog.gguf_path(name, progress=False) == d / catalog.GGUF_FILE
+    assert catalog.pull(name, progress=False) == d  # already pulled: nothing downloaded
+    assert catalog.pull(name, fmt="gguf", progress=False) == d
+
+    def reached(*a, **k):
+        raise OSError(errno.EIO, "download reached")
+
+    monkeypatch.setattr(catalog, "_download", reached)
+    with pytest.raises(CatalogError, match="download reached"):
+        catalog.pull(name, fmt="safetensors", progress=False)
+    assert catalog.pulled_format(name) == "gguf"  # a failed pull leaves the model as it was
+
+
+def test_default_format_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    monkeypatch.delenv("OMNIDRAFT_MODEL_FORMAT", raising=False)
+    assert catalog.default_format() == "safetensors"
+    monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "gguf")
+    assert catalog.default_format() == "gguf"
+    monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "onnx")
+    with pytest.raises(CatalogError, match="OMNIDRAFT_MODEL_FORMAT='onnx' is not a model format"):
+        catalog.pull("gemma3-270m", progress=False)

@@ -78,6 +78,8 @@ def test_doctor_names_the_kernels_and_what_is_missing(capsys, monkeypatch, tmp_p
 
 @pytest.mark.parametrize("argv", [
     ("models", "pull", "no-such-model"),
+    ("models", "pull", "smollm2-135m", "no-such-model"),  # checked before any download
+    ("models", "pull", "smollm2-135m", "--format", "onnx"),
     ("models", "info", "no-such-model"),
     ("models", "frobnicate"),
     ("generate", "--drafter", "x"),

@@ -1,0 +1,73 @@
+"""A device's footprint: disk and memory of a drafter/target pair generating and learning.
+
+Loads the pair as ``omnidraft device serve`` does (``Engine.load`` with the target in int8 and
+a ``DeviceSession`` that learns), generates ``--prompts`` HumanEval prompts with an adapter
+update every ``--interval`` of them, and prints one JSON object: the models' bytes on disk and
+their format, the seconds to load, and the process's memory read from ``/proc/self/status``
+(``VmRSS`` resident, ``RssAnon`` of it not backed by a file, ``VmHWM`` the peak) after loading
+and after the generations. Run it in a fresh process per measurement:
+
+    omnidraft models pull smollm2-135m qwen2.5-coder-1.5b --format gguf
+    python scripts/device_footprint.py --drafter smollm2-135m --target qwen2.5-coder-1.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def memory_mb() -> dict[str, int]:
+    """This process's VmRSS, RssAnon and VmHWM in MB (``/proc/self/status``)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "VmHWM"):
+            fields[key] = int(value.split()[0]) // 1024
+    return fields
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", default="smollm2-135m")
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--prompts", type=int, default=4, help="HumanEval prompts generated")
+    ap.add_argument("--interval", type=int, default=2, help="prompts per adapter update")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    from omnidraft.client.online_learner import OnlineConfig
+    from omnidraft.client.session import DeviceSession
+    from omnidraft.shared import catalog
+    from omnidraft.shared.bench import load_prompts
+    from omnidraft.shared.engine import Engine
+    from omnidraft.shared.generation import GenerationConfig
+
+    start = time.perf_counter()
+    engine = Engine.load(args.drafter, args.target, "int8", progress=False)
+    load_s = time.perf_counter() - start
+    after_load = memory_mb()
+    session = DeviceSession(engine, target_name=args.target, online=OnlineConfig(interval=args.interval))
+    updates = 0
+    for prompt in load_prompts("humaneval", args.prompts):
+        session.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens))
+        updates += session.last_update is not None
+    models = {name: {"format": catalog.pulled_format(name) or "directory",
+                     "bytes_on_disk": disk_bytes(catalog.resolve(name, progress=False))}
+              for name in (args.drafter, args.target)}
+    print(json.dumps({
+        "models": models, "disk_mb": sum(m["bytes_on_disk"] for m in models.values()) // 2**20,
+        "target_backend": engine.target_runner.backend if hasattr(engine.target_runner, "backend") else "torch",
+        "load_s": round(load_s, 1), "after_load_mb": after_load,
+        "after_generating_and_learning_mb": memory_mb(), "adapter_updates": updates,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Catalog models kept as the GGUF files they ship as, read one tensor at a time.
+
+A device keeps no float32 copy of a model on disk: ``omnidraft models pull NAME --format gguf``
+stores the pinned GGUF itself (Q4_K_M: 1.1 GB for Qwen2.5-Coder-1.5B, against 7.1 GB of float32
+safetensors) beside its ``config.json`` and tokenizer. Loading builds the transformers model
+on the meta device (shapes only) and fills it from the memory-mapped GGUF with the functions
+transformers' own GGUF loader uses: gguf-py's ``dequantize``, transformers' GGUF-to-HF name map
+and its per-architecture tensor processors (the Llama query/key row order, Gemma's norm offset).
+The values are therefore exactly those of a float32 conversion, bit for bit.
+
+Two ways to fill a model:
+
+* ``GgufCheckpoint.load(model)``: every tensor, in the requested dtype (a drafter that trains,
+  a float target);
+* ``GgufCheckpoint.materialized(module)``: one module's tensors for the duration of a ``with``
+  block, then back to the meta device. The native int8 kernels pack the target layer by layer
+  this way, so the float32 weights of one decoder layer exist at a time; the token embeddings
+  stay in the GGUF and ``rows`` dequantizes the few rows a forward needs (``GgufRows``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import init_empty_weights
+from gguf import GGMLQuantizationType, GGUFReader, dequantize
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, read_field,
+)
+
+from omnidraft.shared.catalog import GGUF_FILE
+from omnidraft.shared.heap import release_freed_memory
+
+
+def gguf_file(model_dir: str | Path) -> Path | None:
+    """The GGUF weights of a model directory kept in the GGUF format, else None."""
+    path = Path(model_dir) / GGUF_FILE
+    return path if path.is_file() else None
+
+
+def skeleton(model_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The transformers model of ``model_dir/config.json`` with its parameters on the meta
+    device (no memory) and its computed buffers (RoPE frequencies) real, on the CPU."""
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):  # buffers are computed at construction
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # meta parameters are created apart: tied ones become one again
+    return model
+
+
+@dataclass(frozen=True)
+class _TensorAt:
+    """Where one tensor's bytes lie in a GGUF file."""
+
+    gguf_name: str
+    qtype: GGMLQuantizationType
+    offset: int  # bytes from the start of the file
+    shape: tuple[int, ...]  # of the stored array (rows, bytes per row for quantized types)
+    dtype: np.dtype
+
+    def read(self, path: Path, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """The tensor (or ``rows`` of it) dequantized to float32, in memory of its own, through
+        a map of this tensor alone that closes when the read returns (the file's pages do not
+        stay resident). Dequantizing selected rows gives exactly those rows of the whole (GGUF
+        blocks never span rows)."""
+        data = np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape)
+        out = dequantize(data[rows], self.qtype)
+        # a float32 tensor comes back as a view of the map: copied, so the map can close
+        return np.array(out, dtype=np.float32) if np.may_share_memory(out, data) else out.astype(np.float32, copy=False)
+
+
+class GgufRows:
+    """Rows of one GGUF tensor (token embeddings), dequantized to float32 when read: only the
+    rows read are ever in memory. Has the ``index_select(0, ids)`` of a ``[rows, cols]`` tensor."""
+
+    def __init__(self, path: Path, at: _TensorAt) -> None:
+        self._path, self._at = path, at
+        self.shape = (at.shape[0], at.read(path, slice(0, 1)).shape[-1])
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        if dim != 0:
+            raise ValueError("GgufRows selects rows only (dim 0)")
+        return torch.from_numpy(self._at.read(self._path, index.numpy()))
+
+    def clone(self) -> GgufRows:
+        """Itself: it holds nothing of the checkpoint in memory."""
+        return self
+
+
+class GgufCheckpoint:
+    """The tensors of a GGUF file under the parameter names of ``model`` (built by ``skeleton``
+    from the same model's config)."""
+
+    def __init__(self, path: str | Path, model: torch.nn.Module) -> None:
+        self.path = Path(path)
+        reader = GGUFReader(self.path)
+        arch = read_field(reader, "general.architecture")[0]
+        self._processor: TensorProcessor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(
+            config=model.config.to_dict())
+        self._hf_names = get_gguf_hf_weights_map(model, self._processor)
+        self._tensors = {
+            self._hf_names[t.name]: _TensorAt(t.name, t.tensor_type, int(t.data_offset), tuple(t.data.shape), t.data.dtype)
+            for t in reader.tensors if t.name in self._hf_names}
+        del reader  # its map of the whole file closes; each read maps one tensor
+        expected = {name for name, _ in model.named_parameters()}
+        tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+        missing = sorted(expected - set(self._tensors) - tied)
+        if missing:
+            raise ValueError(f"{self.path.name}: no tensor for {', '.join(missing[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}")
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Parameter ``name`` dequantized (float32 values, then cast to ``dtype``)."""
+        at = self._tensors[name]
+        result = self._processor.process(weights=at.read(self.path), name=at.gguf_name,
+                                         tensor_key_mapping=self._hf_names, parsed_parameters={"tensors": {}})
+        return torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
+
+    def rows(self, name: str) -> GgufRows:
+        """Parameter ``name`` (token embeddings) as rows read on demand. Only for tensors no
+        tensor processor rewrites (embeddings are stored as they are)."""
+        return GgufRows(self.path, self._tensors[name])
+
+    def fill(self, model: torch.nn.Module, module: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+        """Give ``module`` of ``model`` (``model`` itself included) its weights from the GGUF,
+        in ``dtype`` (None: each parameter's own). Tied parameters are left to ``tie_weights``."""
+        prefix = _prefix_of(model, module)
+        for name, param in list(module.named_parameters()):
+            full = prefix + name
+            if full not in self._tensors:
+                continue  # a tied parameter: filled through the one it is tied to
+            owner, _, attr = name.rpartition(".")
+            value = self.tensor(full, dtype or param.dtype)
+            module.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
+
+    def load(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Fill every parameter of ``model`` (one tensor in float32 at a time, then in the
+        parameter's dtype) and re-tie tied weights; returns ``model``."""
+        self.fill(model, model)
+        model.tie_weights()
+        return model
+
+    @contextlib.contextmanager
+    def materialized(self, model: torch.nn.Module, module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """``module`` of ``model`` filled in float32 inside the block, on the meta device after
+        (and the freed memory handed back to the system)."""
+        self.fill(model, module, torch.float32)
+        try:
+            yield module
+        finally:
+            module.to("meta")
+            release_freed_memory()
+
+
+def _prefix_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    if module is model:
+        return ""
+    for name, candidate in model.named_modules():
+        if candidate is module:
+            return name + "."
+    raise ValueError("module is not part of model")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, *, stream: bool = False
+               ) -> tuple[torch.nn.Module, GgufCheckpoint]:
+    """The model of a GGUF-format directory: every weight filled in ``dtype``, or, with
+    ``stream``, only what lies outside the decoder layers and the embeddings (norms), for a
+    runner that packs layer by layer through ``checkpoint.materialized`` and reads embedding
+    rows through ``checkpoint.rows``."""
+    path = gguf_file(model_dir)
+    if path is None:
+        raise FileNotFoundError(f"{model_dir}: no {GGUF_FILE}")
+    model = skeleton(model_dir, dtype)
+    checkpoint = GgufCheckpoint(path, model)
+    if not stream:
+        return checkpoint.load(model), checkpoint
+    base = model.get_decoder()
+    skip = {id(base.layers), id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    for module in base.children():
+        if id(module) not in skip:
+            checkpoint.fill(model, module, torch.float32)
+    return model, checkpoint

@@ -1,0 +1,192 @@
+"""Models kept as GGUF (omnidraft.shared.gguf_weights): read exactly, packed layer by layer.
+
+Tiny random Llama (query/key rows permuted in GGUF, as llama.cpp's converter stores them) and
+Qwen2 (q/k/v biases) models are written to GGUF with gguf-py, some tensors Q8_0-quantized and
+the rest float32, beside their config. Loading gives exactly the float32 values the GGUF
+holds; the int8 target runner packed from the GGUF layer by layer (its layers left on the meta
+device, its embeddings read row by row, its LM head in slices) is bit-identical to the runner
+packed from the fully loaded model; an engine over GGUF directories decodes exactly as one over
+safetensors directories.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from omnidraft.shared import fast_drafter, gguf_weights, model_runner
+from omnidraft.shared.catalog import GGUF_FILE
+from omnidraft.shared.fast_drafter import FastLlamaRunner, native_error, native_library
+from omnidraft.shared.tiny_models import corpus, train_tokenizer
+
+VOCAB = 300
+QUANTIZED = ("q_proj", "gate_proj", "down_proj", "embed_tokens", "lm_head")  # stored Q8_0
+
+
+def tiny(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=kind == "llama-tied", rope_theta=10000.0)
+    model = (Qwen2ForCausalLM(Qwen2Config(**common)) if kind == "qwen2"
+             else LlamaForCausalLM(LlamaConfig(**common)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.08)
+    return model.eval().requires_grad_(False)
+
+
+def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's row order for Llama query/key weights (transformers reverses it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_TOKENIZER = []
+
+
+def write_gguf_dir(model: torch.nn.Module, out) -> dict[str, torch.Tensor]:
+    """``model`` as a GGUF-format model directory (config.json, a tokenizer, model.gguf);
+    returns the float32 values each parameter holds in the GGUF (Q8_0 round trip where
+    quantized)."""
+    config = model.config
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[config.model_type]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    out.mkdir(parents=True)
+    config.save_pretrained(out)
+    if not _TOKENIZER:
+        _TOKENIZER.append(train_tokenizer(corpus(60), VOCAB))
+    _TOKENIZER[0].save_pretrained(out)
+    writer = gguf.GGUFWriter(out / GGUF_FILE, gguf.MODEL_ARCH_NAMES[arch])
+    expected = {}
+    for hf_name, tensor in model.state_dict().items():
+        if config.tie_word_embeddings and hf_name == "lm_head.weight":
+            continue  # GGUF keeps tied weights once
+        base, suffix = hf_name.rsplit(".", 1)
+        w = tensor.float().numpy()
+        stored = w
+        if config.model_type == "llama" and suffix == "weight" and base.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
+            stored = _llama_permute(w, heads)
+        name = names.get_name(base) + "." + suffix
+        if any(q in base for q in QUANTIZED) and w.ndim == 2:
+            data = quants.quantize(stored, GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType.Q8_0)
+            # the values a reader gets back, in the model's own row order
+            back = quants.dequantize(data, GGMLQuantizationType.Q8_0)
+            if stored is not w:  # the reader restores the model's row order
+                back = _unpermute(back, heads)
+            expected[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(stored))
+            expected[hf_name] = tensor.float().clone()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "qwen2"])
+def test_load_gives_exactly_the_values_the_gguf_holds(tmp_path, kind):
+    model = tiny(kind)
+    expected = write_gguf_dir(model, tmp_path / kind)
+    loaded = model_runner.load(str(tmp_path / kind), torch.float32, progress=False)
+    state = loaded.model.state_dict()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    if kind == "llama-tied":
+        assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    # float32 tensors are stored as they are: those equal the original model's exactly
+    original = model.state_dict()
+    assert torch.equal(state["model.layers.0.self_attn.k_proj.weight"], original["model.layers.0.self_attn.k_proj.weight"])
+    assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())
+
+
+def test_bf16_load_casts_after_dequantizing(tmp_path):
+    expected = write_gguf_dir(tiny("qwen2"), tmp_path / "m")
+    loaded = model_runner.load(str(tmp_path / "m"), torch.bfloat16, progress=False)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(loaded.model.state_dict()[q], expected[q].to(torch.bfloat16))
+
+
+def test_rows_are_the_rows_of_the_whole_tensor(tmp_path):
+    expected = write_gguf_dir(tiny("llama"), tmp_path / "m")
+    streamed = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False, stream=True)
+    rows = streamed.checkpoint.rows("model.embed_tokens.weight")
+    ids = torch.tensor([0, 7, 299, 7, 150])
+    assert rows.shape == (VOCAB, 64)
+    assert torch.equal(rows.index_select(0, ids), expected["model.embed_tokens.weight"][ids])
+
+
+def test_a_gguf_missing_a_weight_is_refused(tmp_path):
+    model = tiny("llama")
+    write_gguf_dir(model, tmp_path / "m")
+    with pytest.raises(ValueError, match="no tensor for"):
+        gguf_weights.GgufCheckpoint(tmp_path / "m" / GGUF_FILE, tiny("qwen2"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "qwen2"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fbgemm"])
+def test_int8_runner_packed_layer_by_layer_is_bit_identical(tmp_path, monkeypatch, kind, native):
+    if native and native_library() is None:
+        pytest.skip(f"native kernels unavailable: {native_error()}")
+    monkeypatch.setattr(fast_drafter, "HEAD_SLICE_ROWS", 32)  # 300 rows: ten slices, the last padded
+    write_gguf_dir(tiny(kind), tmp_path / "m")
+    full = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
+    streamed = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False, stream=True)
+    assert all(p.is_meta for p in streamed.model.model.layers.parameters())
+    kwargs = dict(weights="int8", prefill_weights=None, native=native, activation_bits=8)
+    a = FastLlamaRunner(full.model, **kwargs)
+    b = FastLlamaRunner(streamed.model, checkpoint=streamed.checkpoint, **kwargs)
+    # nothing of the float layers is left in memory: they went back to the meta device
+    assert all(p.is_meta for p in streamed.model.model.layers.parameters())
+    assert streamed.model.model.embed_tokens.weight.is_meta
+    if native:  # the same bytes (the head's last tensor is its pointer table)
+        for x, y in zip(a._packing.native_tensors + a._head_tensors[:-1],
+                        b._packing.native_tensors + b._head_tensors[:-1]):
+            assert torch.equal(x, y)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    for chunk in (ids[:20], ids[20:21], ids[21:25], ids[25:26]):
+        assert torch.equal(a.forward(chunk), b.forward(chunk))
+    a.crop(10), b.crop(10)
+    assert torch.equal(a.forward(ids[30:33]), b.forward(ids[30:33]))
+    assert torch.equal(a.last_hidden(), b.last_hidden())
+
+
+def test_engine_over_gguf_dirs_decodes_as_over_safetensors(tmp_path):
+    """A drafter and an int8 target kept as GGUF give the same greedy tokens as the same
+    weights saved as safetensors, with speculation and with the target alone; the GGUF
+    target's float layers never stay in memory."""
+    from omnidraft.shared.engine import Engine
+    from omnidraft.shared.generation import GenerationConfig
+
+    dirs = {}
+    for role, kind, seed in (("drafter", "llama-tied", 1), ("target", "qwen2", 2)):
+        write_gguf_dir(tiny(kind, seed), tmp_path / f"{role}-gguf")
+        loaded = model_runner.load(str(tmp_path / f"{role}-gguf"), torch.float32, progress=False)
+        loaded.model.save_pretrained(tmp_path / f"{role}-st")
+        loaded.tokenizer.save_pretrained(tmp_path / f"{role}-st")
+        dirs[role] = (str(tmp_path / f"{role}-gguf"), str(tmp_path / f"{role}-st"))
+    config = GenerationConfig(max_new_tokens=24)
+    outputs = []
+    for i in (0, 1):
+        engine = Engine.load(dirs["drafter"][i], dirs["target"][i], "int8", progress=False)
+        if i == 0:
+            assert engine.target.checkpoint is not None
+            assert all(p.is_meta for p in engine.target.model.model.layers.parameters())
+        outputs.append([engine.generate("def alpha(beta, gamma):\n", config, method=m).token_ids
+                        for m in ("omnidraft", "ar")])
+    assert outputs[0] == outputs[1]
+    assert outputs[0][0] == outputs[0][1]  # lossless: speculation decodes what the target alone does
