@@ -307,14 +307,30 @@ class TargetRegistry:
         self._require(name)
         return sorted(int(p.name[len("manifest-v"):-len(".pb")]) for p in self._dir(name).glob("manifest-v*.pb"))
 
-    def rollback(self, name: str, to: int | None = None) -> fleet_pb2.StateManifest:
+    def rollback(self, name: str, to: int | None = None, *, before_round: int | None = None
+                 ) -> fleet_pb2.StateManifest:
         """Publish version N+1 with the adapter and cache of version ``to`` (default N-1): devices
         see a newer version (no replay), whose ``restored_from`` says what it restores. Holds the
-        target's writer lock (a round committing at the same time waits)."""
-        with self._lock(name):
-            return self._rollback(name, to)
+        target's writer lock (a round committing at the same time waits).
 
-    def _rollback(self, name: str, to: int | None) -> fleet_pb2.StateManifest:
+        ``before_round``: a rollback scheduled before that round (a scenario's). It is recorded
+        in the manifest, and asking again for the same round returns the version already
+        published instead of rolling back twice (a coordinator resuming an unfinished round
+        replays its scheduled actions)."""
+        with self._lock(name):
+            if before_round is not None:
+                for version in reversed(self.versions(name)):
+                    m = self._manifest_at(name, version)
+                    if m.HasField("scheduled_before_round") and m.scheduled_before_round == before_round:
+                        return m
+            return self._rollback(name, to, before_round)
+
+    def _manifest_at(self, name: str, version: int) -> fleet_pb2.StateManifest:
+        m = fleet_pb2.StateManifest()
+        m.ParseFromString((self._dir(name) / self._file("manifest", version)).read_bytes())
+        return m
+
+    def _rollback(self, name: str, to: int | None, before_round: int | None = None) -> fleet_pb2.StateManifest:
         current = self.manifest(name)
         to = current.version - 1 if to is None else to
         if not 0 <= to < current.version:
@@ -322,14 +338,14 @@ class TargetRegistry:
         if to not in self.versions(name):
             raise RegistryError(f"target {name!r}: version {to} is no longer kept (kept: "
                                 f"{', '.join(map(str, self.versions(name)))})")
-        old = fleet_pb2.StateManifest()
-        old.ParseFromString((self._dir(name) / self._file("manifest", to)).read_bytes())
+        old = self._manifest_at(name, to)
         blobs = [(self._dir(name) / self._file(kind, to)).read_bytes() for kind in ("adapter", "cache")]
         if sha256(blobs[0]) != old.adapter_sha256 or sha256(blobs[1]) != old.cache_sha256:
             raise RegistryError(f"target {name!r}: the files of version {to} do not match its manifest")
         m = fleet_pb2.StateManifest(target=name, version=current.version + 1, round=current.round,
                                     parent_version=current.version, restored_from=to,
-                                    devices_total=old.devices_total, tokens_total=old.tokens_total)
+                                    devices_total=old.devices_total, tokens_total=old.tokens_total,
+                                    scheduled_before_round=before_round)
         self._write_ledger(name, m.version, self.privacy_ledger(name))  # privacy spent stays spent
         return self._commit_blobs(name, m, *blobs)
 

@@ -442,12 +442,14 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
 
 def operator_actions(scenario: Scenario):
     """``before_round(round, registry)`` for the coordinator: the scenario's rollout and
-    rollback, done as ``omnidraft fleet rollout|rollback`` would do them."""
+    rollback, done as ``omnidraft fleet rollout|rollback`` would do them. Both are safe to run
+    again when a restarted coordinator resumes the round (a rollout sets a share; a rollback is
+    recorded with its round and not repeated)."""
     def before_round(rnd: int, registry: TargetRegistry) -> None:
         if scenario.rollout is not None and rnd == scenario.rollout.round:
             registry.rollout(scenario.rollout.target, scenario.rollout.share)
         if scenario.rollback is not None and rnd == scenario.rollback.round:
-            registry.rollback(scenario.rollback.target)
+            registry.rollback(scenario.rollback.target, before_round=rnd)
 
     return before_round
 

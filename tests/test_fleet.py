@@ -443,6 +443,31 @@ def test_rollback_republishes_an_earlier_state_as_a_new_version(tmp_path, tiny):
         reg.rollback("tiny-target-a", to=5)
 
 
+def test_a_scheduled_rollback_is_not_repeated_when_its_round_is_resumed(tmp_path, tiny):
+    """A scenario's rollback before round 3, replayed by a coordinator that resumes round 3
+    (killed after the rollback, before or after the round's commit), publishes nothing more."""
+    from omnidraft.simulations.scenario import Rollback, Scenario, operator_actions
+
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+    state = reg.load("tiny-target-a")
+    for v in (1, 2):
+        reg.commit("tiny-target-a", {k: t + v for k, t in state.adapter.items()}, state.cache(),
+                   round_=v, devices=1, tokens=10)
+    actions = operator_actions(Scenario(rollback=Rollback("tiny-target-a", 3)))
+    actions(3, reg)
+    rolled = reg.manifest("tiny-target-a")
+    assert (rolled.version, rolled.restored_from, rolled.scheduled_before_round) == (3, 1, 3)
+    actions(3, reg)  # resumed before the round's commit
+    assert reg.manifest("tiny-target-a") == rolled
+    reg.commit("tiny-target-a", state.adapter, state.cache(), round_=3, devices=1, tokens=10)
+    actions(3, reg)  # resumed after the round's commit: the rollback is found among the kept versions
+    assert reg.manifest("tiny-target-a").version == 4 and not reg.manifest("tiny-target-a").HasField("restored_from")
+    actions(2, reg), actions(4, reg)  # other rounds: nothing scheduled
+    assert reg.versions("tiny-target-a")[-1] == 4
+    assert reg.rollback("tiny-target-a").version == 5  # an operator's own rollback is never deduplicated
+
+
 def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tiny):
     """A device that pins the coordinator's Ed25519 key stores a state only if the manifest's
     signature verifies, every part matches its hash and the version is not older than the one
