@@ -11,6 +11,8 @@ safetensors directories.
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -190,3 +192,17 @@ def test_engine_over_gguf_dirs_decodes_as_over_safetensors(tmp_path):
                         for m in ("omnidraft", "ar")])
     assert outputs[0] == outputs[1]
     assert outputs[0][0] == outputs[0][1]  # lossless: speculation decodes what the target alone does
+
+
+def test_the_tensor_table_is_kept_beside_the_file_and_follows_it(tmp_path):
+    expected = write_gguf_dir(tiny("llama"), tmp_path / "m")
+    path = tmp_path / "m" / GGUF_FILE
+    arch, tensors = gguf_weights.tensor_table(path)
+    table = path.with_name(path.name + gguf_weights.TABLE_SUFFIX)
+    assert arch == "llama" and table.is_file() and len(tensors) == len(expected)
+    assert gguf_weights.tensor_table(path) == (arch, tensors)  # read back from the table
+    saved = table.read_text()
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
+    assert gguf_weights.tensor_table(path) == (arch, tensors) and table.read_text() != saved
+    loaded = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
+    assert torch.equal(loaded.model.state_dict()["model.norm.weight"], expected["model.norm.weight"])
