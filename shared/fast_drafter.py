@@ -508,7 +508,8 @@ class FastLlamaRunner:
 
         # --- embeddings and (optionally pruned) LM head -------------------------------------
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        embed_name, head_name = _param_name(model, embed.weight), _param_name(model, head.weight)
+        if checkpoint is not None:  # the names the GGUF's tensors go by
+            embed_name, head_name = _param_name(model, embed.weight), _param_name(model, head.weight)
         if getattr(head, "bias", None) is not None:
             raise ValueError("FastLlamaRunner supports LM heads without a bias")
         gain = decoder.norm.weight.detach().float()[None, :]
