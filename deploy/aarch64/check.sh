@@ -121,7 +121,8 @@ run_arm "/opt/venv/bin/omnidraft generate --drafter smollm2-135m --target qwen2.
   || { STATUS=1 finish "$KERNELS; $IDENT; generate FAILED"; }
 
 say "omnidraft device serve + ask (arm64)"
-run_arm "(/opt/venv/bin/omnidraft device serve --drafter smollm2-135m --target qwen2.5-coder-0.5b \
+# --dtype int8: `auto` would time every candidate precision first (over 35 min under emulation)
+run_arm "(/opt/venv/bin/omnidraft device serve --drafter smollm2-135m --target qwen2.5-coder-0.5b --dtype int8 \
             --state-dir /root/state > /root/serve.log 2>&1 &) ; \
          for i in \$(seq 600); do /opt/venv/bin/omnidraft device ask 'def add(a, b):' --max-new-tokens 8 2>/dev/null && exit 0; sleep 2; done; \
          tail -5 /root/serve.log; exit 1" >&2
