@@ -277,8 +277,11 @@ def _convert(entry: ModelSpec, gguf: Path, out: Path, progress: bool, fmt: str) 
         if fmt == "gguf":
             config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
             config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
             out.mkdir()
             os.replace(gguf, out / GGUF_FILE)
+            config.save_pretrained(out)
         else:
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             # transformers flags a GGUF-loaded model as quantized; the weights are already
@@ -291,10 +294,6 @@ def _convert(entry: ModelSpec, gguf: Path, out: Path, progress: bool, fmt: str) 
             model.save_pretrained(out, safe_serialization=True)
             gguf.unlink()
         steps.update()
-        if fmt == "gguf":
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config
-            config.save_pretrained(out)
         tokenizer.save_pretrained(out)
         (out / MARKER).write_text(json.dumps({
             "name": entry.name, "role": entry.role, "format": fmt, "gguf_sha256": entry.gguf_sha256,

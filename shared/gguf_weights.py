@@ -66,12 +66,14 @@ class _TensorAt:
     shape: tuple[int, ...]  # of the stored array (rows, bytes per row for quantized types)
     dtype: np.dtype
 
-    def read(self, path: Path, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
-        """The tensor (or ``rows`` of it) dequantized to float32, in memory of its own, through
-        a map of this tensor alone that closes when the read returns (the file's pages do not
-        stay resident). Dequantizing selected rows gives exactly those rows of the whole (GGUF
-        blocks never span rows)."""
-        data = np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape)
+    def map(self, path: Path) -> np.memmap:
+        """A read-only map of this tensor's bytes alone (only the pages read become resident)."""
+        return np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape)
+
+    def read(self, data: np.memmap, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """The tensor mapped as ``data`` (or ``rows`` of it) dequantized to float32, in memory of
+        its own. Dequantizing selected rows gives exactly those rows of the whole (GGUF blocks
+        never span rows)."""
         out = dequantize(data[rows], self.qtype)
         # a float32 tensor comes back as a view of the map: copied, so the map can close
         return np.array(out, dtype=np.float32) if np.may_share_memory(out, data) else out.astype(np.float32, copy=False)
@@ -111,13 +113,13 @@ class GgufRows:
     rows read are ever in memory. Has the ``index_select(0, ids)`` of a ``[rows, cols]`` tensor."""
 
     def __init__(self, path: Path, at: _TensorAt) -> None:
-        self._path, self._at = path, at
-        self.shape = (at.shape[0], at.read(path, slice(0, 1)).shape[-1])
+        self._at, self._data = at, at.map(path)  # mapped once: a forward reads a few rows
+        self.shape = (at.shape[0], at.read(self._data, slice(0, 1)).shape[-1])
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         if dim != 0:
             raise ValueError("GgufRows selects rows only (dim 0)")
-        return torch.from_numpy(self._at.read(self._path, index.numpy()))
+        return torch.from_numpy(self._at.read(self._data, index.numpy()))
 
     def clone(self) -> GgufRows:
         """Itself: it holds nothing of the checkpoint in memory."""
@@ -145,7 +147,7 @@ class GgufCheckpoint:
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Parameter ``name`` dequantized (float32 values, then cast to ``dtype``)."""
         at = self._tensors[name]
-        result = self._processor.process(weights=at.read(self.path), name=at.gguf_name,
+        result = self._processor.process(weights=at.read(at.map(self.path)), name=at.gguf_name,
                                          tensor_key_mapping=self._hf_names, parsed_parameters={"tensors": {}})
         return torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
 
