@@ -166,6 +166,9 @@ class GgufCheckpoint:
                 continue  # a tied parameter: filled through the one it is tied to
             owner, _, attr = name.rpartition(".")
             value = self.tensor(full, dtype or param.dtype)
+            if value.shape != param.shape:
+                raise ValueError(f"{self.path.name}: {full} is {tuple(value.shape)} in the GGUF, "
+                                 f"{tuple(param.shape)} in config.json")
             module.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
 
     def load(self, model: torch.nn.Module) -> torch.nn.Module:

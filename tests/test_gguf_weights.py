@@ -206,3 +206,11 @@ def test_the_tensor_table_is_kept_beside_the_file_and_follows_it(tmp_path):
     assert gguf_weights.tensor_table(path) == (arch, tensors) and table.read_text() != saved
     loaded = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
     assert torch.equal(loaded.model.state_dict()["model.norm.weight"], expected["model.norm.weight"])
+
+
+def test_a_gguf_that_does_not_match_its_config_is_refused(tmp_path):
+    write_gguf_dir(tiny("llama"), tmp_path / "m")
+    config = (tmp_path / "m" / "config.json").read_text()
+    (tmp_path / "m" / "config.json").write_text(config.replace('"intermediate_size": 128', '"intermediate_size": 96'))
+    with pytest.raises(ValueError, match=r"in the GGUF, \(96, 64\) in config.json"):
+        model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
