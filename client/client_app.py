@@ -92,7 +92,7 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         fleet = msg.content["fleet"]
         manifest = receive_state(device, fleet)
         tensors, learned, metrics = device.train_round(int(fleet["round"]))
-        stats = encode_stats(device.profile.target, learned, device.engine.bridge.target_vocab_size,
+        stats = encode_stats(device.profile.target, learned, device.target_vocab_size,
                              manifest.version)
         content = RecordDict()
         if fleet.get("secagg", False):  # the update leaves the device only masked, in the next messages

@@ -74,6 +74,26 @@ class EnginePool:
         self._engines: dict[tuple[str, str], Engine] = {}
         self._adapters: dict[str, DrafterAdapters] = {}
         self._digests: dict[tuple[str, str], str] = {}
+        self._adopted = False  # holds a serving session's models: adopts a round's LoRA settings
+
+    @classmethod
+    def holding(cls, engine: Engine, target: str, adapters: DrafterAdapters,
+                dtype: str | torch.dtype = "fp32") -> EnginePool:
+        """A pool around models another owner already loaded (the generation service's engine for
+        ``target`` and its drafter adapters), so fleet rounds run on them instead of a second copy.
+        Adapters take the LoRA settings a round asks for instead of refusing them; a target not
+        held yet loads at ``dtype``, sharing the drafter."""
+        pool = cls(dtype, engine.drafter_weights)
+        pool._engines[(engine.drafter_name, target)] = engine
+        pool._adapters[engine.drafter_name] = adapters
+        pool._adopted = True
+        return pool
+
+    def drop(self, drafter: str, target: str) -> None:
+        """Forget the engine of (``drafter``, ``target``) (a switched-away target): its target
+        model is freed once nothing else holds it."""
+        self._engines.pop((drafter, target), None)
+        self._digests.pop((drafter, target), None)
 
     def engine(self, drafter: str, target: str) -> Engine:
         if (drafter, target) not in self._engines:
@@ -101,6 +121,8 @@ class EnginePool:
             self._adapters[drafter] = DrafterAdapters(engine.drafter.model, lora,
                                                       drafter_weights=self.drafter_weights)
         adapters = self._adapters[drafter]
+        if adapters.spec != lora and self._adopted:
+            adapters.respec(lora)
         if adapters.spec != lora:
             raise ValueError(f"this process already runs drafter adapters with {adapters.spec}, not {lora}")
         return adapters
@@ -305,6 +327,11 @@ class FleetDevice:
         """This device's (shared, per-process) drafter/target engine."""
         return self.pool.engine(self.profile.drafter, self.profile.target_model)
 
+    @property
+    def target_vocab_size(self) -> int:
+        """Tokens in the target's vocabulary (what the n-gram statistics index)."""
+        return self.engine.bridge.target_vocab_size
+
     # -- taking the global state ----------------------------------------------------------------
     def receive(self, spec: fleet_pb2.TargetSpec, manifest_blob: bytes, adapter_blob: bytes | None,
                 cache_blob: bytes | None, signature: bytes = b"") -> fleet_pb2.StateManifest:
@@ -488,9 +515,8 @@ class FleetDevice:
         drafting exactly ``fixed_k`` drafter tokens per round (the paper's protocol;
         ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft). With
         greedy decoding that pass replays the target's recorded output (``RecordedTarget``)
-        instead of running the target. The target alone's output and speed do not change between
-        rounds, so it runs once per (target, prompts, length) and its record is kept in
-        ``fleet.json``."""
+        instead of running the target. The target alone's outputs do not change between rounds
+        (``_target_alone`` keeps them); its speed is timed again in every evaluation."""
         if not adaptive and not fixed_k:
             raise ValueError("an evaluation without the adaptive pass needs a fixed draft length")
         session = self.session(use_global=use_global)
@@ -521,25 +547,29 @@ class FleetDevice:
 
     def _target_alone(self, session: DeviceSession, p: DeviceProfile, timed: bool = True) -> list[dict]:
         """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
-        "s": seconds}, run live once per (target, prompts, generation length and stops), their
-        record kept in ``fleet.json`` (only the latest set: a deployed device's prompts change).
-        With a recording store only the first ``speed_prompts`` are run that way, and only when
-        ``timed`` (the speed baseline): the other outputs are needed as outputs only and come
-        from the store where it holds them ("s" 0; recorded live where it does not)."""
+        "s": seconds}. With ``timed`` (the speed baseline) the first ``speed_prompts`` run live
+        now, in every evaluation, so a speedup compares two decodes timed minutes apart at most,
+        never a baseline from an earlier round on a machine whose speed has moved. The other
+        outputs are needed as outputs only ("s" 0): from the recording store where the device has
+        one (recorded live where it lacks them), else run once per (target, prompts, generation
+        length and stops) and kept in ``fleet.json`` (only the latest set: a deployed device's
+        prompts change)."""
         g = p.generation
         store = self.recordings(session)
-        n_timed = len(p.heldout) if store is None else (p.speed_prompts or len(p.heldout)) if timed else 0
-        runs = []
-        if n_timed:
-            key = _sha256(json.dumps([p.target_model, p.heldout[:n_timed], g.max_new_tokens, list(g.stop_strings),
+        n_timed = (p.speed_prompts or len(p.heldout)) if timed else 0
+        runs = [{"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": r.stats.wall_s}
+                for r in (target_alone(session, p.heldout[:n_timed], g) if n_timed else [])]
+        rest = p.heldout[n_timed:]
+        if store is None and rest:
+            key = _sha256(json.dumps([p.target_model, rest, g.max_new_tokens, list(g.stop_strings),
                                       g.temperature]).encode())[:16]
             held = self._fleet_meta().get("target-alone", {})
             if held.get("key") != key:
-                held = {"key": key, "runs": [{"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": r.stats.wall_s}
-                                             for r in target_alone(session, p.heldout[:n_timed], g)]}
+                held = {"key": key, "runs": [{"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": 0.0}
+                                             for r in target_alone(session, rest, g)]}
                 self._save_fleet_meta({**self._fleet_meta(), "target-alone": held})
-            runs = list(held["runs"])
-        for prompt in p.heldout[n_timed:]:
+            return runs + list(held["runs"])
+        for prompt in rest:
             recording = store.get(prompt, g)
             if recording is None:
                 _, ids = session.engine.prompt_ids(prompt)

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import grpc
@@ -210,6 +211,29 @@ class GenerationService(pb_grpc.GenerationServicer):
                               precision=self.precision, queued=self.in_flight, requests=self.requests,
                               updates=s.learner.updates, pending_samples=self._samples.qsize())
 
+    # -- the device's fleet rounds (``client.fleet_service``) ----------------------------------------
+    @contextmanager
+    def engine_lent(self):
+        """Hold the engine for a federated round run in this process (no decode or update runs
+        meanwhile): the served state is saved first, so the round starts from it, and loaded again
+        after, whatever the round left in the shared models (a trained adapter it saved, a global
+        adapter an evaluation loaded). Yields the serving session."""
+        with self._engine:
+            self._save()
+            spec = self.session.adapters.spec
+            try:
+                yield self.session
+            finally:
+                if self.session.adapters.spec != spec:  # the round adopted the fleet's LoRA settings
+                    self.session.learner.new_optimizer()
+                self.session.load()
+                self.session.drafter_changed()
+
+    def replace_session(self, session: DeviceSession) -> None:
+        """Serve with ``session`` from the next request on (a rollout switched the target; call
+        inside ``engine_lent``)."""
+        self.session = session
+
     # -- learning between requests ----------------------------------------------------------------
     def _adopt_saved_state(self) -> None:
         """Load the device state if another process (a federated round) saved it (engine held)."""
@@ -261,18 +285,28 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 
 def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: int | None = None,
-          tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, int]:
+          tls: tuple[bytes, bytes] | None = None, fleet=None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``service`` on ``listen`` (host:port; port 0 picks one); returns
     (server, bound port). ``tls``: (certificate chain PEM, private key PEM). Plain text only on
     loopback: ValueError for another address without ``tls``, or for one where the service
-    would serve strangers (it must hold an owner token and refuse the rest)."""
+    would serve strangers (it must hold an owner token and refuse the rest). ``fleet``: a
+    ``client.fleet_service.DeviceFleetService`` served beside it (the device's SuperNode rounds
+    run on these models; messages up to ``served_device.MAX_MESSAGE_BYTES`` then)."""
     if not owner_token.is_loopback(listen):
         if tls is None:
             raise ValueError("an address other than loopback needs TLS (a certificate and its key)")
         if service.owner is None or service.serve_strangers:
             raise ValueError("an address other than loopback serves the owner only (an owner token, strangers refused)")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers or service.limits.max_queue + 2))
+    options = []
+    if fleet is not None:
+        from omnidraft.client.served_device import CHANNEL_OPTIONS as options
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers or service.limits.max_queue + 2),
+                         options=options)
     pb_grpc.add_GenerationServicer_to_server(service, server)
+    if fleet is not None:
+        from omnidraft.client.fleet_service import add_to_server
+
+        add_to_server(fleet, server)
     if tls is not None:
         port = server.add_secure_port(listen, grpc.ssl_server_credentials([(tls[1], tls[0])]))
     else:

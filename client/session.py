@@ -49,6 +49,8 @@ class DeviceSession:
                  online: OnlineConfig | None = None, translate: str = "text",
                  learn: bool = True, adaptive: bool = True, grow_cache: bool = True,
                  state_key=None, heal: bool = True, lookup: str = "history") -> None:
+        self._settings = dict(state_dir=state_dir, online=online, translate=translate, learn=learn, adaptive=adaptive,
+                              grow_cache=grow_cache, state_key=state_key, heal=heal, lookup=lookup)
         self.engine = engine
         self.target = target_name or str(engine.target.path)
         self.drafter_name = engine.drafter_name
@@ -87,6 +89,15 @@ class DeviceSession:
     @property
     def cache(self):
         return self.engine.cache
+
+    def switched(self, engine: Engine, target_name: str) -> DeviceSession:
+        """A session for another target (``engine``, sharing this drafter) with this one's
+        settings, state directory and drafter adapters, which it takes over: this session is
+        not used after (a rollout moved the device)."""
+        session = DeviceSession(engine, target_name=target_name, adapters=self.adapters, lora=self.adapters.spec,
+                                **self._settings)
+        session._owns_adapters = self._owns_adapters
+        return session
 
     # -- decoding -------------------------------------------------------------------------------
     def decoder(self, target=None) -> CrossVocabDecoder:

@@ -32,10 +32,15 @@ class JoinSettings:
     dtype: str = "auto"
     drafter_weights: str = "int8"
     max_retries: int | None = None
+    service: str = ""  # the device's generation service (host:port on loopback): it runs the rounds
+    service_token: str = ""  # its owner token file
 
     def node_config(self) -> str:
-        return toml_pairs({"state-dir": str(self.state_dir.resolve()), "dtype": self.dtype,
-                           "drafter-weights": self.drafter_weights})
+        config = {"state-dir": str(self.state_dir.resolve()), "dtype": self.dtype,
+                  "drafter-weights": self.drafter_weights}
+        if self.service:
+            config.update({"service": self.service, "service-token": self.service_token})
+        return toml_pairs(config)
 
     def command(self) -> list[str]:
         cmd = ["flower-supernode", "--superlink", self.superlink, "--node-config", self.node_config(),

@@ -11,7 +11,8 @@ What it runs (the steps of README's "Edge boards" section, on loopback):
    --public-key`` of two devices' public keys (the coordinator never holds a device's private key);
 3. per device: ``omnidraft device serve`` on its state directory and a few ``omnidraft device
    ask`` requests with the owner's token (the prompts it will train on), then ``omnidraft device
-   join``;
+   join --service`` (the rounds run in the serving process, on its models; with
+   ``--models-per-message`` each Flower message loads the models in its own process instead);
 4. a third device whose key was never registered tries to join and must be refused; a stranger
    holding ``ca.crt`` tries Flower's Control API at the devices' address (``flwr supernode
    register`` of its own key, ``flwr run`` of an app bundle) and must be refused both;
@@ -19,8 +20,9 @@ What it runs (the steps of README's "Edge boards" section, on loopback):
    state the rounds left in its state directory.
 
 Writes ``<out>/summary.json``: wall times, the registry's version before and after, the
-rounds' records (bytes per device, acceptance), whether the unregistered device and the
-stranger were refused, and what each device holds. Every process is stopped at the end. Default models: the tiny
+rounds' records (bytes per device, acceptance, seconds), whether the unregistered device and the
+stranger were refused, what each device holds, and each device's peak resident memory during the
+rounds (its service and SuperNode process trees together, and each alone, sampled every 0.2 s; MB). Every process is stopped at the end. Default models: the tiny
 test models (built on first use); ``--drafter/--target`` take catalog names.
 """
 
@@ -56,6 +58,46 @@ def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -
                 return
         time.sleep(0.3)
     raise RuntimeError(f"nothing listens on port {port} after {timeout:.0f} s")
+
+
+class PeakMemory:
+    """Peak resident memory (MB) of groups of process trees, sampled in a thread until ``stop``."""
+
+    def __init__(self, groups: dict[str, list[subprocess.Popen]], every_s: float = 0.2) -> None:
+        import threading
+
+        self.groups = groups
+        self.peak = {name: 0.0 for name in groups}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _tree_rss(proc: subprocess.Popen) -> int:
+        import psutil
+
+        try:
+            root = psutil.Process(proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            for name, procs in self.groups.items():
+                self.peak[name] = max(self.peak[name], sum(map(self._tree_rss, procs)) / 2**20)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {name: round(mb, 1) for name, mb in self.peak.items()}
 
 
 class Processes:
@@ -124,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=None, help="catalog name (default: a tiny test target)")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--models-per-message", action="store_true",
+                    help="join without --service: every Flower message loads the models in its own process")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -176,12 +220,15 @@ def main(argv: list[str] | None = None) -> int:
             for prompt in PROMPTS[i:i + 4]:
                 checked(omnidraft("device", "ask", prompt, "--server", f"127.0.0.1:{grpc_port}", "--json",
                                   "--owner-token", str(out / f"device{i}" / "owner.token"), env=env))
-        for i in (0, 1):
-            procs.start(f"join{i}", [sys.executable, "-m", "omnidraft", "device", "join", *pair,
-                                     "--superlink", f"127.0.0.1:{port}", "--cert", str(coord / "pki" / "ca.crt"),
-                                     "--key", str(keys[f"device{i}"]), "--fleet-key", fleet_key,
-                                     "--target-name", "t", "--state-dir", str(out / f"device{i}"),
-                                     "--prompts-per-round", "2", "--runtime-port", str(free_port())])
+        joins = {}
+        for i, (grpc_port, _) in services.items():
+            own = [] if args.models_per_message else ["--service", f"127.0.0.1:{grpc_port}"]
+            joins[i] = procs.start(f"join{i}", [sys.executable, "-m", "omnidraft", "device", "join", *pair, *own,
+                                                "--superlink", f"127.0.0.1:{port}", "--cert", str(coord / "pki" / "ca.crt"),
+                                                "--key", str(keys[f"device{i}"]), "--fleet-key", fleet_key,
+                                                "--target-name", "t", "--state-dir", str(out / f"device{i}"),
+                                                "--prompts-per-round", "2", "--runtime-port", str(free_port())])
+        summary["models-per-message"] = args.models_per_message
         stranger = omnidraft("device", "join", *pair, "--superlink", f"127.0.0.1:{port}",
                              "--cert", str(coord / "pki" / "ca.crt"), "--key", str(keys["stranger"]),
                              "--fleet-key", fleet_key, "--target-name", "t", "--state-dir", str(out / "device2"),
@@ -191,8 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         summary["coordinator-holds-private-keys"] = any(p.suffix != ".pub" for p in (coord / "pki" / "nodes").iterdir())
 
         t1 = time.perf_counter()
-        run = omnidraft("fleet", "run", "--rounds", str(args.rounds), "--min-devices", "2", "--k", "1",
-                        "--wait-s", "120", env=env, timeout=1500)
+        memory = PeakMemory({f"device{i}{part}": procs_ for i, (_, serve) in services.items()
+                             for part, procs_ in (("", [serve, joins[i]]), ("-service", [serve]),
+                                                  ("-supernode", [joins[i]]))})
+        try:
+            run = omnidraft("fleet", "run", "--rounds", str(args.rounds), "--min-devices", "2", "--k", "1",
+                            "--wait-s", "120", env=env, timeout=1500)
+        finally:
+            summary["peak-rss-mb"] = memory.stop()
         (logs / "fleet-run.log").write_text(run.stdout + run.stderr)
         checked(run)
         summary["rounds-s"] = round(time.perf_counter() - t1, 1)
@@ -212,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         procs.stop()
     for i in (0, 1):
-        summary["devices"][f"device{i}"]["reloaded-round-state"] = \
-            "updated on disk" in (logs / f"serve{i}.log").read_text()
+        log = (logs / f"serve{i}.log").read_text()
+        summary["devices"][f"device{i}"].update({
+            "reloaded-round-state": "updated on disk" in log,  # a round run in another process saved it
+            "rounds-served": log.count("fleet train (round"), "evaluations-served": log.count("fleet evaluate (round")})
     summary["wall-s"] = round(time.perf_counter() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "rounds"}, indent=1))

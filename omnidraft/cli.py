@@ -204,6 +204,11 @@ def _build_parser() -> argparse.ArgumentParser:
                            "a staged rollout (omnidraft fleet rollout NAME) may move the device to it")
     join.add_argument("--prompts-per-round", type=int, default=8, help="served prompts one round trains on")
     join.add_argument("--interval", type=int, default=4, help="generations per adapter update in a round")
+    join.add_argument("--service", default=None, metavar="HOST:PORT",
+                      help="this device's running omnidraft device serve (loopback): rounds run on its models, "
+                           "loaded once, instead of loading them for every Flower message")
+    join.add_argument("--owner-token", default=None,
+                      help="the service's owner token file (default: STATE_DIR/owner.token, as device serve makes it)")
     join.add_argument("--runtime-port", type=int, default=9094,
                       help="the SuperNode's local Runtime API port (one per SuperNode on a host)")
     join.add_argument("--max-retries", type=int, default=None, help="reconnection attempts before giving up")
@@ -849,6 +854,18 @@ def _join(args) -> int:
                          "public-key) so the device applies only signed states, or --insecure (a test network)")
     if min(args.prompts_per_round, args.interval) < 1:
         raise UsageError("omnidraft device join: --prompts-per-round and --interval must be >= 1")
+    token_file = ""
+    if args.service:
+        from omnidraft.client import owner_token
+
+        if not owner_token.is_loopback(args.service):
+            raise UsageError(f"omnidraft device join: --service {args.service}: the device service must be on loopback")
+        token_file = str(Path(args.owner_token or Path(args.state_dir) / owner_token.TOKEN_FILE).resolve())
+        try:
+            owner_token.read(token_file)
+        except ValueError as exc:
+            raise UsageError(f"omnidraft device join: {exc} (start omnidraft device serve on this state "
+                             f"directory first, or give --owner-token)") from None
     if args.fleet_key:
         from omnidraft.shared.signing import SignatureError, pinned_keys
 
@@ -884,6 +901,7 @@ def _join(args) -> int:
                             root_certificates=None if args.insecure else Path(args.cert).resolve(),
                             private_key=None if args.insecure else Path(args.key).resolve(),
                             runtime_port=args.runtime_port, dtype=args.dtype,
+                            service=args.service or "", service_token=token_file,
                             drafter_weights=args.drafter_weights, max_retries=args.max_retries)
     print(f"device {device_id}: joining {args.superlink} as a SuperNode ({args.drafter} -> {args.target}); "
           f"state in {args.state_dir}", file=sys.stderr, flush=True)
@@ -953,8 +971,11 @@ def _serve(args) -> int:
                                  keep=args.keep_prompts)
     service = GenerationService(session, limits, base=base, precision=engine.precision, learn=not args.no_learn,
                                 request_log=request_log, owner=owner, serve_strangers=loopback)
+    from omnidraft.client.fleet_service import DeviceFleetService
+
+    fleet = DeviceFleetService(service, args.state_dir, owner, dtype=engine.precision)
     try:
-        server, port = serve(service, args.listen, tls=tls)
+        server, port = serve(service, args.listen, tls=tls, fleet=fleet)
     except (ValueError, RuntimeError) as exc:
         service.close()
         raise UsageError(f"omnidraft device serve: cannot listen on {args.listen}: {exc}") from None
@@ -962,7 +983,7 @@ def _serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     host = args.listen.rsplit(":", 1)[0]
-    print(f"serving omnidraft.v1.Generation on {host}:{port}{' (TLS)' if tls else ''} ({engine.drafter_name} -> "
+    print(f"serving omnidraft.v1.Generation and DeviceFleet on {host}:{port}{' (TLS)' if tls else ''} ({engine.drafter_name} -> "
           f"{args.target}, {engine.precision}); state in {args.state_dir}; requests presenting {token_file} teach "
           f"the device{', others are served without learning' if loopback else ', others are refused'}",
           file=sys.stderr, flush=True)
