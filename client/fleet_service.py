@@ -16,6 +16,7 @@ loopback too. A refused or failed operation aborts with a one-line reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -60,13 +61,16 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
                                 f"this service serves {self.service.session.drafter_name} -> {served}")
         return FleetDevice(profile, self.pool).at_round(round_ or 1)
 
-    def _call(self, context: grpc.ServicerContext, name: str, round_: int, operation: Callable[[], object]):
-        """Run ``operation`` with the engine lent, for the owner only; a refusal aborts with its reason."""
+    def _call(self, context: grpc.ServicerContext, name: str, round_: int, operation: Callable[[], object],
+              lend: bool = True):
+        """Run ``operation`` for the owner only, with the engine lent (``lend``: it decodes, trains
+        or switches; a status or a received state only reads the tokenizer's digest and writes
+        the global state's files, so requests need not wait); a refusal aborts with its reason."""
         if not owner_token.presented_by(context.invocation_metadata(), self.owner):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "the device's fleet operations need the owner token")
         t0 = time.perf_counter()
         try:
-            with self.service.engine_lent():
+            with self.service.engine_lent() if lend else contextlib.nullcontext():
                 out = operation()
         except (StateMismatch, ValueError, OSError) as exc:
             reason = " ".join(str(exc).split()) or type(exc).__name__
@@ -78,7 +82,7 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
 
     def Status(self, request: pb.FleetQuery, context: grpc.ServicerContext) -> pb.DeviceStatus:
         return pb.DeviceStatus(json=json.dumps(self._call(context, "status", request.round,
-                                                          lambda: self._device(request.round).status())))
+                                                          lambda: self._device(request.round).status(), lend=False)))
 
     def Switch(self, request: pb.FleetQuery, context: grpc.ServicerContext) -> pb.DeviceStatus:
         def switch() -> dict:
@@ -103,7 +107,7 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
                 spec, request.manifest, request.adapter if request.HasField("adapter") else None,
                 request.cache if request.HasField("cache") else None, request.signature)
 
-        self._call(context, "receive", request.round, receive)
+        self._call(context, "receive", request.round, receive, lend=False)
         return pb.Received()
 
     def Train(self, request: pb.FleetQuery, context: grpc.ServicerContext) -> pb.TrainReply:
