@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 from torch.func import functional_call
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 
 from omnidraft.shared.fast_drafter import FastLlamaRunner
 from omnidraft.shared.precision import build_drafter_runner
@@ -60,7 +58,11 @@ class LoraSpec:
         if self.modules not in MODULE_SETS:
             raise ValueError(f"unknown LoRA module set {self.modules!r}: choose one of {', '.join(MODULE_SETS)}")
 
-    def peft_config(self) -> LoraConfig:
+    def peft_config(self):
+        """This spec as peft's ``LoraConfig``."""
+        from peft import LoraConfig  # peft (with transformers: 2.3 s) loads when adapters are built, not
+        # by every importer of this module (a SuperNode's ClientApp relaying to the device service)
+
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0,
                           target_modules=list(MODULE_SETS[self.modules]), bias="none")
 
@@ -101,6 +103,8 @@ class DrafterAdapters:
             return name
         config = self.spec.peft_config()
         if self.peft is None:
+            from peft import get_peft_model
+
             self.peft = get_peft_model(self.model, config, adapter_name=name)
         else:
             self.peft.add_adapter(name, config)
@@ -126,6 +130,8 @@ class DrafterAdapters:
 
     def state_dict(self, target: str) -> dict[str, torch.Tensor]:
         """The adapter's tensors (keys without the adapter name), detached, on CPU."""
+        from peft import get_peft_model_state_dict
+
         sd = get_peft_model_state_dict(self.peft, adapter_name=adapter_name(target))
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
@@ -155,6 +161,8 @@ class DrafterAdapters:
         for k, v in current.items():
             if tuple(tensors[k].shape) != tuple(v.shape):
                 raise ValueError(f"adapter tensor {k} has shape {tuple(tensors[k].shape)}, expected {tuple(v.shape)}")
+        from peft import set_peft_model_state_dict
+
         result = set_peft_model_state_dict(self.peft, tensors, adapter_name=adapter_name(target))
         if getattr(result, "unexpected_keys", None):
             raise ValueError("adapter tensors do not match the LoRA configuration")
@@ -202,6 +210,8 @@ class DrafterAdapters:
         """Adapter ``name``'s matrices per decoder layer for ``FastLlamaRunner.set_lora``:
         {Linear name: (A [r, in], scaling x B [out, r])}; None while every B is zero (an
         untrained adapter drafts exactly as the base model)."""
+        from peft.tuners.lora import LoraLayer
+
         layers, trained = [], False
         for layer in self.peft.get_base_model().model.layers:
             mods = {}
