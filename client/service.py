@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -40,6 +41,9 @@ from omnidraft.client.session import DeviceSession
 from omnidraft.proto import generation_pb2 as pb
 from omnidraft.proto import generation_pb2_grpc as pb_grpc
 from omnidraft.shared.generation import GenerationConfig, GenerationResult
+
+if TYPE_CHECKING:  # fleet_service imports this module
+    from omnidraft.client.fleet_service import DeviceFleetService
 
 log = logging.getLogger("omnidraft.service")
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -285,7 +289,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 
 def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: int | None = None,
-          tls: tuple[bytes, bytes] | None = None, fleet=None) -> tuple[grpc.Server, int]:
+          tls: tuple[bytes, bytes] | None = None,
+          fleet: DeviceFleetService | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``service`` on ``listen`` (host:port; port 0 picks one); returns
     (server, bound port). ``tls``: (certificate chain PEM, private key PEM). Plain text only on
     loopback: ValueError for another address without ``tls``, or for one where the service

@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from omnidraft.shared.processes import PeakMemory
+
 PROMPTS = ["def add(a, b):\n", "def scale(x, k):\n    return", "for item in items:\n",
            "def fetch(url, timeout):\n", "class Reader:\n    def __init__(self, path):\n"]
 
@@ -58,46 +60,6 @@ def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -
                 return
         time.sleep(0.3)
     raise RuntimeError(f"nothing listens on port {port} after {timeout:.0f} s")
-
-
-class PeakMemory:
-    """Peak resident memory (MB) of groups of process trees, sampled in a thread until ``stop``."""
-
-    def __init__(self, groups: dict[str, list[subprocess.Popen]], every_s: float = 0.2) -> None:
-        import threading
-
-        self.groups = groups
-        self.peak = {name: 0.0 for name in groups}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _tree_rss(proc: subprocess.Popen) -> int:
-        import psutil
-
-        try:
-            root = psutil.Process(proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return 0
-        total = 0
-        for p in procs:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
-
-    def _run(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            for name, procs in self.groups.items():
-                self.peak[name] = max(self.peak[name], sum(map(self._tree_rss, procs)) / 2**20)
-
-    def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join()
-        return {name: round(mb, 1) for name, mb in self.peak.items()}
 
 
 class Processes:
@@ -238,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["coordinator-holds-private-keys"] = any(p.suffix != ".pub" for p in (coord / "pki" / "nodes").iterdir())
 
         t1 = time.perf_counter()
-        memory = PeakMemory({f"device{i}{part}": procs_ for i, (_, serve) in services.items()
-                             for part, procs_ in (("", [serve, joins[i]]), ("-service", [serve]),
-                                                  ("-supernode", [joins[i]]))})
+        memory = PeakMemory({f"device{i}{part}": pids for i, (_, serve) in services.items()
+                             for part, pids in (("", [serve.pid, joins[i].pid]), ("-service", [serve.pid]),
+                                                ("-supernode", [joins[i].pid]))}, interval_s=0.2, field="rss")
         try:
             run = omnidraft("fleet", "run", "--rounds", str(args.rounds), "--min-devices", "2", "--k", "1",
                             "--wait-s", "120", env=env, timeout=1500)

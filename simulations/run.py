@@ -157,42 +157,6 @@ def scenario_from_args(args: argparse.Namespace):
     return scenario
 
 
-class PeakMemory:
-    """Samples the memory of this process and all its descendants (Ray's processes and workers)
-    every ``interval_s`` seconds: proportional set size (shared pages split between the processes
-    sharing them), so the sum is what the run occupies. ``peak_mb`` is the largest sum seen (MB).
-    Reading a process's PSS walks its page tables (``smaps_rollup``): once a second over a dozen
-    processes holding models it took ~10 % of a 2-core machine from the workers, so the default
-    samples every 5 s (the run's memory is a plateau once the models are loaded)."""
-
-    def __init__(self, interval_s: float = 5.0) -> None:
-        import threading
-
-        self.peak_mb = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(interval_s,), daemon=True)
-        self._thread.start()
-
-    def _sample(self, interval_s: float) -> None:
-        import psutil
-
-        me = psutil.Process()
-        while not self._stop.is_set():
-            total = 0
-            for proc in [me, *me.children(recursive=True)]:
-                try:
-                    total += proc.memory_full_info().pss
-                except psutil.Error:  # a process that just ended
-                    pass
-            self.peak_mb = max(self.peak_mb, total / 2**20)
-            self._stop.wait(interval_s)
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return round(self.peak_mb, 1)
-
-
 class _Progress:
     """One tqdm bar per round: replies received out of messages sent so far."""
 
@@ -236,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from omnidraft.coordinator.registry import RegistryError
         from omnidraft.shared.catalog import CatalogError
+        from omnidraft.shared.processes import PeakMemory
         from omnidraft.simulations import report
         from omnidraft.simulations.flower_runner import FlowerRunError
         from omnidraft.simulations.scenario import run
@@ -273,13 +238,13 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
 
         t0 = time.perf_counter()
-        memory = PeakMemory()
+        memory = PeakMemory()  # this process and its descendants (Ray's processes and workers), PSS
         # workers of a cluster joined with --ray-address are not this process's descendants
         memory_scope = "this process only: devices ran on the Ray cluster" if scenario.ray_address else "all processes"
         try:
             run(scenario, out, on_round, progress=progress)
         finally:
-            peak_mb = memory.stop()
+            peak_mb = memory.stop()["all"]
         progress.close()
         summaries, path = report.finish(out, {**scenario.to_dict(), "devices": scenario.devices},
                                         time.perf_counter() - t0, peak_mb, memory_scope)
