@@ -13,8 +13,8 @@ device's target and traffic may change with the round (``DeviceProfile.at_round`
   (StateManifest), ``manifest-sig`` (Ed25519 over the manifest bytes), and ``adapter`` /
   ``cache`` bytes only when the device does not hold them.
   → reply ``"update"`` ArrayRecord (trained adapter minus the global one, quantized to the
-  ``update-bits`` the message asks for: ``shared.update_codec``; what the quantization drops is
-  added to the next round's update, ``client.update_residual``), ``"metrics"`` MetricRecord (with
+  ``update-bits`` the message asks for and packed into one array: ``shared.update_codec``; what
+  the quantization drops is added to the next round's update, ``client.update_residual``), ``"metrics"`` MetricRecord (with
   ``trained-tokens``, the aggregation weight) and ``"fleet"`` ConfigRecord (``target``,
   ``state-version``, ``ngram-stats`` = NgramStats bytes).
 * ``evaluate`` ← the same ``"fleet"`` record plus ``use-global`` → reply ``"metrics"``.
@@ -46,6 +46,7 @@ from omnidraft.client.fleet_device import FleetDevice
 from omnidraft.client.secure_update import keep_update, take_update, update_delta
 from omnidraft.client.update_residual import ErrorFeedback
 from omnidraft.shared.fleet_wire import encode_stats
+from omnidraft.shared.update_codec import PACKED, pack
 from omnidraft.proto import fleet_pb2
 
 
@@ -104,7 +105,7 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         else:  # the update, compressed as the coordinator asks (error feedback kept on the device)
             delta = {k: d.float().numpy() for k, d in update_delta(tensors, device.global_adapter()).items()}
             arrays = ErrorFeedback(device.dir, device.profile.target).compress(delta, int(fleet.get("update-bits", 32)))
-            content["update"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+            content["update"] = ArrayRecord({PACKED: Array(pack(arrays))})
             metrics["uplink-bytes"] = content["update"].count_bytes() + len(stats)
         device.record_uplink(int(metrics["uplink-bytes"]))
         content["metrics"] = MetricRecord(metrics)

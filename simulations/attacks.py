@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message
 
+from omnidraft.shared.update_codec import PACKED, pack, unpack
+
 # kind -> what the device sends
 KINDS: dict[str, str] = {
     "nan": "its update's values replaced by NaN",
@@ -69,14 +71,22 @@ def assign(attacks: dict[str, float], veterans: int, seed: int) -> dict[int, str
     return out
 
 
+def _update_arrays(reply: Message) -> dict[str, np.ndarray]:
+    """The arrays packed in the reply's compressed update (``shared.update_codec``)."""
+    return unpack(reply.content["update"][PACKED].numpy())
+
+
+def _set_update(reply: Message, arrays: dict[str, np.ndarray]) -> None:
+    reply.content["update"] = ArrayRecord({PACKED: Array(pack(arrays))})
+
+
 def _scale_update(reply: Message, factor: float | None = None, fill: float | None = None) -> None:
     """Scale (or fill) every float array of the reply's compressed update: the per-block scales,
     or the values themselves at 32 bits."""
-    arrays = reply.content["update"]
-    reply.content["update"] = ArrayRecord({
-        k: Array((np.full(a.shape, fill, np.float32) if fill is not None else a.numpy() * np.float32(factor))
-                 .astype(np.float32)) if a.dtype == "float32" else a
-        for k, a in arrays.items()})
+    _set_update(reply, {
+        k: (np.full(a.shape, fill, np.float32) if fill is not None else a * np.float32(factor)).astype(np.float32)
+        if a.dtype == np.float32 else a
+        for k, a in _update_arrays(reply).items()})
 
 
 def _replay_file(context: Context, partition: int) -> Path:
@@ -92,10 +102,10 @@ def spoil_train_reply(kind: str, reply: Message, context: Context, partition: in
     elif kind == "sign-flip":
         _scale_update(reply, factor=-4.0)
     elif kind == "wrong-shape":
-        arrays = dict(reply.content["update"].items())
+        arrays = _update_arrays(reply)
         first = sorted(arrays)[0]
-        arrays[first] = Array(np.zeros(arrays[first].numpy().size + 1, np.float32))
-        reply.content["update"] = ArrayRecord(arrays)
+        arrays[first] = np.zeros(arrays[first].size + 1, np.float32)
+        _set_update(reply, arrays)
     elif kind == "extra-metric":
         reply.content["metrics"]["favourite-number"] = 7.0
     elif kind in ("huge-weight", "tokens-overflow"):
@@ -104,10 +114,10 @@ def spoil_train_reply(kind: str, reply: Message, context: Context, partition: in
         path = _replay_file(context, partition)
         if path.exists():  # the first reply's update and state version, again
             old = pickle.loads(path.read_bytes())
-            reply.content["update"] = ArrayRecord({k: Array(v) for k, v in old["update"].items()})
+            _set_update(reply, old["update"])
             reply.content["fleet"]["state-version"] = old["state-version"]
         else:
-            path.write_bytes(pickle.dumps({"update": {k: a.numpy() for k, a in reply.content["update"].items()},
+            path.write_bytes(pickle.dumps({"update": _update_arrays(reply),
                                            "state-version": reply.content["fleet"]["state-version"]}))
     return reply
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message
 
+from omnidraft.shared.update_codec import PACKED, pack, unpack
+
 
 def payload_bytes(msg: Message) -> list[bytes]:
     """Every value a message carries, as bytes (arrays raw, strings UTF-8, numbers repr)."""
@@ -49,10 +51,10 @@ def poison_mod(msg: Message, context, call_next) -> Message:
         raise RuntimeError("simulated device crash")
     reply = call_next(msg, context)
     if partition == 0 and msg.metadata.message_type == "train" and not reply.has_error():
-        arrays = reply.content["update"]
-        reply.content["update"] = ArrayRecord(
-            {k: Array(np.full(a.shape, np.nan, dtype=np.float32)) if a.dtype == "float32" else a
-             for k, a in arrays.items()})
+        arrays = unpack(reply.content["update"][PACKED].numpy())
+        reply.content["update"] = ArrayRecord({PACKED: Array(pack(
+            {k: np.full(a.shape, np.nan, dtype=np.float32) if a.dtype == np.float32 else a
+             for k, a in arrays.items()}))})
     return reply
 
 

@@ -10,7 +10,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from omnidraft.client.update_residual import ErrorFeedback
 from omnidraft.coordinator.aggregation import TRAIN_METRICS, AggregationConfig, check_reply, expand_update
-from omnidraft.shared.update_codec import BLOCK, decode, encode
+from omnidraft.shared.update_codec import BLOCK, PACKED, decode, encode, pack, unpack
 
 pytestmark = pytest.mark.usefixtures("flower_task")  # hand-made Messages need a task identity
 RNG = np.random.default_rng(0)
@@ -66,9 +66,9 @@ def test_error_feedback_sends_the_sum_of_the_updates(tmp_path):
     assert feedback.path.exists() and feedback.path.parent == tmp_path
 
 
-def _reply(arrays: dict[str, np.ndarray]) -> Message:
+def _reply(arrays: dict[str, np.ndarray], record: ArrayRecord | None = None) -> Message:
     return Message(RecordDict({
-        "update": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+        "update": record if record is not None else ArrayRecord({PACKED: Array(pack(arrays))}),
         "metrics": MetricRecord({**{k: lo for k, (lo, _) in TRAIN_METRICS.items()}, "trained-tokens": 10.0}),
         "fleet": ConfigRecord({"target": "t", "state-version": 0, "ngram-stats": b""}),
     }), dst_node_id=1, message_type="train")
@@ -107,3 +107,30 @@ def test_a_non_finite_update_is_caught_after_expansion():
     msg = _reply(arrays)
     assert expand_update(msg, GLOBAL) is None
     assert "NaN" in check_reply(msg, "t", 0, GLOBAL, AggregationConfig())
+
+
+def test_an_update_travels_as_one_array_whatever_the_adapter_holds():
+    """Flower moves each Array of a message as its own request: a rank-8 update of 210 tensors
+    (420 codes and scales) must still be one array, and unpack to the same codes."""
+    shapes = {f"layers.{i}.{p}.lora_B.weight": (576, 8) for i in range(30) for p in "qkvo"}
+    delta = {k: (RNG.standard_normal(s) * 1e-3).astype(np.float32) for k, s in shapes.items()}
+    arrays = encode(delta, 4)
+    msg = _reply(arrays)
+    assert list(msg.content["update"]) == [PACKED] and len(arrays) == 240
+    back = unpack(msg.content["update"][PACKED].numpy())
+    assert back.keys() == arrays.keys() and all(np.array_equal(back[k], arrays[k]) for k in arrays)
+    header = msg.content["update"].count_bytes() - sum(a.nbytes for a in arrays.values())
+    assert 0 < header < 160 * len(arrays)  # the file's names and shapes
+
+
+@pytest.mark.parametrize("record, reason", [
+    (ArrayRecord({PACKED: Array(np.zeros(64, np.uint8))}), "not a safetensors file"),
+    (ArrayRecord({PACKED: Array(np.frombuffer((10**9).to_bytes(8, "little") + b"{}", np.uint8))}), "not a safetensors file"),
+    (ArrayRecord({PACKED: Array(np.zeros(64, np.float32))}), "expected uint8"),
+    (ArrayRecord({"bias::q": Array(np.zeros((1, 64), np.int8))}), "expected one array"),
+    (ArrayRecord({PACKED: Array(pack({"bias::q": np.zeros((1, 64), np.int8)})), "more": Array(np.zeros(1, np.uint8))}),
+     "expected one array"),
+])
+def test_update_records_that_are_not_one_packed_file_are_rejected(record, reason):
+    why = expand_update(_reply({}, record), GLOBAL)
+    assert why is not None and reason in why
