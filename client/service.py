@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from omnidraft.client import owner_token
 from omnidraft.client.request_log import RequestLog
@@ -292,7 +293,11 @@ def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: 
           tls: tuple[bytes, bytes] | None = None,
           fleet: DeviceFleetService | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``service`` on ``listen`` (host:port; port 0 picks one); returns
-    (server, bound port). ``tls``: (certificate chain PEM, private key PEM). Plain text only on
+    (server, bound port). The standard ``grpc.health.v1.Health`` service answers beside it
+    (``SERVING`` for ``""`` and each served service's full name), so load balancers, Kubernetes
+    probes and ``grpc_health_probe`` check the device the usual way; ``Generation.Health`` adds
+    what they do not know (drafter, target, precision, queue).
+    ``tls``: (certificate chain PEM, private key PEM). Plain text only on
     loopback: ValueError for another address without ``tls``, or for one where the service
     would serve strangers (it must hold an owner token and refuse the rest). ``fleet``: a
     ``client.fleet_service.DeviceFleetService`` served beside it (the device's SuperNode rounds
@@ -308,10 +313,17 @@ def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers or service.limits.max_queue + 2),
                          options=options)
     pb_grpc.add_GenerationServicer_to_server(service, server)
+    served = [pb.DESCRIPTOR.services_by_name["Generation"].full_name]
     if fleet is not None:
         from omnidraft.client.fleet_service import add_to_server
+        from omnidraft.proto import device_fleet_pb2
 
         add_to_server(fleet, server)
+        served.append(device_fleet_pb2.DESCRIPTOR.services_by_name["DeviceFleet"].full_name)
+    checks = health.HealthServicer()
+    for name in ["", *served]:
+        checks.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     if tls is not None:
         port = server.add_secure_port(listen, grpc.ssl_server_credentials([(tls[1], tls[0])]))
     else:

@@ -8,6 +8,7 @@ import json
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
 from omnidraft.client.online_learner import OnlineConfig
@@ -149,6 +150,13 @@ def test_cli_ask_and_health_against_a_running_service(running, capsys):
     assert streamed == out["text"]
     assert main(["device", "health", "--server", f"127.0.0.1:{port}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "SERVING"
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # the standard grpc.health.v1 check
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for name in ("", "omnidraft.v1.Generation"):
+            assert check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            check(health_pb2.HealthCheckRequest(service="omnidraft.v1.Nothing"), timeout=5)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     assert main(["device", "ask", "x", "--server", f"127.0.0.1:{port}", "--max-new-tokens", "999"]) == 2
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
     assert main(["device", "health", "--server", "127.0.0.1:1", "--timeout", "2"]) == 2
