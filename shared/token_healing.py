@@ -6,7 +6,7 @@ drafter's tokenization of the *finished* text will have a token boundary. The co
 indentation: SmolLM2 writes ``"\\n    if"`` as ``"\\n   "`` + ``" if"`` (the last space belongs
 to the word), so a context that ends in the committed ``"\\n    "`` ends in a token the drafter
 only ever saw before a newline, and it drafts as if the line were over. Measured on held-out
-prompts (BENCHMARKS.md, "Token healing"), one drafting round in six (Qwen) to four (Gemma)
+prompts (docs/findings.md, "Token healing"), one drafting round in six (Qwen) to four (Gemma)
 starts at such a point, and almost none of those rounds' drafts were accepted.
 
 Healing re-opens the last context token ``L``: the drafter predicts from the position before

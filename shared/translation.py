@@ -11,7 +11,7 @@ Two translators, chosen per decoder (``--translate``):
   gives the target's canonical tokenization of the drafted text, including merges that cross
   drafter token boundaries and that no many-to-one cache entry can express (Qwen writes
   ``"):\\n"`` as one token where SmolLM2 writes ``"):"`` and ``"\\n"`` + indentation).
-  BENCHMARKS.md compares the two; it is the default because it accepts more tokens.
+  docs/findings.md compares the two; it is the default because it accepts more tokens.
 
 Either way verification keeps the output the target's own: a translator only decides what is
 proposed.
