@@ -49,13 +49,16 @@ class Phase:
     def summary(self, ar_tokens_per_s: float | None = None) -> dict:
         st = self.stats
         tps = st.tokens_per_s or 0.0
-        return {"acceptance_rate": st.acceptance_rate or 0.0,
-                "tokens_per_target_call": st.tokens_per_target_call or 0.0,
-                "tokens_per_s": tps,
-                "speedup_vs_ar": tps / ar_tokens_per_s if ar_tokens_per_s else None,
-                "drafter_steps_per_target_call": st.drafter_steps / st.target_calls if st.target_calls else 0.0,
-                "modelled_speedup_vs_ar": st.modelled_speedup,
-                "new_tokens": st.new_tokens, "wall_s": st.wall_s}
+        return {
+            "acceptance_rate": st.acceptance_rate or 0.0,
+            "tokens_per_target_call": st.tokens_per_target_call or 0.0,
+            "tokens_per_s": tps,
+            "speedup_vs_ar": tps / ar_tokens_per_s if ar_tokens_per_s else None,
+            "drafter_steps_per_target_call": st.drafter_steps / st.target_calls if st.target_calls else 0.0,
+            "modelled_speedup_vs_ar": st.modelled_speedup,
+            "new_tokens": st.new_tokens,
+            "wall_s": st.wall_s,
+        }
 
 
 def split(prompts: list[str], train_fraction: float) -> tuple[list[str], list[str]]:
@@ -64,8 +67,10 @@ def split(prompts: list[str], train_fraction: float) -> tuple[list[str], list[st
     n_train = int(round(len(prompts) * train_fraction))
     train, test = prompts[:n_train], prompts[n_train:]
     if not train or not test:
-        raise ValueError(f"{len(prompts)} prompts leave an empty train or held-out part at "
-                         f"--train-fraction {train_fraction}: use more prompts")
+        raise ValueError(
+            f"{len(prompts)} prompts leave an empty train or held-out part at "
+            f"--train-fraction {train_fraction}: use more prompts"
+        )
     return train, test
 
 
@@ -77,8 +82,9 @@ def warm_up(session: DeviceSession, prompt: str) -> None:
     session.engine.ar().generate(ids, tiny)
 
 
-def evaluate(session: DeviceSession, prompts: list[str], config: GenerationConfig, label: str,
-             ar: Phase | None = None) -> Phase:
+def evaluate(
+    session: DeviceSession, prompts: list[str], config: GenerationConfig, label: str, ar: Phase | None = None
+) -> Phase:
     """Decode ``prompts`` with the session's current state (no learning); with ``ar`` given,
     the target alone runs on each prompt too (interleaved) and is added to it."""
     phase = Phase()
@@ -91,8 +97,14 @@ def evaluate(session: DeviceSession, prompts: list[str], config: GenerationConfi
     return phase
 
 
-def evaluate_fixed_k(session: DeviceSession, prompts: list[str], config: GenerationConfig, k: int,
-                     label: str | None = None, recordings: list[list[int]] | None = None) -> dict:
+def evaluate_fixed_k(
+    session: DeviceSession,
+    prompts: list[str],
+    config: GenerationConfig,
+    k: int,
+    label: str | None = None,
+    recordings: list[list[int]] | None = None,
+) -> dict:
     """Acceptance and tokens per target call on ``prompts`` when every round drafts exactly ``k``
     drafter tokens (the paper's protocol: no acceptance head, no stopping rule); ``label``
     names a progress bar (None: no bar). ``recordings`` (greedy ``config`` only): the target's
@@ -109,8 +121,12 @@ def evaluate_fixed_k(session: DeviceSession, prompts: list[str], config: Generat
         decoder = live or session.decoder(target=RecordedTarget(ids + recordings[i], vocab))
         phase.add(decoder.generate(text, ids, fixed))
     summary = phase.summary()
-    return {"k": k, "acceptance_rate": summary["acceptance_rate"],
-            "tokens_per_target_call": summary["tokens_per_target_call"], "new_tokens": summary["new_tokens"]}
+    return {
+        "k": k,
+        "acceptance_rate": summary["acceptance_rate"],
+        "tokens_per_target_call": summary["tokens_per_target_call"],
+        "new_tokens": summary["new_tokens"],
+    }
 
 
 def target_alone(session: DeviceSession, prompts: list[str], config: GenerationConfig) -> list:
@@ -121,8 +137,14 @@ def target_alone(session: DeviceSession, prompts: list[str], config: GenerationC
     return [decoder.generate(session.engine.prompt_ids(prompt)[1], config) for prompt in prompts]
 
 
-def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConfig,
-              train_fraction: float = 0.8, warmup: bool = True, fixed_k: int = 4) -> dict:
+def run_adapt(
+    session: DeviceSession,
+    prompts: list[str],
+    config: GenerationConfig,
+    train_fraction: float = 0.8,
+    warmup: bool = True,
+    fixed_k: int = 4,
+) -> dict:
     """The whole experiment (see the module docstring); returns the JSON report. ``fixed_k``
     0 skips the fixed-length passes."""
     train, test = split(prompts, train_fraction)
@@ -142,9 +164,12 @@ def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConf
         report = session.last_update
         if report is not None:
             updates.append(report.to_dict())
-            point = {"prompts": i, **{k: v for k, v in window.summary(ar_tps).items()
-                                      if k not in ("new_tokens", "wall_s")},
-                     "update_s": report.seconds, "loss": report.loss}
+            point = {
+                "prompts": i,
+                **{k: v for k, v in window.summary(ar_tps).items() if k not in ("new_tokens", "wall_s")},
+                "update_s": report.seconds,
+                "loss": report.loss,
+            }
             curve.append(point)
             window = Phase()
     train_s = time.perf_counter() - t0
@@ -158,15 +183,21 @@ def run_adapt(session: DeviceSession, prompts: list[str], config: GenerationConf
     return {
         "before": {**before_s, "fixed_k": before_k},
         "after": {**after_s, "fixed_k": after_k},
-        "ar": ar.summary(ar_tps), "ar_after": ar_after.summary(ar_after.summary()["tokens_per_s"]),
-        "curve": curve, "updates": updates,
-        "train_prompts": len(train), "heldout_prompts": len(test), "train_wall_s": train_s,
+        "ar": ar.summary(ar_tps),
+        "ar_after": ar_after.summary(ar_after.summary()["tokens_per_s"]),
+        "curve": curve,
+        "updates": updates,
+        "train_prompts": len(train),
+        "heldout_prompts": len(test),
+        "train_wall_s": train_s,
         "update_seconds_mean": sum(update_s) / len(update_s) if update_s else None,
         "identical_to_ar_after": identical,
         "ar_deterministic": ar_after.token_ids == ar.token_ids,
         "speed_after_over_before": _ratio(after_s["speedup_vs_ar"], before_s["speedup_vs_ar"]),
         "tokens_per_s_after_over_before": _ratio(after_s["tokens_per_s"], before_s["tokens_per_s"]),
-        "modelled_speed_after_over_before": _ratio(after_s["modelled_speedup_vs_ar"], before_s["modelled_speedup_vs_ar"]),
+        "modelled_speed_after_over_before": _ratio(
+            after_s["modelled_speedup_vs_ar"], before_s["modelled_speedup_vs_ar"]
+        ),
         "throughput_rule": session.rule.state() if session.rule is not None else None,
         "profile_check": session.engine.check_profile(),
         "problems": session.problems,
@@ -185,25 +216,45 @@ def format_table(report: dict) -> str:
             continue
         s = report[name]
         speed, modelled = s["speedup_vs_ar"], None if name.startswith("ar") else s.get("modelled_speedup_vs_ar")
-        rows.append((name, f"{s['acceptance_rate']:.3f}" if not name.startswith("ar") else "-",
-                     f"{s['tokens_per_target_call']:.2f}", f"{s['tokens_per_s']:.2f}",
-                     f"{speed:.2f}x" if speed else "-", f"{modelled:.2f}x" if modelled else "-"))
+        rows.append(
+            (
+                name,
+                f"{s['acceptance_rate']:.3f}" if not name.startswith("ar") else "-",
+                f"{s['tokens_per_target_call']:.2f}",
+                f"{s['tokens_per_s']:.2f}",
+                f"{speed:.2f}x" if speed else "-",
+                f"{modelled:.2f}x" if modelled else "-",
+            )
+        )
     for name in ("before", "after"):
         fk = report[name].get("fixed_k")
         if fk:
-            rows.append((f"{name}, k={fk['k']}", f"{fk['acceptance_rate']:.3f}",
-                         f"{fk['tokens_per_target_call']:.2f}", "-", "-", "-"))
+            rows.append(
+                (
+                    f"{name}, k={fk['k']}",
+                    f"{fk['acceptance_rate']:.3f}",
+                    f"{fk['tokens_per_target_call']:.2f}",
+                    "-",
+                    "-",
+                    "-",
+                )
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
     if report.get("speed_after_over_before"):
         modelled = report.get("modelled_speed_after_over_before")
-        lines.append(f"held-out speedup over ar, after / before: {report['speed_after_over_before']:.3f} "
-                     f"(raw tok/s ratio {report['tokens_per_s_after_over_before']:.3f}"
-                     + (f"; modelled from the cost profile, decoding only: {modelled:.3f}" if modelled else "") + ")")
-    lines.append(f"held-out prompts: {report['heldout_prompts']}, trained on {report['train_prompts']}; "
-                 f"{len(report['updates'])} updates, "
-                 + (f"{report['update_seconds_mean']:.2f} s per update; " if report["update_seconds_mean"] else "")
-                 + f"greedy outputs identical to ar after training: {report['identical_to_ar_after']}/{report['heldout_prompts']}")
+        lines.append(
+            f"held-out speedup over ar, after / before: {report['speed_after_over_before']:.3f} "
+            f"(raw tok/s ratio {report['tokens_per_s_after_over_before']:.3f}"
+            + (f"; modelled from the cost profile, decoding only: {modelled:.3f}" if modelled else "")
+            + ")"
+        )
+    lines.append(
+        f"held-out prompts: {report['heldout_prompts']}, trained on {report['train_prompts']}; "
+        f"{len(report['updates'])} updates, "
+        + (f"{report['update_seconds_mean']:.2f} s per update; " if report["update_seconds_mean"] else "")
+        + f"greedy outputs identical to ar after training: {report['identical_to_ar_after']}/{report['heldout_prompts']}"
+    )
     return "\n".join(lines)
 
 
@@ -215,14 +266,18 @@ def plot_curve(report: dict, path: str) -> None:
     """The learning curve (acceptance and speedup vs prompts seen) as a PNG."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install 'omnidraft-fleet[sim]')") from None
     curve = report["curve"]
     x = [p["prompts"] for p in curve]
-    panels = (("acceptance_rate", "acceptance rate"), ("tokens_per_target_call", "tokens per target call"),
-              ("speedup_vs_ar", "speedup vs ar"))
+    panels = (
+        ("acceptance_rate", "acceptance rate"),
+        ("tokens_per_target_call", "tokens per target call"),
+        ("speedup_vs_ar", "speedup vs ar"),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(14, 3.8))
     for ax, (key, title) in zip(axes, panels):
         ax.plot(x, [p[key] or 0 for p in curve], marker="o", label="training stream (per update window)")
@@ -260,8 +315,15 @@ ABLATION_VARIANTS = {
 }
 
 
-def run_ablation(engine, prompts: list[str], config: GenerationConfig, train_fraction: float,
-                 online: OnlineConfig, lora: LoraSpec, translate: str) -> dict:
+def run_ablation(
+    engine,
+    prompts: list[str],
+    config: GenerationConfig,
+    train_fraction: float,
+    online: OnlineConfig,
+    lora: LoraSpec,
+    translate: str,
+) -> dict:
     """Each part's contribution on one split: the held-out set cold (fresh cache, base drafter),
     then per variant a fresh cache and adapter trained on the same stream and evaluated again.
     ``ar`` runs once, interleaved with the cold pass."""
@@ -271,8 +333,15 @@ def run_ablation(engine, prompts: list[str], config: GenerationConfig, train_fra
     def session(name: str, learn: bool, loss: LossConfig | None, head: bool) -> DeviceSession:
         engine.cache = NgramCache(drafter=engine.drafter_name, target=engine.target_name)
         cfg = replace(online, loss=loss or online.loss)
-        return DeviceSession(engine, target_name=f"{engine.target_name}#{name}", adapters=adapters,
-                             online=cfg, translate=translate, learn=learn, adaptive=head)
+        return DeviceSession(
+            engine,
+            target_name=f"{engine.target_name}#{name}",
+            adapters=adapters,
+            online=cfg,
+            translate=translate,
+            learn=learn,
+            adaptive=head,
+        )
 
     cold = session("cold", False, None, False)
     warm_up(cold, test[0])
@@ -286,18 +355,31 @@ def run_ablation(engine, prompts: list[str], config: GenerationConfig, train_fra
             s.generate(prompt, config)
         rows[name] = evaluate(s, test, config, f"held-out: {name}")
         updates[name] = len(s.learner.reports)
-    return {"ar": ar.summary(ar_tps), "variants": {k: v.summary(ar_tps) for k, v in rows.items()},
-            "updates": updates, "train_prompts": len(train), "heldout_prompts": len(test),
-            "identical_to_ar": {k: sum(a == b for a, b in zip(v.token_ids, ar.token_ids)) for k, v in rows.items()}}
+    return {
+        "ar": ar.summary(ar_tps),
+        "variants": {k: v.summary(ar_tps) for k, v in rows.items()},
+        "updates": updates,
+        "train_prompts": len(train),
+        "heldout_prompts": len(test),
+        "identical_to_ar": {k: sum(a == b for a, b in zip(v.token_ids, ar.token_ids)) for k, v in rows.items()},
+    }
 
 
 def format_ablation(report: dict) -> str:
     rows = [("variant", "acceptance", "tokens/call", "tok/s", "speedup vs ar")]
     for name, s in report["variants"].items():
-        rows.append((name, f"{s['acceptance_rate']:.3f}", f"{s['tokens_per_target_call']:.2f}",
-                     f"{s['tokens_per_s']:.2f}", f"{s['speedup_vs_ar']:.2f}x"))
+        rows.append(
+            (
+                name,
+                f"{s['acceptance_rate']:.3f}",
+                f"{s['tokens_per_target_call']:.2f}",
+                f"{s['tokens_per_s']:.2f}",
+                f"{s['speedup_vs_ar']:.2f}x",
+            )
+        )
     a = report["ar"]
     rows.append(("ar (target alone)", "-", "1.00", f"{a['tokens_per_s']:.2f}", "1.00x"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+    return "\n".join(
+        "  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows
+    )

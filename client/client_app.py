@@ -45,9 +45,9 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from omnidraft.client.fleet_device import FleetDevice
 from omnidraft.client.secure_update import keep_update, take_update, update_delta
 from omnidraft.client.update_residual import ErrorFeedback
+from omnidraft.proto import fleet_pb2
 from omnidraft.shared.fleet_wire import encode_stats
 from omnidraft.shared.update_codec import PACKED, pack
-from omnidraft.proto import fleet_pb2
 
 
 def receive_state(device: FleetDevice, fleet: ConfigRecord) -> fleet_pb2.StateManifest:
@@ -55,8 +55,9 @@ def receive_state(device: FleetDevice, fleet: ConfigRecord) -> fleet_pb2.StateMa
     returns its manifest."""
     spec = fleet_pb2.TargetSpec()
     spec.ParseFromString(fleet["spec"])
-    return device.receive(spec, fleet["manifest"], fleet.get("adapter"), fleet.get("cache"),
-                          fleet.get("manifest-sig", b""))
+    return device.receive(
+        spec, fleet["manifest"], fleet.get("adapter"), fleet.get("cache"), fleet.get("manifest-sig", b"")
+    )
 
 
 def secagg_when_asked(msg: Message, context: Context, call_next) -> Message:
@@ -93,14 +94,20 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         fleet = msg.content["fleet"]
         manifest = receive_state(device, fleet)
         tensors, learned, metrics = device.train_round(int(fleet["round"]))
-        stats = encode_stats(device.profile.target, learned, device.target_vocab_size,
-                             manifest.version)
+        stats = encode_stats(device.profile.target, learned, device.target_vocab_size, manifest.version)
         content = RecordDict()
         if fleet.get("secagg", False):  # the update leaves the device only masked, in the next messages
             clip = float(fleet.get("clip-norm", 0.0)) or None
-            keep_update(device.dir, tensors, device.global_adapter(), target=device.profile.target,
-                        round_=int(fleet["round"]), version=int(manifest.version),
-                        tokens=int(metrics["trained-tokens"]), clip_norm=clip)
+            keep_update(
+                device.dir,
+                tensors,
+                device.global_adapter(),
+                target=device.profile.target,
+                round_=int(fleet["round"]),
+                version=int(manifest.version),
+                tokens=int(metrics["trained-tokens"]),
+                clip_norm=clip,
+            )
             metrics["uplink-bytes"] = len(stats)  # + the masked vector, counted by the coordinator
         else:  # the update, compressed as the coordinator asks (error feedback kept on the device)
             delta = {k: d.float().numpy() for k, d in update_delta(tensors, device.global_adapter()).items()}
@@ -109,16 +116,18 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
             metrics["uplink-bytes"] = content["update"].count_bytes() + len(stats)
         device.record_uplink(int(metrics["uplink-bytes"]))
         content["metrics"] = MetricRecord(metrics)
-        content["fleet"] = ConfigRecord({"target": device.profile.target, "state-version": int(manifest.version),
-                                         "ngram-stats": stats})
+        content["fleet"] = ConfigRecord(
+            {"target": device.profile.target, "state-version": int(manifest.version), "ngram-stats": stats}
+        )
         return Message(content, reply_to=msg)
 
     def masked_update(msg: Message, context: Context) -> Message:
         """The kept update as a legacy ``FitRes`` for ``secaggplus_mod`` to weight and mask."""
         config = compat.recorddict_to_fitins(msg.content, keep_input=True).config
         device = device_for(context)
-        arrays, tokens = take_update(device.dir, target=str(config["target"]), round_=int(config["round"]),
-                                     version=int(config["state-version"]))
+        arrays, tokens = take_update(
+            device.dir, target=str(config["target"]), round_=int(config["round"]), version=int(config["state-version"])
+        )
         device.record_uplink(sum(a.nbytes for a in arrays))
         fitres = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(arrays), tokens, {})
         return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
@@ -130,8 +139,12 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         use_global = bool(fleet.get("use-global", True))
         if use_global:
             receive_state(device, fleet)
-        metrics = device.evaluate(use_global=use_global, measure_ar=bool(fleet.get("measure-ar", False)),
-                                  fixed_k=int(fleet.get("fixed-k", 0)), adaptive=bool(fleet.get("adaptive", True)))
+        metrics = device.evaluate(
+            use_global=use_global,
+            measure_ar=bool(fleet.get("measure-ar", False)),
+            fixed_k=int(fleet.get("fixed-k", 0)),
+            adaptive=bool(fleet.get("adaptive", True)),
+        )
         return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors, save as save_safetensors
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 import omnidraft
 from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
@@ -110,18 +111,27 @@ class DeviceState:
 
         if not is_encrypted(stored):
             if self.cipher is not None and not self.cipher.created:
-                raise StateKeyError(f"{self.dir / name} is not encrypted but its key {self.cipher.path} already "
-                                    f"exists: a keyed state is refused in plaintext (to encrypt a plaintext "
-                                    f"state, give a key file that does not exist yet)")
+                raise StateKeyError(
+                    f"{self.dir / name} is not encrypted but its key {self.cipher.path} already "
+                    f"exists: a keyed state is refused in plaintext (to encrypt a plaintext "
+                    f"state, give a key file that does not exist yet)"
+                )
             return stored
         if self.cipher is None:
             raise StateKeyError(f"the device state in {self.dir} is encrypted: give its key (--state-key)")
         return self.cipher.decrypt(name, stored)
 
     # -- writing -----------------------------------------------------------------------------
-    def save(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
-             cache: NgramCache, meta: dict, *, lookup: torch.Tensor | None = None,
-             if_unchanged: bool = False) -> bool:
+    def save(
+        self,
+        adapter: dict[str, torch.Tensor],
+        head: dict[str, torch.Tensor] | None,
+        cache: NgramCache,
+        meta: dict,
+        *,
+        lookup: torch.Tensor | None = None,
+        if_unchanged: bool = False,
+    ) -> bool:
         """Write every part atomically, then the manifest naming their checksums; with
         ``if_unchanged``, write nothing and return False when another process saved since this
         one last loaded or saved (``changed_on_disk``)."""
@@ -133,8 +143,14 @@ class DeviceState:
             self.seen = self._manifest_digest()
         return True
 
-    def _write(self, adapter: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None,
-               cache: NgramCache, meta: dict, lookup: torch.Tensor | None) -> None:
+    def _write(
+        self,
+        adapter: dict[str, torch.Tensor],
+        head: dict[str, torch.Tensor] | None,
+        cache: NgramCache,
+        meta: dict,
+        lookup: torch.Tensor | None,
+    ) -> None:
         blobs = {ADAPTER_FILE: save_safetensors(adapter), CACHE_FILE: cache.to_bytes()}
         if head is not None:
             blobs[HEAD_FILE] = save_safetensors(head)
@@ -145,9 +161,15 @@ class DeviceState:
             data = self._seal(name, data)
             write_bytes_atomic(self.dir / name, data)
             files[name] = {"sha256": sha256(data), "bytes": len(data)}  # of the bytes on disk
-        manifest = {"format": FORMAT_VERSION, "omnidraft": omnidraft.__version__,
-                    "drafter": self.drafter, "target": self.target, "saved_at": time.time(),
-                    **meta, "files": files}
+        manifest = {
+            "format": FORMAT_VERSION,
+            "omnidraft": omnidraft.__version__,
+            "drafter": self.drafter,
+            "target": self.target,
+            "saved_at": time.time(),
+            **meta,
+            "files": files,
+        }
         write_bytes_atomic(self.dir / MANIFEST_FILE, self._seal(MANIFEST_FILE, json.dumps(manifest, indent=1).encode()))
 
     # -- reading -----------------------------------------------------------------------------

@@ -50,45 +50,69 @@ def phase_prompts(phases: list[tuple[str, str, int]]) -> list[list[str]]:
         start = cursor.get(dataset, 0)
         if start + count > len(pool):
             raise ValueError(f"dataset {dataset!r} has {len(pool)} prompts; the stream asks for {start + count}")
-        out.append(pool[start:start + count])
+        out.append(pool[start : start + count])
         cursor[dataset] = start + count
     return out
 
 
-def run_drift(drafter: str, phases: list[tuple[str, str, int]], config: GenerationConfig, dtype,
-              drafter_weights: str = "int8", translate: str = "ngram",
-              online: OnlineConfig | None = None, lora: LoraSpec = LoraSpec()) -> dict:
+def run_drift(
+    drafter: str,
+    phases: list[tuple[str, str, int]],
+    config: GenerationConfig,
+    dtype,
+    drafter_weights: str = "int8",
+    translate: str = "ngram",
+    online: OnlineConfig | None = None,
+    lora: LoraSpec = LoraSpec(),
+) -> dict:
     prompts = phase_prompts(phases)
     model_runner.set_threads()
     d = model_runner.load(drafter, progress=False)
     engines = {}
     for target, _, _ in phases:
         if target not in engines:
-            engines[target] = Engine.load(drafter, target, dtype, drafter_weights=drafter_weights,
-                                          drafter_model=d, progress=False)
+            engines[target] = Engine.load(
+                drafter, target, dtype, drafter_weights=drafter_weights, drafter_model=d, progress=False
+            )
     adapters = DrafterAdapters(d.model, lora, drafter_weights=drafter_weights)
     runs = {}
     for label, grow in (("with cache", True), ("without cache", False)):
         sessions = {}
         for target, engine in engines.items():
             engine.cache = NgramCache(drafter=drafter, target=target)
-            sessions[target] = DeviceSession(engine, target_name=f"{target}#{label}", adapters=adapters,
-                                             online=online, translate=translate, grow_cache=grow)
+            sessions[target] = DeviceSession(
+                engine,
+                target_name=f"{target}#{label}",
+                adapters=adapters,
+                online=online,
+                translate=translate,
+                grow_cache=grow,
+            )
         rows = []
         for p, ((target, dataset, _), items) in enumerate(zip(phases, prompts)):
             for prompt in tqdm(items, desc=f"{label}: {target} / {dataset}", unit="prompt", leave=False):
                 r = sessions[target].generate(prompt, config)
                 st = r.stats
-                rows.append({"phase": p, "target": target, "dataset": dataset,
-                             "acceptance_rate": st.acceptance_rate or 0.0,
-                             "tokens_per_target_call": st.tokens_per_target_call or 0.0,
-                             "tokens_per_s": st.tokens_per_s or 0.0,
-                             "cache_entries": len(engines[target].cache),
-                             "update": sessions[target].last_update is not None})
+                rows.append(
+                    {
+                        "phase": p,
+                        "target": target,
+                        "dataset": dataset,
+                        "acceptance_rate": st.acceptance_rate or 0.0,
+                        "tokens_per_target_call": st.tokens_per_target_call or 0.0,
+                        "tokens_per_s": st.tokens_per_s or 0.0,
+                        "cache_entries": len(engines[target].cache),
+                        "update": sessions[target].last_update is not None,
+                    }
+                )
         runs[label] = rows
-    return {"phases": [{"target": t, "dataset": ds, "prompts": n} for t, ds, n in phases],
-            "translate": translate, "max_new_tokens": config.max_new_tokens, "runs": runs,
-            "phase_means": {label: [_phase_mean(rows, p) for p in range(len(phases))] for label, rows in runs.items()}}
+    return {
+        "phases": [{"target": t, "dataset": ds, "prompts": n} for t, ds, n in phases],
+        "translate": translate,
+        "max_new_tokens": config.max_new_tokens,
+        "runs": runs,
+        "phase_means": {label: [_phase_mean(rows, p) for p in range(len(phases))] for label, rows in runs.items()},
+    }
 
 
 def _phase_mean(rows: list[dict], phase: int) -> dict:
@@ -100,14 +124,17 @@ def _phase_mean(rows: list[dict], phase: int) -> dict:
     def mean(part: list[dict], key: str) -> float:
         return sum(r[key] for r in part) / len(part)
 
-    return {k: {"first_half": mean(first, k), "second_half": mean(second, k)}
-            for k in ("acceptance_rate", "tokens_per_target_call")}
+    return {
+        k: {"first_half": mean(first, k), "second_half": mean(second, k)}
+        for k in ("acceptance_rate", "tokens_per_target_call")
+    }
 
 
 def plot_drift(report: dict, path: str, window: int = 4) -> None:
+    import matplotlib
+
     from omnidraft.client.adapt_run import save_figure
 
-    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -115,8 +142,10 @@ def plot_drift(report: dict, path: str, window: int = 4) -> None:
     for label, rows in report["runs"].items():
         for ax, key in zip(axes, ("acceptance_rate", "tokens_per_target_call")):
             values = [r[key] for r in rows]
-            smooth = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
-                      for i in range(len(values))]
+            smooth = [
+                sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                for i in range(len(values))
+            ]
             ax.plot(range(1, len(values) + 1), smooth, label=label)
     rows = next(iter(report["runs"].values()))
     switches = [i + 1 for i in range(1, len(rows)) if rows[i]["phase"] != rows[i - 1]["phase"]]

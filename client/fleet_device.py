@@ -37,10 +37,16 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from omnidraft.client.adapt_run import Phase, evaluate_fixed_k, target_alone
-from omnidraft.client.device_state import sha256 as _sha256, slug
+from omnidraft.client.device_state import sha256 as _sha256
+from omnidraft.client.device_state import slug
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.resource_policy import (
-    DeviceConditions, ResourcePolicy, SystemConditions, UplinkLedger, busy_reason)
+    DeviceConditions,
+    ResourcePolicy,
+    SystemConditions,
+    UplinkLedger,
+    busy_reason,
+)
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
@@ -77,8 +83,9 @@ class EnginePool:
         self._adopted = False  # holds a serving session's models: adopts a round's LoRA settings
 
     @classmethod
-    def holding(cls, engine: Engine, target: str, adapters: DrafterAdapters,
-                dtype: str | torch.dtype = "fp32") -> EnginePool:
+    def holding(
+        cls, engine: Engine, target: str, adapters: DrafterAdapters, dtype: str | torch.dtype = "fp32"
+    ) -> EnginePool:
         """A pool around models another owner already loaded (the generation service's engine for
         ``target`` and its drafter adapters), so fleet rounds run on them instead of a second copy.
         Adapters take the LoRA settings a round asks for instead of refusing them; a target not
@@ -99,8 +106,8 @@ class EnginePool:
         if (drafter, target) not in self._engines:
             shared = next((e.drafter for (d, _), e in self._engines.items() if d == drafter), None)
             self._engines[(drafter, target)] = Engine.load(
-                drafter, target, self.dtype, drafter_weights=self.drafter_weights, progress=False,
-                drafter_model=shared)
+                drafter, target, self.dtype, drafter_weights=self.drafter_weights, progress=False, drafter_model=shared
+            )
         return self._engines[(drafter, target)]
 
     def tokenizer_digest(self, drafter: str, target: str) -> str:
@@ -118,8 +125,7 @@ class EnginePool:
         if lora is None:
             lora = self._adapters[drafter].spec if drafter in self._adapters else LoraSpec(rank=8)
         if drafter not in self._adapters:
-            self._adapters[drafter] = DrafterAdapters(engine.drafter.model, lora,
-                                                      drafter_weights=self.drafter_weights)
+            self._adapters[drafter] = DrafterAdapters(engine.drafter.model, lora, drafter_weights=self.drafter_weights)
         adapters = self._adapters[drafter]
         if adapters.spec != lora and self._adopted:
             adapters.respec(lora)
@@ -207,8 +213,14 @@ class DeviceProfile:
         online = data.pop("online")
         online["loss"] = LossConfig(**online.get("loss", {}))
         data["policy"] = ResourcePolicy(**data.get("policy", {}))
-        return cls(**{**data, "state_dir": Path(data["state_dir"]),
-                      "generation": GenerationConfig(**gen), "online": OnlineConfig(**online)})
+        return cls(
+            **{
+                **data,
+                "state_dir": Path(data["state_dir"]),
+                "generation": GenerationConfig(**gen),
+                "online": OnlineConfig(**online),
+            }
+        )
 
 
 def _keep(store: RecordingStore, prompt: str, config: GenerationConfig, recording: Recording) -> None:
@@ -272,8 +284,9 @@ class FleetDevice:
         offers = {**{k: v for k, v in saved.offers.items() if k != target}, saved.target: saved.target_model}
         saved = replace(saved, target=target, target_model=saved.offers[target], offers=offers)
         saved.save()
-        return FleetDevice(replace(p, target=target, target_model=saved.target_model, offers=offers), self.pool,
-                           self.conditions)
+        return FleetDevice(
+            replace(p, target=target, target_model=saved.target_model, offers=offers), self.pool, self.conditions
+        )
 
     # -- what the device holds ----------------------------------------------------------------
     def _fleet_meta(self) -> dict:
@@ -301,13 +314,19 @@ class FleetDevice:
     def status(self) -> dict:
         """What the coordinator needs to decide what to send (no local text)."""
         m = self.held_manifest()
-        return {"device": self.profile.device_id, "target": self.profile.target,
-                "can-serve": ",".join(sorted(self.profile.offers)), "busy": self.busy(),
-                "joins-at": self.profile.joins_at_round,
-                "probe": self.profile.probe,
-                "trained": self.profile.target in self._fleet_meta().get("trained", []), "state-version": int(m.version) if m else -1,
-                "adapter-sha256": m.adapter_sha256 if m else "", "cache-sha256": m.cache_sha256 if m else "",
-                "tokenizer-sha256": self._tokenizer_digest}
+        return {
+            "device": self.profile.device_id,
+            "target": self.profile.target,
+            "can-serve": ",".join(sorted(self.profile.offers)),
+            "busy": self.busy(),
+            "joins-at": self.profile.joins_at_round,
+            "probe": self.profile.probe,
+            "trained": self.profile.target in self._fleet_meta().get("trained", []),
+            "state-version": int(m.version) if m else -1,
+            "adapter-sha256": m.adapter_sha256 if m else "",
+            "cache-sha256": m.cache_sha256 if m else "",
+            "tokenizer-sha256": self._tokenizer_digest,
+        }
 
     @property
     def _tokenizer_digest(self) -> str:
@@ -333,8 +352,14 @@ class FleetDevice:
         return self.engine.bridge.target_vocab_size
 
     # -- taking the global state ----------------------------------------------------------------
-    def receive(self, spec: fleet_pb2.TargetSpec, manifest_blob: bytes, adapter_blob: bytes | None,
-                cache_blob: bytes | None, signature: bytes = b"") -> fleet_pb2.StateManifest:
+    def receive(
+        self,
+        spec: fleet_pb2.TargetSpec,
+        manifest_blob: bytes,
+        adapter_blob: bytes | None,
+        cache_blob: bytes | None,
+        signature: bytes = b"",
+    ) -> fleet_pb2.StateManifest:
         """Check, then store, a global state (the parts not sent must be the ones already held);
         returns its manifest. Raises StateMismatch, storing nothing (the device keeps its previous
         state), when the manifest's signature does not verify with the pinned fleet key
@@ -358,13 +383,18 @@ class FleetDevice:
             raise StateMismatch(f"target {spec.name!r}: the coordinator's tokenizer differs from this device's")
         held = self.held_manifest()
         if held is not None and manifest.version < held.version:
-            raise StateMismatch(f"state version {manifest.version} is older than the held version {held.version} "
-                                f"(replayed or stale)")
-        for kind, blob, digest in (("adapter", adapter_blob, manifest.adapter_sha256),
-                                   ("cache", cache_blob, manifest.cache_sha256)):
+            raise StateMismatch(
+                f"state version {manifest.version} is older than the held version {held.version} (replayed or stale)"
+            )
+        for kind, blob, digest in (
+            ("adapter", adapter_blob, manifest.adapter_sha256),
+            ("cache", cache_blob, manifest.cache_sha256),
+        ):
             if blob is None:
                 if held is None or getattr(held, f"{kind}_sha256") != digest:
-                    raise StateMismatch(f"the coordinator sent no {kind} and this device does not hold version {manifest.version}")
+                    raise StateMismatch(
+                        f"the coordinator sent no {kind} and this device does not hold version {manifest.version}"
+                    )
             elif _sha256(blob) != digest:
                 raise StateMismatch(f"the received {kind} does not match its manifest checksum")
         if adapter_blob is not None:  # signed is not the same as usable: never store NaN or Inf weights
@@ -409,11 +439,20 @@ class FleetDevice:
         # loaded, a new acceptance head) must not depend on what this worker process ran before
         # (models loaded, adapters added, other devices): a simulation is reproducible only then
         held = f"{manifest.version}:{manifest.adapter_sha256}" if manifest is not None else "local"
-        torch.manual_seed(int.from_bytes(hashlib.sha256(f"{self.profile.device_id}/{held}".encode()).digest()[:8], "little"))
+        torch.manual_seed(
+            int.from_bytes(hashlib.sha256(f"{self.profile.device_id}/{held}".encode()).digest()[:8], "little")
+        )
         adapters.reset(local)  # nothing of the previous device in this process
-        session = DeviceSession(engine, target_name=local, state_dir=self.dir,
-                                adapters=adapters, lora=adapters.spec, online=self.profile.online,
-                                translate=self.profile.translate, state_key=self.profile.state_key or None)
+        session = DeviceSession(
+            engine,
+            target_name=local,
+            state_dir=self.dir,
+            adapters=adapters,
+            lora=adapters.spec,
+            online=self.profile.online,
+            translate=self.profile.translate,
+            state_key=self.profile.state_key or None,
+        )
         if manifest is not None:
             adapters.load_state_dict(local, self.global_adapter())
             session.drafter_changed()
@@ -464,15 +503,27 @@ class FleetDevice:
         if p.prompts:  # a deployed device's text stays in its request log only
             self._append_history(round_, prompts, outputs)
         meta = self._fleet_meta()
-        self._save_fleet_meta({**meta, "next-prompt": next_prompt, "round": round_,
-                               "trained": sorted({*meta.get("trained", []), p.target})})
+        self._save_fleet_meta(
+            {
+                **meta,
+                "next-prompt": next_prompt,
+                "round": round_,
+                "trained": sorted({*meta.get("trained", []), p.target}),
+            }
+        )
         f, w = first.summary(), whole.summary()
-        metrics = {"trained-tokens": trained_tokens, "acceptance-first": f["acceptance_rate"],
-                   "tokens-per-call-first": f["tokens_per_target_call"],
-                   "acceptance": w["acceptance_rate"], "tokens-per-call": w["tokens_per_target_call"],
-                   "modelled-speedup": w["modelled_speedup_vs_ar"] or 0.0,
-                   "replayed": replayed / len(prompts) if prompts else 0.0, "generated-tokens": w["new_tokens"],
-                   "update-s": update_s, "cache-entries": len(session.cache)}
+        metrics = {
+            "trained-tokens": trained_tokens,
+            "acceptance-first": f["acceptance_rate"],
+            "tokens-per-call-first": f["tokens_per_target_call"],
+            "acceptance": w["acceptance_rate"],
+            "tokens-per-call": w["tokens_per_target_call"],
+            "modelled-speedup": w["modelled_speedup_vs_ar"] or 0.0,
+            "replayed": replayed / len(prompts) if prompts else 0.0,
+            "generated-tokens": w["new_tokens"],
+            "update-s": update_s,
+            "cache-entries": len(session.cache),
+        }
         return session.adapters.state_dict(p.target_model), learned, metrics
 
     def recordings(self, session: DeviceSession) -> RecordingStore | None:
@@ -496,16 +547,16 @@ class FleetDevice:
         place local text is stored; nothing here is ever sent)."""
         path = self.dir / HISTORY_FILE
         old = path.read_bytes() if path.exists() else b""
-        new = "".join(json.dumps({"round": round_, "prompt": p, "output": o}) + "\n"
-                      for p, o in zip(prompts, outputs))
+        new = "".join(json.dumps({"round": round_, "prompt": p, "output": o}) + "\n" for p, o in zip(prompts, outputs))
         write_bytes_atomic(path, old + new.encode())
 
     def history(self) -> list[dict]:
         path = self.dir / HISTORY_FILE
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
-    def evaluate(self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0,
-                 adaptive: bool = True) -> dict:
+    def evaluate(
+        self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0, adaptive: bool = True
+    ) -> dict:
         """Decode the held-out prompts with the global state (or, ``use_global=False``, with the
         device's local state alone), without learning.
 
@@ -533,15 +584,20 @@ class FleetDevice:
         alone = self._target_alone(session, p, timed) if replay or timed or replay_adaptive else None
         metrics = {}
         if adaptive:
-            metrics = self._evaluate_adaptive(session, p, alone if measure_ar else None,
-                                              replay=alone if replay_adaptive else None)
+            metrics = self._evaluate_adaptive(
+                session, p, alone if measure_ar else None, replay=alone if replay_adaptive else None
+            )
             if p.probe:  # a panel device keeps its rule's counted acceptance from round to round, as a
                 session.save()  # serving device does (re-fitted for each new adapter), not a cold rule each round
         if fixed_k:
             recordings = [r["ids"] for r in alone] if replay else None
             fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k, recordings=recordings)
-            metrics.update({"fixed-k-acceptance": fixed["acceptance_rate"],
-                            "fixed-k-tokens-per-call": fixed["tokens_per_target_call"]})
+            metrics.update(
+                {
+                    "fixed-k-acceptance": fixed["acceptance_rate"],
+                    "fixed-k-tokens-per-call": fixed["tokens_per_target_call"],
+                }
+            )
             metrics.setdefault("generated-tokens", fixed["new_tokens"])
         return {**metrics, "eval-s": time.perf_counter() - t0}
 
@@ -557,16 +613,24 @@ class FleetDevice:
         g = p.generation
         store = self.recordings(session)
         n_timed = (p.speed_prompts or len(p.heldout)) if timed else 0
-        runs = [{"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": r.stats.wall_s}
-                for r in (target_alone(session, p.heldout[:n_timed], g) if n_timed else [])]
+        runs = [
+            {"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": r.stats.wall_s}
+            for r in (target_alone(session, p.heldout[:n_timed], g) if n_timed else [])
+        ]
         rest = p.heldout[n_timed:]
         if store is None and rest:
-            key = _sha256(json.dumps([p.target_model, rest, g.max_new_tokens, list(g.stop_strings),
-                                      g.temperature]).encode())[:16]
+            key = _sha256(
+                json.dumps([p.target_model, rest, g.max_new_tokens, list(g.stop_strings), g.temperature]).encode()
+            )[:16]
             held = self._fleet_meta().get("target-alone", {})
             if held.get("key") != key:
-                held = {"key": key, "runs": [{"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": 0.0}
-                                             for r in target_alone(session, rest, g)]}
+                held = {
+                    "key": key,
+                    "runs": [
+                        {"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": 0.0}
+                        for r in target_alone(session, rest, g)
+                    ],
+                }
                 self._save_fleet_meta({**self._fleet_meta(), "target-alone": held})
             return runs + list(held["runs"])
         for prompt in rest:
@@ -578,8 +642,9 @@ class FleetDevice:
             runs.append({"ids": recording.generated, "tokens": len(recording.generated), "s": 0.0})
         return runs
 
-    def _evaluate_adaptive(self, session: DeviceSession, p: DeviceProfile, alone: list[dict] | None,
-                           replay: list[dict] | None = None) -> dict:
+    def _evaluate_adaptive(
+        self, session: DeviceSession, p: DeviceProfile, alone: list[dict] | None, replay: list[dict] | None = None
+    ) -> dict:
         """The first ``speed_prompts`` held-out prompts decoded as the device decodes (adaptive
         draft length); ``alone``: the target alone's runs on the held-out prompts (speedup).
         ``replay``: the target's recorded outputs of the held-out prompts, replayed instead of
@@ -598,10 +663,13 @@ class FleetDevice:
             phase.add(session.generate(prompt, p.generation, learn=False, replay=recording))
         out = phase.summary(ar_tps)
         st = phase.stats
-        metrics = {"acceptance": out["acceptance_rate"], "tokens-per-call": out["tokens_per_target_call"],
-                   "modelled-speedup": out["modelled_speedup_vs_ar"] or 0.0,
-                   "modelled-tokens-per-s": st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
-                   "generated-tokens": out["new_tokens"]}
+        metrics = {
+            "acceptance": out["acceptance_rate"],
+            "tokens-per-call": out["tokens_per_target_call"],
+            "modelled-speedup": out["modelled_speedup_vs_ar"] or 0.0,
+            "modelled-tokens-per-s": st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
+            "generated-tokens": out["new_tokens"],
+        }
         if replay is None:
             metrics.update({"tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0})
         return metrics

@@ -57,12 +57,15 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
             raise StateMismatch(f"{self.state_dir} has no device profile: run omnidraft device join on it") from None
         served = self.service.session.target
         if profile.target_model != served or profile.drafter != self.service.session.drafter_name:
-            raise StateMismatch(f"the device joined the fleet with {profile.drafter} -> {profile.target_model}; "
-                                f"this service serves {self.service.session.drafter_name} -> {served}")
+            raise StateMismatch(
+                f"the device joined the fleet with {profile.drafter} -> {profile.target_model}; "
+                f"this service serves {self.service.session.drafter_name} -> {served}"
+            )
         return FleetDevice(profile, self.pool).at_round(round_ or 1)
 
-    def _call(self, context: grpc.ServicerContext, name: str, round_: int, operation: Callable[[], object],
-              lend: bool = True):
+    def _call(
+        self, context: grpc.ServicerContext, name: str, round_: int, operation: Callable[[], object], lend: bool = True
+    ):
         """Run ``operation`` for the owner only, with the engine lent (``lend``: it decodes, trains
         or switches; a status or a received state only reads the tokenizer's digest and writes
         the global state's files, so requests need not wait); a refusal aborts with its reason."""
@@ -81,8 +84,11 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
         return out
 
     def Status(self, request: pb.FleetQuery, context: grpc.ServicerContext) -> pb.DeviceStatus:
-        return pb.DeviceStatus(json=json.dumps(self._call(context, "status", request.round,
-                                                          lambda: self._device(request.round).status(), lend=False)))
+        return pb.DeviceStatus(
+            json=json.dumps(
+                self._call(context, "status", request.round, lambda: self._device(request.round).status(), lend=False)
+            )
+        )
 
     def Switch(self, request: pb.FleetQuery, context: grpc.ServicerContext) -> pb.DeviceStatus:
         def switch() -> dict:
@@ -104,8 +110,12 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
             spec = fleet_pb2.TargetSpec()
             spec.ParseFromString(request.spec)
             self._device(request.round).receive(
-                spec, request.manifest, request.adapter if request.HasField("adapter") else None,
-                request.cache if request.HasField("cache") else None, request.signature)
+                spec,
+                request.manifest,
+                request.adapter if request.HasField("adapter") else None,
+                request.cache if request.HasField("cache") else None,
+                request.signature,
+            )
 
         self._call(context, "receive", request.round, receive, lend=False)
         return pb.Received()
@@ -114,17 +124,23 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
         def train() -> pb.TrainReply:
             device = self._device(request.round)
             tensors, learned, metrics = device.train_round(request.round)
-            return pb.TrainReply(adapter=save_safetensors({k: v.contiguous() for k, v in tensors.items()}),
-                                 learned=sorted(learned), metrics_json=json.dumps(metrics),
-                                 target_vocab_size=device.target_vocab_size)
+            return pb.TrainReply(
+                adapter=save_safetensors({k: v.contiguous() for k, v in tensors.items()}),
+                learned=sorted(learned),
+                metrics_json=json.dumps(metrics),
+                target_vocab_size=device.target_vocab_size,
+            )
 
         return self._call(context, "train", request.round, train)
 
     def Evaluate(self, request: pb.EvaluateQuery, context: grpc.ServicerContext) -> pb.EvaluateReply:
         def evaluate() -> dict:
             return self._device(request.round).evaluate(
-                use_global=request.use_global, measure_ar=request.measure_ar, fixed_k=request.fixed_k,
-                adaptive=request.adaptive)
+                use_global=request.use_global,
+                measure_ar=request.measure_ar,
+                fixed_k=request.fixed_k,
+                adaptive=request.adaptive,
+            )
 
         return pb.EvaluateReply(metrics_json=json.dumps(self._call(context, "evaluate", request.round, evaluate)))
 

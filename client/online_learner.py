@@ -27,7 +27,6 @@ from omnidraft.shared.distill import LossConfig, hybrid_loss, sequence_nll
 from omnidraft.shared.fast_drafter import cpu_has_native_bf16
 from omnidraft.shared.training_signal import Intersection, TrainingSample
 
-
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -82,8 +81,14 @@ class UpdateReport:
 class OnlineLearner:
     """Adapter (and acceptance head) training for one target (see the module docstring)."""
 
-    def __init__(self, adapters: DrafterAdapters, target: str, intersection: Intersection,
-                 head: AcceptanceHead | None = None, config: OnlineConfig | None = None) -> None:
+    def __init__(
+        self,
+        adapters: DrafterAdapters,
+        target: str,
+        intersection: Intersection,
+        head: AcceptanceHead | None = None,
+        config: OnlineConfig | None = None,
+    ) -> None:
         self.config = config or OnlineConfig()
         self.config.validate()
         self.adapters = adapters
@@ -91,8 +96,9 @@ class OnlineLearner:
         self.inter = intersection
         self.head = head if self.config.head else None
         self.new_optimizer()
-        self.head_optimizer = (torch.optim.AdamW(self.head.parameters(), lr=self.config.head_lr)
-                               if self.head is not None else None)
+        self.head_optimizer = (
+            torch.optim.AdamW(self.head.parameters(), lr=self.config.head_lr) if self.head is not None else None
+        )
         self.replay = ReplayBuffer(self.config.replay_rows)
         self.buffer: list[TrainingSample] = []
         self.prompts_seen = 0
@@ -163,9 +169,15 @@ class OnlineLearner:
             self.head_step()
         self.updates += 1
         n_terms = totals["terms"]
-        report = UpdateReport(self.updates, self.prompts_seen, time.perf_counter() - t0,
-                              totals["loss"] / n_terms if n_terms else 0.0, totals["dm_terms"],
-                              totals["ngram_terms"], head_rows)
+        report = UpdateReport(
+            self.updates,
+            self.prompts_seen,
+            time.perf_counter() - t0,
+            totals["loss"] / n_terms if n_terms else 0.0,
+            totals["dm_terms"],
+            totals["ngram_terms"],
+            head_rows,
+        )
         self.reports.append(report)
         return report
 
@@ -186,16 +198,25 @@ class OnlineLearner:
             hidden = decoder(input_ids=ids).last_hidden_state[0]
             dm_hidden = hidden.index_select(0, s.dm_pos - 1)
             if self.config.loss.kind == "seq":  # DM positions are a subset: their logits are rows of these
-                seq_logits = lm_head(hidden[s.seq_start - 1:-1]).float()
+                seq_logits = lm_head(hidden[s.seq_start - 1 : -1]).float()
                 dm_logits = seq_logits.index_select(0, s.dm_pos - s.seq_start)
             else:
                 dm_logits = lm_head(dm_hidden).float()
                 ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
         if self.config.loss.kind == "seq":
-            loss, parts = sequence_nll(seq_logits, ids[0, s.seq_start:])
+            loss, parts = sequence_nll(seq_logits, ids[0, s.seq_start :])
             return loss, parts, dm_hidden.float(), dm_logits
-        loss, parts = hybrid_loss(dm_logits, self.inter.draft_ids, s.dm_top_idx, s.dm_top_logp,
-                                  s.dm_inter_logmass, ng_logits, s.ng_ids, s.ng_logp_t, self.config.loss)
+        loss, parts = hybrid_loss(
+            dm_logits,
+            self.inter.draft_ids,
+            s.dm_top_idx,
+            s.dm_top_logp,
+            s.dm_inter_logmass,
+            ng_logits,
+            s.ng_ids,
+            s.ng_logp_t,
+            self.config.loss,
+        )
         return loss, parts, dm_hidden.float(), dm_logits
 
     def loss_on(self, samples: list[TrainingSample]) -> float:

@@ -54,7 +54,7 @@ def presented_by(invocation_metadata, token: str) -> bool:
     """Whether a call's metadata carries ``token`` (compared in constant time)."""
     for key, value in invocation_metadata or ():
         if key == METADATA_KEY and isinstance(value, str) and value.startswith(SCHEME):
-            return hmac.compare_digest(value[len(SCHEME):].encode(), token.encode())
+            return hmac.compare_digest(value[len(SCHEME) :].encode(), token.encode())
     return False
 
 

@@ -53,7 +53,7 @@ class RequestLog:
         with file_lock(self.lock):
             data = self._read()
             seq = data["next"]
-            entries = (data["entries"] + [(seq, prompt)])[-self.keep:]
+            entries = (data["entries"] + [(seq, prompt)])[-self.keep :]
             blob = json.dumps({"next": seq + 1, "entries": entries}).encode()
             if self.cipher is not None:
                 blob = self.cipher.encrypt(LOG_FILE, blob)

@@ -15,7 +15,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
@@ -64,11 +64,13 @@ class SystemConditions:
 
     def on_power(self) -> bool:
         supplies = list(self.power_supply.glob("*")) if self.power_supply.is_dir() else []
+
         def read(p: Path, name: str) -> str:
             try:
                 return (p / name).read_text().strip()
             except OSError:
                 return ""
+
         batteries = [p for p in supplies if read(p, "type") == "Battery"]
         if not batteries:
             return True
@@ -91,7 +93,7 @@ class UplinkLedger:
         self.clock = clock
 
     def _today(self) -> str:
-        return datetime.fromtimestamp(self.clock(), timezone.utc).strftime("%Y-%m-%d")
+        return datetime.fromtimestamp(self.clock(), UTC).strftime("%Y-%m-%d")
 
     def used_today(self) -> int:
         try:
@@ -102,12 +104,12 @@ class UplinkLedger:
 
     def add(self, sent: int) -> None:
         with file_lock(self.path.with_name(f".{LEDGER_FILE}.lock")):
-            write_bytes_atomic(self.path, json.dumps({"day": self._today(),
-                                                      "bytes": self.used_today() + int(sent)}).encode())
+            write_bytes_atomic(
+                self.path, json.dumps({"day": self._today(), "bytes": self.used_today() + int(sent)}).encode()
+            )
 
 
-def busy_reason(policy: ResourcePolicy, conditions: DeviceConditions, ledger: UplinkLedger,
-                expected_bytes: int) -> str:
+def busy_reason(policy: ResourcePolicy, conditions: DeviceConditions, ledger: UplinkLedger, expected_bytes: int) -> str:
     """Why the device may not train now ("" when it may); ``expected_bytes``: what a round
     sends (the last round's uplink)."""
     if "power" in policy.train_when and not conditions.on_power():

@@ -35,8 +35,17 @@ def update_delta(trained: dict[str, torch.Tensor], start: dict[str, torch.Tensor
     return {k: trained[k].double() - start[k].double() for k in sorted(start)}
 
 
-def keep_update(device_dir: str | Path, trained: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
-                *, target: str, round_: int, version: int, tokens: int, clip_norm: float | None = None) -> float:
+def keep_update(
+    device_dir: str | Path,
+    trained: dict[str, torch.Tensor],
+    start: dict[str, torch.Tensor],
+    *,
+    target: str,
+    round_: int,
+    version: int,
+    tokens: int,
+    clip_norm: float | None = None,
+) -> float:
     """Store ``trained - start`` for the round's secure aggregation; returns its L2 norm before
     clipping. Raises ``UpdateError`` for an update with NaN or Inf."""
     delta = update_delta(trained, start)
@@ -60,7 +69,9 @@ def take_update(device_dir: str | Path, *, target: str, round_: int, version: in
         meta = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if (meta.get("target"), meta.get("round"), meta.get("version")) != (target, str(round_), str(version)):
-        raise UpdateError(f"the kept update is for {meta.get('target')!r} round {meta.get('round')} "
-                          f"version {meta.get('version')}, not {target!r} round {round_} version {version}")
+        raise UpdateError(
+            f"the kept update is for {meta.get('target')!r} round {meta.get('round')} "
+            f"version {meta.get('version')}, not {target!r} round {round_} version {version}"
+        )
     path.unlink()
     return [tensors[k].numpy() for k in sorted(tensors)], int(meta["tokens"])

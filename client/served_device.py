@@ -24,8 +24,10 @@ from omnidraft.proto import device_fleet_pb2_grpc as pb_grpc
 from omnidraft.proto import fleet_pb2
 
 MAX_MESSAGE_BYTES = 256 * 2**20  # a global state (adapter and cache) rides in one message
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # both ends of the channel
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]  # both ends of the channel
 CALL_TIMEOUT_S = 3600.0  # a training round on a slow board; the service runs one operation at a time
 
 
@@ -59,8 +61,10 @@ class ServedDevice(FleetDevice):
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise StateMismatch(details) from None
                 if code == grpc.StatusCode.UNAVAILABLE:
-                    raise ServiceUnavailable(f"the device service at {self.address} does not answer: start "
-                                             f"omnidraft device serve on this state directory") from None
+                    raise ServiceUnavailable(
+                        f"the device service at {self.address} does not answer: start "
+                        f"omnidraft device serve on this state directory"
+                    ) from None
                 raise ServiceUnavailable(f"the device service at {self.address}: {code.name}: {details}") from None
 
     @property
@@ -80,10 +84,17 @@ class ServedDevice(FleetDevice):
         self._ask("Switch", pb.FleetQuery(round=self.round, target=target))
         return ServedDevice(cached_profile(self.dir).at_round(self.round), self.address, self.token, self.round)
 
-    def receive(self, spec: fleet_pb2.TargetSpec, manifest_blob: bytes, adapter_blob: bytes | None,
-                cache_blob: bytes | None, signature: bytes = b"") -> fleet_pb2.StateManifest:
-        request = pb.GlobalStateParts(round=self.round, spec=spec.SerializeToString(), manifest=manifest_blob,
-                                      signature=signature or b"")
+    def receive(
+        self,
+        spec: fleet_pb2.TargetSpec,
+        manifest_blob: bytes,
+        adapter_blob: bytes | None,
+        cache_blob: bytes | None,
+        signature: bytes = b"",
+    ) -> fleet_pb2.StateManifest:
+        request = pb.GlobalStateParts(
+            round=self.round, spec=spec.SerializeToString(), manifest=manifest_blob, signature=signature or b""
+        )
         if adapter_blob is not None:
             request.adapter = adapter_blob
         if cache_blob is not None:
@@ -98,10 +109,15 @@ class ServedDevice(FleetDevice):
         self._vocab_size = int(reply.target_vocab_size)
         return load_safetensors(reply.adapter), set(reply.learned), json.loads(reply.metrics_json)
 
-    def evaluate(self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0,
-                 adaptive: bool = True) -> dict:
-        reply = self._ask("Evaluate", pb.EvaluateQuery(round=self.round, use_global=use_global, measure_ar=measure_ar,
-                                                       fixed_k=fixed_k, adaptive=adaptive))
+    def evaluate(
+        self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0, adaptive: bool = True
+    ) -> dict:
+        reply = self._ask(
+            "Evaluate",
+            pb.EvaluateQuery(
+                round=self.round, use_global=use_global, measure_ar=measure_ar, fixed_k=fixed_k, adaptive=adaptive
+            ),
+        )
         return json.loads(reply.metrics_json)
 
 

@@ -68,20 +68,34 @@ class Cancelled(Exception):
 def _stats(result: GenerationResult, queue_s: float) -> pb.GenerationStats:
     st = result.stats
     return pb.GenerationStats(
-        prompt_tokens=st.prompt_tokens, new_tokens=st.new_tokens, target_calls=st.target_calls,
-        acceptance_rate=st.acceptance_rate or 0.0, tokens_per_target_call=st.tokens_per_target_call or 0.0,
-        decode_s=st.wall_s, queue_s=queue_s, tokens_per_s=st.tokens_per_s or 0.0,
-        finish_reason=result.finish_reason)
+        prompt_tokens=st.prompt_tokens,
+        new_tokens=st.new_tokens,
+        target_calls=st.target_calls,
+        acceptance_rate=st.acceptance_rate or 0.0,
+        tokens_per_target_call=st.tokens_per_target_call or 0.0,
+        decode_s=st.wall_s,
+        queue_s=queue_s,
+        tokens_per_s=st.tokens_per_s or 0.0,
+        finish_reason=result.finish_reason,
+    )
 
 
 class GenerationService(pb_grpc.GenerationServicer):
     """The servicer (see the module docstring). ``close()`` stops the learner after it has
     learned from what is queued, and saves the state."""
 
-    def __init__(self, session: DeviceSession, limits: ServiceLimits | None = None, *,
-                 base: GenerationConfig | None = None, precision: str = "", learn: bool = True,
-                 request_log: RequestLog | None = None, owner: str | None = None,
-                 serve_strangers: bool = True) -> None:
+    def __init__(
+        self,
+        session: DeviceSession,
+        limits: ServiceLimits | None = None,
+        *,
+        base: GenerationConfig | None = None,
+        precision: str = "",
+        learn: bool = True,
+        request_log: RequestLog | None = None,
+        owner: str | None = None,
+        serve_strangers: bool = True,
+    ) -> None:
         self.session = session
         self.owner = owner  # the owner's token; None: every caller is the owner
         self.serve_strangers = serve_strangers
@@ -109,9 +123,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         elif request.max_new_tokens > lim.max_new_tokens:
             reason = f"max_new_tokens {request.max_new_tokens} exceeds this device's limit of {lim.max_new_tokens}"
         config = replace(
-            self.base, max_new_tokens=request.max_new_tokens or min(lim.default_new_tokens, lim.max_new_tokens),
-            temperature=request.temperature, top_p=request.top_p or 1.0,
-            seed=request.seed if request.HasField("seed") else None, stop_strings=tuple(request.stop))
+            self.base,
+            max_new_tokens=request.max_new_tokens or min(lim.default_new_tokens, lim.max_new_tokens),
+            temperature=request.temperature,
+            top_p=request.top_p or 1.0,
+            seed=request.seed if request.HasField("seed") else None,
+            stop_strings=tuple(request.stop),
+        )
         if reason is None:
             try:
                 config.validate()
@@ -124,15 +142,19 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _is_owner(self, context: grpc.ServicerContext) -> bool:
         return self.owner is None or owner_token.presented_by(context.invocation_metadata(), self.owner)
 
-    def _run(self, request: pb.GenerateRequest, context: grpc.ServicerContext, on_text=None) -> tuple[GenerationResult, float]:
+    def _run(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext, on_text=None
+    ) -> tuple[GenerationResult, float]:
         """Decode one request in its turn; returns (result, seconds queued)."""
         teaches = self._is_owner(context)
         if not teaches and not self.serve_strangers:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this device serves its owner only: present the owner token")
         config = self._config(request, context)
         if not self._slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.limits.max_queue} requests are already waiting or running; retry later")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.limits.max_queue} requests are already waiting or running; retry later",
+            )
         try:
             with self._count:
                 self.in_flight += 1
@@ -142,10 +164,15 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if not context.is_active():
                     raise Cancelled()
                 self._adopt_saved_state()
-                _, ids = self.session.engine.prompt_ids(request.prompt, request.chat)  # tokenizers are not shared across threads
+                _, ids = self.session.engine.prompt_ids(
+                    request.prompt, request.chat
+                )  # tokenizers are not shared across threads
                 if len(ids) > self.limits.max_prompt_tokens:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {len(ids)} tokens; this "
-                                  f"device accepts at most {self.limits.max_prompt_tokens}")
+                    context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the prompt has {len(ids)} tokens; this "
+                        f"device accepts at most {self.limits.max_prompt_tokens}",
+                    )
                 decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
                 token_bytes = self.session.engine.bridge.target_bytes
 
@@ -157,8 +184,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                         if text:
                             on_text(text)
 
-                result = self.session.generate(request.prompt, config, chat=request.chat,
-                                               learn=self.learn and teaches, observe=False, on_tokens=on_tokens)
+                result = self.session.generate(
+                    request.prompt,
+                    config,
+                    chat=request.chat,
+                    learn=self.learn and teaches,
+                    observe=False,
+                    on_tokens=on_tokens,
+                )
                 if on_text is not None:
                     tail = decoder.decode(b"", final=True)
                     if tail:
@@ -212,9 +245,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         if not self.serve_strangers and not self._is_owner(context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this device serves its owner only: present the owner token")
         s = self.session
-        return pb.HealthReply(status="SERVING", drafter=s.drafter_name, target=s.target,
-                              precision=self.precision, queued=self.in_flight, requests=self.requests,
-                              updates=s.learner.updates, pending_samples=self._samples.qsize())
+        return pb.HealthReply(
+            status="SERVING",
+            drafter=s.drafter_name,
+            target=s.target,
+            precision=self.precision,
+            queued=self.in_flight,
+            requests=self.requests,
+            updates=s.learner.updates,
+            pending_samples=self._samples.qsize(),
+        )
 
     # -- the device's fleet rounds (``client.fleet_service``) ----------------------------------------
     @contextmanager
@@ -289,9 +329,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             self._save()
 
 
-def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: int | None = None,
-          tls: tuple[bytes, bytes] | None = None,
-          fleet: DeviceFleetService | None = None) -> tuple[grpc.Server, int]:
+def serve(
+    service: GenerationService,
+    listen: str = DEFAULT_LISTEN,
+    *,
+    workers: int | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+    fleet: DeviceFleetService | None = None,
+) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``service`` on ``listen`` (host:port; port 0 picks one); returns
     (server, bound port). The standard ``grpc.health.v1.Health`` service answers beside it
     (``SERVING`` for ``""`` and each served service's full name), so load balancers, Kubernetes
@@ -310,8 +355,9 @@ def serve(service: GenerationService, listen: str = DEFAULT_LISTEN, *, workers: 
     options = []
     if fleet is not None:
         from omnidraft.client.served_device import CHANNEL_OPTIONS as options
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers or service.limits.max_queue + 2),
-                         options=options)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers or service.limits.max_queue + 2), options=options
+    )
     pb_grpc.add_GenerationServicer_to_server(service, server)
     served = [pb.DESCRIPTOR.services_by_name["Generation"].full_name]
     if fleet is not None:

@@ -46,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine.load(args.drafter, args.target, args.dtype, progress=False)
         session = DeviceSession(engine, target_name=args.target, learn=False)
         config = GenerationConfig(max_new_tokens=args.max_new_tokens)
-        service = GenerationService(session, ServiceLimits(max_new_tokens=args.max_new_tokens), base=config,
-                                    precision=engine.precision, learn=False)
+        service = GenerationService(
+            session,
+            ServiceLimits(max_new_tokens=args.max_new_tokens),
+            base=config,
+            precision=engine.precision,
+            learn=False,
+        )
         server, port = serve(service, "127.0.0.1:0")
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         request = lambda p: pb.GenerateRequest(prompt=p, max_new_tokens=args.max_new_tokens)  # noqa: E731
@@ -71,10 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     base = statistics.mean(times["in-process"])
-    report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "precision": engine.precision,
-              "texts_equal": texts_equal,
-              **{f"{k}-mean-s": statistics.mean(v) for k, v in times.items()},
-              **{f"{k}-overhead-ms": 1000 * (statistics.mean(v) - base) for k, v in times.items() if k != "in-process"}}
+    report = {
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "precision": engine.precision,
+        "texts_equal": texts_equal,
+        **{f"{k}-mean-s": statistics.mean(v) for k, v in times.items()},
+        **{f"{k}-overhead-ms": 1000 * (statistics.mean(v) - base) for k, v in times.items() if k != "in-process"},
+    }
     if args.json:
         print(json.dumps(report))
     else:

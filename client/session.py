@@ -44,13 +44,34 @@ class DeviceSession:
     state at rest (``client.state_key``).
     """
 
-    def __init__(self, engine: Engine, *, target_name: str | None = None, state_dir=None,
-                 adapters: DrafterAdapters | None = None, lora: LoraSpec = LoraSpec(),
-                 online: OnlineConfig | None = None, translate: str = "text",
-                 learn: bool = True, adaptive: bool = True, grow_cache: bool = True,
-                 state_key=None, heal: bool = True, lookup: str = "history") -> None:
-        self._settings = dict(state_dir=state_dir, online=online, translate=translate, learn=learn, adaptive=adaptive,
-                              grow_cache=grow_cache, state_key=state_key, heal=heal, lookup=lookup)
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        target_name: str | None = None,
+        state_dir=None,
+        adapters: DrafterAdapters | None = None,
+        lora: LoraSpec = LoraSpec(),
+        online: OnlineConfig | None = None,
+        translate: str = "text",
+        learn: bool = True,
+        adaptive: bool = True,
+        grow_cache: bool = True,
+        state_key=None,
+        heal: bool = True,
+        lookup: str = "history",
+    ) -> None:
+        self._settings = dict(
+            state_dir=state_dir,
+            online=online,
+            translate=translate,
+            learn=learn,
+            adaptive=adaptive,
+            grow_cache=grow_cache,
+            state_key=state_key,
+            heal=heal,
+            lookup=lookup,
+        )
         self.engine = engine
         self.target = target_name or str(engine.target.path)
         self.drafter_name = engine.drafter_name
@@ -60,8 +81,7 @@ class DeviceSession:
         self.adaptive = adaptive
         self.grow_cache = grow_cache
         self._owns_adapters = adapters is None  # its own: it may rebuild them with saved LoRA settings
-        self.adapters = adapters or DrafterAdapters(engine.drafter.model, lora,
-                                                    drafter_weights=engine.drafter_weights)
+        self.adapters = adapters or DrafterAdapters(engine.drafter.model, lora, drafter_weights=engine.drafter_weights)
         self.adapters.add(self.target)
         self.inter = Intersection(engine.bridge, engine.drafter.logit_rows)
         hidden = engine.drafter.model.config.hidden_size
@@ -94,8 +114,9 @@ class DeviceSession:
         """A session for another target (``engine``, sharing this drafter) with this one's
         settings, state directory and drafter adapters, which it takes over: this session is
         not used after (a rollout moved the device)."""
-        session = DeviceSession(engine, target_name=target_name, adapters=self.adapters, lora=self.adapters.spec,
-                                **self._settings)
+        session = DeviceSession(
+            engine, target_name=target_name, adapters=self.adapters, lora=self.adapters.spec, **self._settings
+        )
         session._owns_adapters = self._owns_adapters
         return session
 
@@ -122,16 +143,35 @@ class DeviceSession:
             if self._refit_pending:
                 self.rule.drafter_changed()
                 self._refit_pending = False
-        return CrossVocabDecoder(runner, e.drafter.tokenizer, target or e.target_runner, e.bridge,
-                                 e.cache, expand_map=e.expand_map, translate=self.translate,
-                                 target_tokenizer=e.target.tokenizer, head=head,
-                                 grow_cache=self.grow_cache, rule=self.rule, lookup=self.lookup,
-                                 heal=self.heal, timings=e.timings if target is None else None)
+        return CrossVocabDecoder(
+            runner,
+            e.drafter.tokenizer,
+            target or e.target_runner,
+            e.bridge,
+            e.cache,
+            expand_map=e.expand_map,
+            translate=self.translate,
+            target_tokenizer=e.target.tokenizer,
+            head=head,
+            grow_cache=self.grow_cache,
+            rule=self.rule,
+            lookup=self.lookup,
+            heal=self.heal,
+            timings=e.timings if target is None else None,
+        )
 
     @torch.inference_mode(False)
-    def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
-                 learn: bool | None = None, observe: bool = True, on_tokens=None,
-                 replay: Recording | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str,
+        config: GenerationConfig,
+        *,
+        chat: bool = False,
+        learn: bool | None = None,
+        observe: bool = True,
+        on_tokens=None,
+        replay: Recording | None = None,
+    ) -> GenerationResult:
         """Decode ``prompt``; when learning, feed the learner afterwards (``last_update`` says
         whether that triggered a drafter update) and add the prompt and output to the lookup
         history, unless ``observe`` is False: then the result carries the training sample for a
@@ -147,15 +187,16 @@ class DeviceSession:
         text, ids = self.engine.prompt_ids(prompt, chat)
         target, recorder = None, SignalRecorder(self.inter) if learn else None
         if replay is not None:
-            if not config.greedy or replay.ids[:replay.prompt_tokens] != ids:
+            if not config.greedy or replay.ids[: replay.prompt_tokens] != ids:
                 raise ValueError("a replayed decode needs greedy decoding and the recording of this prompt")
             target = RecordedTarget(replay.ids, self.engine.target.logit_rows)
             if learn:
                 if replay.signal is None:
                     raise ValueError("a replayed learning decode needs the recording's training signal")
                 recorder = ReplayedSignal(self.inter, replay.generated, replay.signal)
-        result = self.decoder(target).generate(text, ids, config, recorder=recorder, on_tokens=on_tokens,
-                                               remember=learn)
+        result = self.decoder(target).generate(
+            text, ids, config, recorder=recorder, on_tokens=on_tokens, remember=learn
+        )
         self.last_recording = None
         if replay is None and recorder is not None and config.greedy and recorder.tokens == result.token_ids:
             self.last_recording = Recording(ids + result.token_ids, len(ids), recorder.signal())
@@ -188,13 +229,22 @@ class DeviceSession:
         if self.state is None:
             raise ValueError("this session has no state directory")
         head = self.head.state_dict() if self.head is not None and self.head.ready else None
-        meta = {"lora": self.adapters.spec.as_dict(), "updates": self.learner.updates,
-                "prompts_seen": self.learner.prompts_seen,
-                "head_steps": self.head.trained_steps if self.head is not None else 0,
-                "throughput_rule": self.rule.calibration() if self.rule is not None else self._saved_rule}
+        meta = {
+            "lora": self.adapters.spec.as_dict(),
+            "updates": self.learner.updates,
+            "prompts_seen": self.learner.prompts_seen,
+            "head_steps": self.head.trained_steps if self.head is not None else 0,
+            "throughput_rule": self.rule.calibration() if self.rule is not None else self._saved_rule,
+        }
         lookup = self.lookup.history_tensor() if self.lookup is not None else None
-        return self.state.save(self.adapters.state_dict(self.target), head, self.engine.cache, meta,
-                               lookup=lookup, if_unchanged=if_unchanged)
+        return self.state.save(
+            self.adapters.state_dict(self.target),
+            head,
+            self.engine.cache,
+            meta,
+            lookup=lookup,
+            if_unchanged=if_unchanged,
+        )
 
     def refresh(self) -> bool:
         """Load the state again if another process (a federated round on this device) saved it
@@ -216,11 +266,15 @@ class DeviceSession:
                     self.adapters.respec(LoraSpec(**meta["lora"]))
                     self.learner.new_optimizer()
                 except (TypeError, ValueError) as exc:
-                    self.problems.append(f"saved LoRA settings {meta['lora']} unusable ({exc}): the adapter starts fresh")
+                    self.problems.append(
+                        f"saved LoRA settings {meta['lora']} unusable ({exc}): the adapter starts fresh"
+                    )
                     loaded.adapter = None
             else:
-                self.problems.append(f"saved adapter has LoRA settings {meta['lora']}, this session "
-                                     f"{self.adapters.spec.as_dict()}: the adapter starts fresh")
+                self.problems.append(
+                    f"saved adapter has LoRA settings {meta['lora']}, this session "
+                    f"{self.adapters.spec.as_dict()}: the adapter starts fresh"
+                )
                 loaded.adapter = None
         if loaded.adapter is not None:
             try:

@@ -58,12 +58,13 @@ class StateCipher:
     def decrypt(self, name: str, blob: bytes) -> bytes:
         if not is_encrypted(blob):
             raise StateKeyError(f"{name} is not encrypted")
-        nonce = blob[len(MAGIC): len(MAGIC) + NONCE_BYTES]
+        nonce = blob[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
         try:
-            return self._aead.decrypt(nonce, blob[len(MAGIC) + NONCE_BYTES:], name.encode())
+            return self._aead.decrypt(nonce, blob[len(MAGIC) + NONCE_BYTES :], name.encode())
         except InvalidTag:
-            raise StateKeyError(f"the device state cannot be decrypted with the key {self.path} "
-                                f"(wrong key, or the file was altered)") from None
+            raise StateKeyError(
+                f"the device state cannot be decrypted with the key {self.path} (wrong key, or the file was altered)"
+            ) from None
 
 
 def is_encrypted(blob: bytes) -> bool:

@@ -36,15 +36,27 @@ class JoinSettings:
     service_token: str = ""  # its owner token file
 
     def node_config(self) -> str:
-        config = {"state-dir": str(self.state_dir.resolve()), "dtype": self.dtype,
-                  "drafter-weights": self.drafter_weights}
+        config = {
+            "state-dir": str(self.state_dir.resolve()),
+            "dtype": self.dtype,
+            "drafter-weights": self.drafter_weights,
+        }
         if self.service:
             config.update({"service": self.service, "service-token": self.service_token})
         return toml_pairs(config)
 
     def command(self) -> list[str]:
-        cmd = ["flower-supernode", "--superlink", self.superlink, "--node-config", self.node_config(),
-               "--host", "127.0.0.1", "--port", str(self.runtime_port)]
+        cmd = [
+            "flower-supernode",
+            "--superlink",
+            self.superlink,
+            "--node-config",
+            self.node_config(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.runtime_port),
+        ]
         if self.root_certificates is None:
             cmd.append("--insecure")
         else:
@@ -70,4 +82,3 @@ def write_profile(profile: DeviceProfile) -> Path:
         except (OSError, ValueError, TypeError, KeyError):
             pass  # an unreadable profile is replaced
     return profile.save()
-

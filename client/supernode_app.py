@@ -27,8 +27,9 @@ def device_from_node_config(context: Context) -> FleetDevice:
 
         return served_device(str(config["state-dir"]), str(config["service"]), config.get("service-token") or None)
     profile = cached_profile(str(config["state-dir"]))
-    return FleetDevice(profile, shared_pool(str(config.get("dtype", "fp32")),
-                                            str(config.get("drafter-weights", "int8"))))
+    return FleetDevice(
+        profile, shared_pool(str(config.get("dtype", "fp32")), str(config.get("drafter-weights", "int8")))
+    )
 
 
 app = make_client_app(device_from_node_config)

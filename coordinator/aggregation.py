@@ -41,11 +41,18 @@ MAX_TOKENS = float(1 << 40)  # any token count beyond this is not a count (targe
 # schema; a reply with a key missing or unknown, or a value that is not a finite number in range,
 # is dropped alone.
 TRAIN_METRICS: dict[str, tuple[float, float]] = {
-    WEIGHT_KEY: (1.0, MAX_TOKENS), "generated-tokens": (0.0, MAX_TOKENS),
-    "acceptance": (0.0, 1.0), "acceptance-first": (0.0, 1.0),
-    "tokens-per-call": (0.0, 4096.0), "tokens-per-call-first": (0.0, 4096.0),
-    "replayed": (0.0, 1.0), "modelled-speedup": (0.0, 4096.0), "update-s": (0.0, 1e7),
-    "cache-entries": (0.0, 1e9), "uplink-bytes": (0.0, float(1 << 40))}
+    WEIGHT_KEY: (1.0, MAX_TOKENS),
+    "generated-tokens": (0.0, MAX_TOKENS),
+    "acceptance": (0.0, 1.0),
+    "acceptance-first": (0.0, 1.0),
+    "tokens-per-call": (0.0, 4096.0),
+    "tokens-per-call-first": (0.0, 4096.0),
+    "replayed": (0.0, 1.0),
+    "modelled-speedup": (0.0, 4096.0),
+    "update-s": (0.0, 1e7),
+    "cache-entries": (0.0, 1e9),
+    "uplink-bytes": (0.0, float(1 << 40)),
+}
 
 
 @dataclass(frozen=True)
@@ -81,8 +88,10 @@ class AggregationConfig:
         if self.dp_noise < 0 or not math.isfinite(self.dp_noise):
             raise ValueError("the update noise multiplier must be a finite number >= 0 (0: off)")
         if self.dp_noise > 0 and (self.method != "fedavg" or self.clip_norm is None):
-            raise ValueError("differential privacy on the updates needs the fedavg aggregation and a fixed "
-                             "clipping norm (a median-based bound depends on the devices' data)")
+            raise ValueError(
+                "differential privacy on the updates needs the fedavg aggregation and a fixed "
+                "clipping norm (a median-based bound depends on the devices' data)"
+            )
 
     def strategy(self) -> FedAvg:
         kw = {"weighted_by_key": WEIGHT_KEY, "arrayrecord_key": ADAPTER_KEY}
@@ -120,7 +129,9 @@ def expand_update(msg: Message, global_adapter: dict[str, np.ndarray]) -> str | 
     except Exception as exc:  # an Array that does not deserialize
         return f"update does not decode: {type(exc).__name__}"
     del msg.content[UPDATE_KEY]
-    msg.content[ADAPTER_KEY] = ArrayRecord({k: Array((v + delta[k]).astype(v.dtype)) for k, v in global_adapter.items()})
+    msg.content[ADAPTER_KEY] = ArrayRecord(
+        {k: Array((v + delta[k]).astype(v.dtype)) for k, v in global_adapter.items()}
+    )
     return None
 
 
@@ -140,8 +151,14 @@ def check_metrics(metrics: MetricRecord, schema: dict[str, tuple[float, float]])
     return None
 
 
-def check_reply(msg: Message, target: str, version: int, global_adapter: dict[str, np.ndarray],
-                config: AggregationConfig, expect_adapter: bool = True) -> str | None:
+def check_reply(
+    msg: Message,
+    target: str,
+    version: int,
+    global_adapter: dict[str, np.ndarray],
+    config: AggregationConfig,
+    expect_adapter: bool = True,
+) -> str | None:
     """Why ``msg`` cannot be aggregated for ``target`` at state ``version`` (None: it can). A
     reply that passes has its weight capped at ``config.max_trained_tokens`` in place.
     ``expect_adapter`` False: a SecAgg+ round, whose replies carry no adapter (the device
@@ -189,8 +206,9 @@ def _check_adapter(arrays: ArrayRecord, global_adapter: dict[str, np.ndarray]) -
 def update_norm(msg: Message, global_adapter: dict[str, np.ndarray]) -> float:
     """L2 norm of the reply's update (adapter minus global)."""
     arrays = msg.content.array_records[ADAPTER_KEY]
-    return math.sqrt(sum(float(np.square(arrays[k].numpy().astype(np.float64) - v).sum())
-                         for k, v in global_adapter.items()))
+    return math.sqrt(
+        sum(float(np.square(arrays[k].numpy().astype(np.float64) - v).sum()) for k, v in global_adapter.items())
+    )
 
 
 def clip_bound(norms: list[float], config: AggregationConfig) -> float | None:
@@ -208,13 +226,17 @@ def clip_bound(norms: list[float], config: AggregationConfig) -> float | None:
 def scale_update(msg: Message, global_adapter: dict[str, np.ndarray], scale: float) -> None:
     """Multiply the reply's update (adapter minus global) by ``scale`` in place."""
     arrays = msg.content.array_records[ADAPTER_KEY]
-    msg.content[ADAPTER_KEY] = ArrayRecord({
-        k: Array((v + (arrays[k].numpy().astype(np.float64) - v) * scale).astype(v.dtype))
-        for k, v in global_adapter.items()})
+    msg.content[ADAPTER_KEY] = ArrayRecord(
+        {
+            k: Array((v + (arrays[k].numpy().astype(np.float64) - v) * scale).astype(v.dtype))
+            for k, v in global_adapter.items()
+        }
+    )
 
 
-def aggregate_target(server_round: int, replies: list[Message], global_adapter: dict[str, np.ndarray],
-                     config: AggregationConfig) -> tuple[dict[str, np.ndarray], MetricRecord]:
+def aggregate_target(
+    server_round: int, replies: list[Message], global_adapter: dict[str, np.ndarray], config: AggregationConfig
+) -> tuple[dict[str, np.ndarray], MetricRecord]:
     """Aggregate checked replies of one target with the configured Flower strategy (each update
     clipped to this round's ``clip_bound`` first). With ``dp_noise`` (DP-FedAvg) every reply
     weighs the same (a device's own weight would be its say in the sensitivity) and the mean gets

@@ -22,7 +22,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnidraft.coordinator.fleet_pki import FleetPki, PkiError, init as init_pki
+from omnidraft.coordinator.fleet_pki import FleetPki, PkiError
+from omnidraft.coordinator.fleet_pki import init as init_pki
 from omnidraft.shared.atomic_io import write_bytes_atomic
 from omnidraft.shared.processes import toml_pairs
 
@@ -70,8 +71,7 @@ class Deployment:
 
     def env(self) -> dict[str, str]:
         """The environment for Flower's CLI: this directory's connection, no runtime installs."""
-        return {**os.environ, "FLWR_HOME": str(self.flwr_home),
-                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+        return {**os.environ, "FLWR_HOME": str(self.flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 
     def superlink_command(self, database: str | None = None) -> list[str]:
         """``flower-superlink`` with TLS and SuperNode authentication on the loopback control
@@ -81,18 +81,31 @@ class Deployment:
         measured)."""
         host, port = split_address(self.control_address)
         pki = self.pki
-        cmd = ["flower-superlink", "--host", host, "--port", str(port),
-               "--ssl-ca-certfile", str(pki.ca_cert), "--ssl-certfile", str(pki.server_cert),
-               "--ssl-keyfile", str(pki.server_key), "--enable-supernode-auth",
-               "--disable-runtime-dependency-installation"]
+        cmd = [
+            "flower-superlink",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--ssl-ca-certfile",
+            str(pki.ca_cert),
+            "--ssl-certfile",
+            str(pki.server_cert),
+            "--ssl-keyfile",
+            str(pki.server_key),
+            "--enable-supernode-auth",
+            "--disable-runtime-dependency-installation",
+        ]
         return cmd + (["--database", database] if database else [])
 
     def register_node_command(self, name: str) -> list[str]:
         """``flwr supernode register`` of device ``name``'s public key."""
         key = self.pki.node_public_key(name)
         if not key.exists():
-            raise PkiError(f"no key for node {name!r} in {self.pki.root}: give the device's own with --public-key "
-                           f"(omnidraft device keygen on the device)")
+            raise PkiError(
+                f"no key for node {name!r} in {self.pki.root}: give the device's own with --public-key "
+                f"(omnidraft device keygen on the device)"
+            )
         return ["flwr", "supernode", "register", str(key), CONNECTION, "--name", name]
 
     def run_command(self, run_config: dict[str, object]) -> list[str]:
@@ -101,8 +114,13 @@ class Deployment:
         return ["flwr", "run", str(APP_DIR), CONNECTION, "--stream", "--run-config", toml_pairs(config)]
 
 
-def init(root: str | os.PathLike[str], address: str, nodes: list[str], hosts: list[str] | None = None,
-         control_port: int | None = None) -> tuple[Deployment, list[str]]:
+def init(
+    root: str | os.PathLike[str],
+    address: str,
+    nodes: list[str],
+    hosts: list[str] | None = None,
+    control_port: int | None = None,
+) -> tuple[Deployment, list[str]]:
     """Prepare ``root`` for devices connecting to ``address`` (see the module docstring), the
     SuperLink itself on ``127.0.0.1:control_port`` (default: the address's port + 1); the
     certificate is valid for ``hosts`` (default: the address's host, 127.0.0.1, localhost).
@@ -115,7 +133,9 @@ def init(root: str | os.PathLike[str], address: str, nodes: list[str], hosts: li
     dep = Deployment(Path(root))
     _, created = init_pki(dep.pki.root, nodes, list(dict.fromkeys([host, *(hosts or []), "127.0.0.1", "localhost"])))
     write_bytes_atomic(dep.root / "deployment.json", json.dumps({"superlink": address, "control": control}).encode())
-    config = (f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-              f'address = "{control}"\nroot-certificates = "{dep.pki.ca_cert.resolve()}"\n')
+    config = (
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+        f'address = "{control}"\nroot-certificates = "{dep.pki.ca_cert.resolve()}"\n'
+    )
     write_bytes_atomic(dep.flwr_home / "config.toml", config.encode())
     return dep, [f"pki/{name}" for name in created]

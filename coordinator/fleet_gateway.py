@@ -33,8 +33,20 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 FLEET_PREFIX = "/v1/fleet/"
-HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
-                         "upgrade", "te", "trailer", "proxy-authorization", "proxy-authenticate"})
+HOP_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-authorization",
+        "proxy-authenticate",
+    }
+)
 UPSTREAM_TIMEOUT_S = 600.0  # a pull of a multi-MB state over a slow link
 STARTUP_S = 15.0  # longest wait for the listener to come up
 
@@ -42,8 +54,9 @@ STARTUP_S = 15.0  # longest wait for the listener to come up
 def gateway_app(upstream: str, ca_cert: str | Path) -> Starlette:
     """The ASGI app: ``POST /v1/fleet/*`` forwarded to ``upstream`` (``https://127.0.0.1:PORT``,
     verified against ``ca_cert``); any other method or path answers 403."""
-    client = httpx.AsyncClient(base_url=upstream, verify=ssl.create_default_context(cafile=str(ca_cert)),
-                               timeout=UPSTREAM_TIMEOUT_S)
+    client = httpx.AsyncClient(
+        base_url=upstream, verify=ssl.create_default_context(cafile=str(ca_cert)), timeout=UPSTREAM_TIMEOUT_S
+    )
 
     async def forward(request: Request) -> Response:
         path = request.url.path
@@ -54,26 +67,37 @@ def gateway_app(upstream: str, ca_cert: str | Path) -> Starlette:
             reply = await client.post(path, content=await request.body(), headers=headers)
         except httpx.HTTPError:
             return PlainTextResponse("the SuperLink is not reachable\n", status_code=502)
-        return Response(reply.content, status_code=reply.status_code,
-                        headers={k: v for k, v in reply.headers.items()
-                                 if k.lower() not in HOP_HEADERS | {"content-encoding"}})
+        return Response(
+            reply.content,
+            status_code=reply.status_code,
+            headers={k: v for k, v in reply.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}},
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette):
         yield
         await client.aclose()
 
-    return Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])],
-                     lifespan=lifespan)
+    return Starlette(
+        routes=[Route("/{path:path}", forward, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])], lifespan=lifespan
+    )
 
 
-def serve_gateway(host: str, port: int, upstream: str, *, ca_cert: str | Path, certfile: str | Path,
-                  keyfile: str | Path) -> tuple[uvicorn.Server, threading.Thread]:
+def serve_gateway(
+    host: str, port: int, upstream: str, *, ca_cert: str | Path, certfile: str | Path, keyfile: str | Path
+) -> tuple[uvicorn.Server, threading.Thread]:
     """Start the gateway on ``host:port`` with TLS (``certfile``/``keyfile``) in a daemon
     thread; returns the server (``should_exit = True`` stops it) and its thread once it
     listens. OSError when it cannot start (the port is taken)."""
-    config = uvicorn.Config(gateway_app(upstream, ca_cert), host=host, port=port, ssl_certfile=str(certfile),
-                            ssl_keyfile=str(keyfile), log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        gateway_app(upstream, ca_cert),
+        host=host,
+        port=port,
+        ssl_certfile=str(certfile),
+        ssl_keyfile=str(keyfile),
+        log_level="warning",
+        lifespan="on",
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="fleet-gateway", daemon=True)
     thread.start()

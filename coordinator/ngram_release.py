@@ -84,6 +84,7 @@ class ReleaseReport:
 
 # -- the mechanism ------------------------------------------------------------------------------
 
+
 class NgramRelease:
     """One target's release mechanism and its privacy ledger (persisted at ``path``)."""
 
@@ -99,10 +100,14 @@ class NgramRelease:
             from flwr.serverapp import PrivacyConfig, RdpAccountant
             from flwr.supercore.privacy_accounting import NeighboringRelation, SamplingMethod
 
-            self.accountant = RdpAccountant(PrivacyConfig(
-                target_delta=config.delta, population_size=1,
-                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-                sampling_method=SamplingMethod.NO_AMPLIFICATION))
+            self.accountant = RdpAccountant(
+                PrivacyConfig(
+                    target_delta=config.delta,
+                    population_size=1,
+                    neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                    sampling_method=SamplingMethod.NO_AMPLIFICATION,
+                )
+            )
             if ledger is not None:
                 self.accountant.load_state_dict(ledger)
 
@@ -155,8 +160,9 @@ class NgramRelease:
             raise ValueError("this release was not built to account private updates")
         self.accountant.compose(GaussianPrivacyEvent(noise_multiplier, 1, 1))
 
-    def release(self, bitmaps: list[np.ndarray], rng: np.random.Generator | None = None
-                ) -> tuple[dict[int, float], ReleaseReport]:
+    def release(
+        self, bitmaps: list[np.ndarray], rng: np.random.Generator | None = None
+    ) -> tuple[dict[int, float], ReleaseReport]:
         """Released target ids with their (noisy) device counts, and the round's report. ``rng``
         only for tests: the default draws from the operating system's entropy."""
         cfg = self.config
@@ -179,5 +185,12 @@ class NgramRelease:
             self.accountant.compose(GaussianPrivacyEvent(cfg.noise_multiplier, 1, 1))
         keep = noisy >= self.threshold
         released = {int(t): float(c) for t, c in zip(reported[keep], noisy[keep])}
-        return released, ReleaseReport(len(bitmaps), int(reported.size), len(released), noise_std,
-                                       self.threshold, self.epsilon(), self.total_delta())
+        return released, ReleaseReport(
+            len(bitmaps),
+            int(reported.size),
+            len(released),
+            noise_std,
+            self.threshold,
+            self.epsilon(),
+            self.total_delta(),
+        )

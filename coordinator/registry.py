@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors, save as save_safetensors
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, AutoTokenizer
 
 from omnidraft.proto import fleet_pb2
@@ -45,8 +46,8 @@ from omnidraft.shared import catalog
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
 from omnidraft.shared.engine import seed_cache_from_bridge
-from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
 from omnidraft.shared.fleet_wire import lora_spec, tokenizer_digest  # noqa: F401 (re-exported)
+from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 SPEC_FILE = "spec.pb"
@@ -130,16 +131,23 @@ class TargetRegistry:
         return isinstance(name, str) and (self._dir(name) / MANIFEST_FILE).is_file()
 
     # -- registration -------------------------------------------------------------------------
-    def register(self, name: str, model: str, drafter: str, lora: LoraSpec = LoraSpec(rank=8),
-                 *, seed: int = 0, progress: bool = False) -> fleet_pb2.StateManifest:
+    def register(
+        self,
+        name: str,
+        model: str,
+        drafter: str,
+        lora: LoraSpec = LoraSpec(rank=8),
+        *,
+        seed: int = 0,
+        progress: bool = False,
+    ) -> fleet_pb2.StateManifest:
         """Create ``name``'s state: an untrained adapter (B = 0, so the drafter is unchanged) and
         a global cache seeded from the two tokenizers alone. Loads the drafter (for the adapter's
         shapes) and the target's tokenizer and config, never the target's weights."""
         if not name or len(name) > 128 or slug(name) != name:
             raise RegistryError(f"bad target name {name!r}: use letters, digits, '.', '_' and '-'")
         if name in self:
-            raise RegistryError(f"target {name!r} is already registered (version "
-                                f"{self.manifest(name).version})")
+            raise RegistryError(f"target {name!r} is already registered (version {self.manifest(name).version})")
         lora.validate()
         from omnidraft.shared import model_runner  # torch model loading only when registering
 
@@ -158,10 +166,17 @@ class TargetRegistry:
         cache = NgramCache(max_entries=GLOBAL_CACHE_ENTRIES, drafter=drafter, target=name)
         seed_cache_from_bridge(cache, bridge, d.tokenizer)
         spec = fleet_pb2.TargetSpec(
-            name=name, model=str(model), drafter=str(drafter), lora_rank=lora.rank,
-            lora_alpha=float(lora.alpha), lora_modules=lora.modules,
-            lora_ffa=lora.ffa, target_vocab_size=bridge.target_vocab_size, tokenizer_sha256=tokenizer_digest(bridge),
-            registered_at=time.time())
+            name=name,
+            model=str(model),
+            drafter=str(drafter),
+            lora_rank=lora.rank,
+            lora_alpha=float(lora.alpha),
+            lora_modules=lora.modules,
+            lora_ffa=lora.ffa,
+            target_vocab_size=bridge.target_vocab_size,
+            tokenizer_sha256=tokenizer_digest(bridge),
+            registered_at=time.time(),
+        )
         out = self._dir(name)
         write_bytes_atomic(out / CANDIDATES_FILE, candidates.to_bytes())
         write_bytes_atomic(out / SPEC_FILE, spec.SerializeToString())
@@ -212,8 +227,9 @@ class TargetRegistry:
         if name not in self._candidates:
             self._require(name)
             try:
-                table = NgramCache.from_bytes((self._dir(name) / CANDIDATES_FILE).read_bytes(),
-                                              max_entries=_CANDIDATE_LIMIT)
+                table = NgramCache.from_bytes(
+                    (self._dir(name) / CANDIDATES_FILE).read_bytes(), max_entries=_CANDIDATE_LIMIT
+                )
             except (OSError, NgramCacheError) as exc:
                 raise RegistryError(f"target {name!r}: candidates unreadable ({exc})") from None
             out: dict[int, tuple[int, ...]] = {}
@@ -235,33 +251,64 @@ class TargetRegistry:
         return None
 
     # -- committing a round -------------------------------------------------------------------
-    def commit(self, name: str, adapter: dict[str, torch.Tensor], cache: NgramCache, *,
-               round_: int, devices: int, tokens: int,
-               server_state: dict[str, torch.Tensor] | None = None,
-               privacy_ledger: dict | None = None) -> fleet_pb2.StateManifest:
+    def commit(
+        self,
+        name: str,
+        adapter: dict[str, torch.Tensor],
+        cache: NgramCache,
+        *,
+        round_: int,
+        devices: int,
+        tokens: int,
+        server_state: dict[str, torch.Tensor] | None = None,
+        privacy_ledger: dict | None = None,
+    ) -> fleet_pb2.StateManifest:
         """Write version N+1 of ``name``'s state (adapter, cache, the server optimizer's
         ``server_state``, the release's ``privacy_ledger`` (default: carried over), then
         manifest), holding the target's lock: a ``fleet rollback`` or
         another writer waits, so no version number is written twice."""
         with self._lock(name):
-            return self._commit_next(name, adapter, cache, round_=round_, devices=devices, tokens=tokens,
-                                     server_state=server_state, privacy_ledger=privacy_ledger)
+            return self._commit_next(
+                name,
+                adapter,
+                cache,
+                round_=round_,
+                devices=devices,
+                tokens=tokens,
+                server_state=server_state,
+                privacy_ledger=privacy_ledger,
+            )
 
     def _lock(self, name: str):
         """The target's writer lock (an advisory ``flock`` on ``<target>/.lock``)."""
         return file_lock(self._dir(name) / ".lock")
 
-    def _commit_next(self, name: str, adapter: dict[str, torch.Tensor], cache: NgramCache, *,
-                     round_: int, devices: int, tokens: int,
-                     server_state: dict[str, torch.Tensor] | None,
-                     privacy_ledger: dict | None) -> fleet_pb2.StateManifest:
+    def _commit_next(
+        self,
+        name: str,
+        adapter: dict[str, torch.Tensor],
+        cache: NgramCache,
+        *,
+        round_: int,
+        devices: int,
+        tokens: int,
+        server_state: dict[str, torch.Tensor] | None,
+        privacy_ledger: dict | None,
+    ) -> fleet_pb2.StateManifest:
         old = self.manifest(name)
-        m = fleet_pb2.StateManifest(target=name, version=old.version + 1, round=round_,
-                                    parent_version=old.version, devices_total=old.devices_total + devices,
-                                    tokens_total=old.tokens_total + tokens)
+        m = fleet_pb2.StateManifest(
+            target=name,
+            version=old.version + 1,
+            round=round_,
+            parent_version=old.version,
+            devices_total=old.devices_total + devices,
+            tokens_total=old.tokens_total + tokens,
+        )
         if server_state:
-            write_bytes_atomic(self._dir(name) / self._file("server-opt", m.version),
-                               save_safetensors({k: v.contiguous() for k, v in server_state.items()}))
+            write_bytes_atomic(
+                self._dir(name) / self._file("server-opt", m.version),
+                save_safetensors({k: v.contiguous() for k, v in server_state.items()}),
+            )
         self._write_ledger(name, m.version, privacy_ledger if privacy_ledger is not None else self.privacy_ledger(name))
         return self._commit(name, m, adapter, cache)
 
@@ -278,13 +325,15 @@ class TargetRegistry:
         except (OSError, SafetensorError):  # missing, or unreadable: fresh moments
             return {}
 
-    def _commit(self, name: str, m: fleet_pb2.StateManifest, adapter: dict[str, torch.Tensor],
-                cache: NgramCache) -> fleet_pb2.StateManifest:
+    def _commit(
+        self, name: str, m: fleet_pb2.StateManifest, adapter: dict[str, torch.Tensor], cache: NgramCache
+    ) -> fleet_pb2.StateManifest:
         adapter_blob = save_safetensors({k: v.contiguous() for k, v in adapter.items()})
         return self._commit_blobs(name, m, adapter_blob, cache.to_bytes())
 
-    def _commit_blobs(self, name: str, m: fleet_pb2.StateManifest, adapter_blob: bytes,
-                      cache_blob: bytes) -> fleet_pb2.StateManifest:
+    def _commit_blobs(
+        self, name: str, m: fleet_pb2.StateManifest, adapter_blob: bytes, cache_blob: bytes
+    ) -> fleet_pb2.StateManifest:
         out = self._dir(name)
         write_bytes_atomic(out / self._file("adapter", m.version), adapter_blob)
         write_bytes_atomic(out / self._file("cache", m.version), cache_blob)
@@ -294,9 +343,14 @@ class TargetRegistry:
         write_bytes_atomic(out / self._file("manifest", m.version), blob)
         write_bytes_atomic(out / self._file("signature", m.version), self.signing_key().sign(blob))
         write_bytes_atomic(out / MANIFEST_FILE, blob)  # the commit point: everything it names exists
-        for path in [*out.glob("adapter-v*.safetensors"), *out.glob("cache-v*.pb"), *out.glob("server-opt-v*.safetensors"),
-                     *out.glob("privacy-v*.json"),
-                     *out.glob("manifest-v*.sig"), *out.glob("manifest-v*.pb")]:
+        for path in [
+            *out.glob("adapter-v*.safetensors"),
+            *out.glob("cache-v*.pb"),
+            *out.glob("server-opt-v*.safetensors"),
+            *out.glob("privacy-v*.json"),
+            *out.glob("manifest-v*.sig"),
+            *out.glob("manifest-v*.pb"),
+        ]:
             version = int(path.name.split("-v", 1)[1].split(".", 1)[0])
             if version <= m.version - KEEP_VERSIONS or version > m.version:
                 path.unlink(missing_ok=True)
@@ -305,10 +359,9 @@ class TargetRegistry:
     def versions(self, name: str) -> list[int]:
         """The versions of ``name`` still on disk (the last ``KEEP_VERSIONS``), oldest first."""
         self._require(name)
-        return sorted(int(p.name[len("manifest-v"):-len(".pb")]) for p in self._dir(name).glob("manifest-v*.pb"))
+        return sorted(int(p.name[len("manifest-v") : -len(".pb")]) for p in self._dir(name).glob("manifest-v*.pb"))
 
-    def rollback(self, name: str, to: int | None = None, *, before_round: int | None = None
-                 ) -> fleet_pb2.StateManifest:
+    def rollback(self, name: str, to: int | None = None, *, before_round: int | None = None) -> fleet_pb2.StateManifest:
         """Publish version N+1 with the adapter and cache of version ``to`` (default N-1): devices
         see a newer version (no replay), whose ``restored_from`` says what it restores. Holds the
         target's writer lock (a round committing at the same time waits).
@@ -334,18 +387,27 @@ class TargetRegistry:
         current = self.manifest(name)
         to = current.version - 1 if to is None else to
         if not 0 <= to < current.version:
-            raise RegistryError(f"target {name!r} is at version {current.version}: roll back to 0..{current.version - 1}")
+            raise RegistryError(
+                f"target {name!r} is at version {current.version}: roll back to 0..{current.version - 1}"
+            )
         if to not in self.versions(name):
-            raise RegistryError(f"target {name!r}: version {to} is no longer kept (kept: "
-                                f"{', '.join(map(str, self.versions(name)))})")
+            raise RegistryError(
+                f"target {name!r}: version {to} is no longer kept (kept: {', '.join(map(str, self.versions(name)))})"
+            )
         old = self._manifest_at(name, to)
         blobs = [(self._dir(name) / self._file(kind, to)).read_bytes() for kind in ("adapter", "cache")]
         if sha256(blobs[0]) != old.adapter_sha256 or sha256(blobs[1]) != old.cache_sha256:
             raise RegistryError(f"target {name!r}: the files of version {to} do not match its manifest")
-        m = fleet_pb2.StateManifest(target=name, version=current.version + 1, round=current.round,
-                                    parent_version=current.version, restored_from=to,
-                                    devices_total=old.devices_total, tokens_total=old.tokens_total,
-                                    scheduled_before_round=before_round)
+        m = fleet_pb2.StateManifest(
+            target=name,
+            version=current.version + 1,
+            round=current.round,
+            parent_version=current.version,
+            restored_from=to,
+            devices_total=old.devices_total,
+            tokens_total=old.tokens_total,
+            scheduled_before_round=before_round,
+        )
         self._write_ledger(name, m.version, self.privacy_ledger(name))  # privacy spent stays spent
         return self._commit_blobs(name, m, *blobs)
 
@@ -358,7 +420,9 @@ class TargetRegistry:
         self._require(name)
         if not 0 <= fraction <= 1:
             raise RegistryError(f"rollout fraction {fraction} must be in [0, 1]")
-        write_bytes_atomic(self._dir(name) / ROLLOUT_FILE, json.dumps({"fraction": fraction, "time": time.time()}).encode())
+        write_bytes_atomic(
+            self._dir(name) / ROLLOUT_FILE, json.dumps({"fraction": fraction, "time": time.time()}).encode()
+        )
 
     def rollouts(self) -> dict[str, float]:
         """{target: fraction} of the targets being rolled out."""
@@ -372,9 +436,14 @@ class TargetRegistry:
 
     @staticmethod
     def _file(kind: str, version: int) -> str:
-        return {"adapter": f"adapter-v{version}.safetensors", "cache": f"cache-v{version}.pb",
-                "signature": f"manifest-v{version}.sig", "manifest": f"manifest-v{version}.pb",
-                "server-opt": f"server-opt-v{version}.safetensors", "privacy": f"privacy-v{version}.json"}[kind]
+        return {
+            "adapter": f"adapter-v{version}.safetensors",
+            "cache": f"cache-v{version}.pb",
+            "signature": f"manifest-v{version}.sig",
+            "manifest": f"manifest-v{version}.pb",
+            "server-opt": f"server-opt-v{version}.safetensors",
+            "privacy": f"privacy-v{version}.json",
+        }[kind]
 
     def _require(self, name: str) -> None:
         if name not in self:

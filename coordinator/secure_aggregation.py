@@ -107,9 +107,16 @@ class _MeteredGrid:
         return replies
 
 
-def secure_mean_update(grid: Grid, context: Context, rnd: int, target: str, version: int,
-                       weights: dict[int, float], shapes: dict[str, tuple[int, ...]],
-                       config: SecAggConfig) -> tuple[dict[str, np.ndarray] | None, dict[int, int], dict[int, int]]:
+def secure_mean_update(
+    grid: Grid,
+    context: Context,
+    rnd: int,
+    target: str,
+    version: int,
+    weights: dict[int, float],
+    shapes: dict[str, tuple[int, ...]],
+    config: SecAggConfig,
+) -> tuple[dict[str, np.ndarray] | None, dict[int, int], dict[int, int]]:
     """Run SecAgg+ over ``weights``' nodes for ``target``; returns (the weighted mean update by
     adapter key, or None when the protocol halted; bytes sent to and received from each node).
 
@@ -121,10 +128,14 @@ def secure_mean_update(grid: Grid, context: Context, rnd: int, target: str, vers
     state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
     state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()  # no parameters go down: devices hold the global adapter
     metered = _MeteredGrid(grid)
-    workflow = SecAggPlusWorkflow(num_shares=float(config.share_fraction),
-                                  reconstruction_threshold=float(config.threshold_fraction),
-                                  max_weight=max(weights.values()), clipping_range=config.clipping_range,
-                                  quantization_range=config.quantization_range, timeout=config.timeout_s)
+    workflow = SecAggPlusWorkflow(
+        num_shares=float(config.share_fraction),
+        reconstruction_threshold=float(config.threshold_fraction),
+        max_weight=max(weights.values()),
+        clipping_range=config.clipping_range,
+        quantization_range=config.quantization_range,
+        timeout=config.timeout_s,
+    )
     try:
         workflow(metered, legacy)
     finally:

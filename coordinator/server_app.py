@@ -48,7 +48,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from omnidraft.coordinator.aggregation import (
-    FLEET_KEY, METRICS_KEY, AggregationConfig, aggregate_target, check_reply, expand_update, payload_bytes)
+    FLEET_KEY,
+    METRICS_KEY,
+    AggregationConfig,
+    aggregate_target,
+    check_reply,
+    expand_update,
+    payload_bytes,
+)
 from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats
 from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
 from omnidraft.coordinator.secure_aggregation import SecAggConfig, secure_mean_update
@@ -58,8 +65,16 @@ from omnidraft.shared.atomic_io import write_bytes_atomic
 log = logging.getLogger("omnidraft.coordinator")
 STATE_FILE = "coordinator.json"
 POLL_S = (0.05, 1.0)  # first and longest pause between polls for replies (seconds)
-EVAL_KEYS = ("acceptance", "tokens-per-call", "tokens-per-s", "speedup",  # averaged over a panel
-             "modelled-speedup", "modelled-tokens-per-s", "fixed-k-acceptance", "fixed-k-tokens-per-call")
+EVAL_KEYS = (
+    "acceptance",
+    "tokens-per-call",
+    "tokens-per-s",
+    "speedup",  # averaged over a panel
+    "modelled-speedup",
+    "modelled-tokens-per-s",
+    "fixed-k-acceptance",
+    "fixed-k-tokens-per-call",
+)
 ROUNDS_FILE = "rounds.jsonl"  # one line per finished round and target (``fleet status`` reads it)
 
 
@@ -99,8 +114,10 @@ class FleetConfig:
         if self.secagg.enabled and self.aggregation.method != "fedavg":
             raise ValueError("SecAgg+ reveals only the weighted mean: use the fedavg aggregation with it")
         if self.secagg.enabled and self.aggregation.dp_noise > 0:
-            raise ValueError("differential privacy on the updates clips them on the coordinator, which SecAgg+ "
-                             "never shows it: use one or the other")
+            raise ValueError(
+                "differential privacy on the updates clips them on the coordinator, which SecAgg+ "
+                "never shows it: use one or the other"
+            )
 
 
 def last_round(root: Path) -> int:
@@ -119,9 +136,16 @@ def round_history(root: Path) -> list[dict]:
 
 
 # what a device's status must hold, by type (the coordinator never trusts a field it did not check)
-STATUS_FIELDS: dict[str, tuple[type, ...]] = {"target": (str,), "tokenizer-sha256": (str,), "device": (str,),
-                                              "joins-at": (int,), "probe": (bool,), "trained": (bool,),
-                                              "busy": (str, bool), "can-serve": (str,)}
+STATUS_FIELDS: dict[str, tuple[type, ...]] = {
+    "target": (str,),
+    "tokenizer-sha256": (str,),
+    "device": (str,),
+    "joins-at": (int,),
+    "probe": (bool,),
+    "trained": (bool,),
+    "busy": (str, bool),
+    "can-serve": (str,),
+}
 REQUIRED_STATUS = ("target", "tokenizer-sha256")
 
 
@@ -145,6 +169,7 @@ def status_problem(status: ConfigRecord) -> str | None:
 def eval_metrics_usable(metrics) -> bool:
     """Whether an evaluation reply can enter a panel's average: a finite, non-negative
     ``generated-tokens`` weight and a finite number for every averaged key it carries."""
+
     def number(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -177,9 +202,15 @@ def wait_for_devices(grid: Grid, minimum: int, wait_s: float) -> list[int]:
 def state_record(state: GlobalState, status: ConfigRecord | None, round_: int, **extra) -> ConfigRecord:
     """The ``fleet`` record carrying ``state`` to a device that reported ``status``: adapter and
     cache bytes only when the device does not hold them."""
-    record = ConfigRecord({"round": round_, "spec": state.spec.SerializeToString(),
-                           "manifest": state.manifest_blob or state.manifest.SerializeToString(),
-                           "manifest-sig": state.signature, **extra})
+    record = ConfigRecord(
+        {
+            "round": round_,
+            "spec": state.spec.SerializeToString(),
+            "manifest": state.manifest_blob or state.manifest.SerializeToString(),
+            "manifest-sig": state.signature,
+            **extra,
+        }
+    )
     if status is None or status.get("adapter-sha256") != state.manifest.adapter_sha256:
         record["adapter"] = state.adapter_blob
     if status is None or status.get("cache-sha256") != state.manifest.cache_sha256:
@@ -206,10 +237,14 @@ class Panel:
 class Coordinator:
     """The round loop over a registry (see the module docstring)."""
 
-    def __init__(self, root: str | Path, config: FleetConfig,
-                 on_round: Callable[[dict], None] | None = None,
-                 progress: Callable[[int, int, int], None] | None = None,
-                 before_round: Callable[[int, TargetRegistry], None] | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        config: FleetConfig,
+        on_round: Callable[[dict], None] | None = None,
+        progress: Callable[[int, int, int], None] | None = None,
+        before_round: Callable[[int, TargetRegistry], None] | None = None,
+    ) -> None:
         """``before_round(round, registry)``: operator actions scheduled by a simulation
         (a rollout or a rollback at a round), run before the round starts."""
         config.validate()
@@ -261,12 +296,16 @@ class Coordinator:
         records = []
         if rnd == 1 and cfg.evaluate:  # the starting point: every target's state before any round
             start = self.evaluate_panels(grid, 0, {t: Panel(list(probes[t]), states[t], probes[t]) for t in probes})
-            records += [{"round": 0, "target": t, "version": int(states[t].manifest.version), **start[t]}
-                        for t in sorted(probes)]
+            records += [
+                {"round": 0, "target": t, "version": int(states[t].manifest.version), **start[t]}
+                for t in sorted(probes)
+            ]
             phases.lap("start-eval")
         # sampled in the order of the devices' own ids (Flower's node ids change between runs)
-        eligible = sorted((node for group in members.values() for node in group),
-                          key=lambda n: str(next(g[n] for g in members.values() if n in g).get("device", n)))
+        eligible = sorted(
+            (node for group in members.values() for node in group),
+            key=lambda n: str(next(g[n] for g in members.values() if n in g).get("device", n)),
+        )
         size = max(1, round(len(eligible) * cfg.fraction)) if eligible else 0
         sampled = set(random.Random(cfg.seed * 100_003 + rnd).sample(eligible, size))
         by_target = {t: {n: s for n, s in group.items() if n in sampled} for t, group in members.items()}
@@ -282,10 +321,14 @@ class Coordinator:
         secure = {"update-bits": cfg.aggregation.update_bits}
         if cfg.secagg.enabled:  # devices keep their update for the secure aggregation
             secure = {"secagg": True, "clip-norm": float(cfg.aggregation.clip_norm or 0.0)}
-        messages = {node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd, **secure)})
-                    for t, group in by_target.items() for node, status in group.items()}
-        downlink = {node: sum(len(v) for v in rec[FLEET_KEY].values() if isinstance(v, bytes))
-                    for node, rec in messages.items()}
+        messages = {
+            node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd, **secure)})
+            for t, group in by_target.items()
+            for node, status in group.items()
+        }
+        downlink = {
+            node: sum(len(v) for v in rec[FLEET_KEY].values() if isinstance(v, bytes)) for node, rec in messages.items()
+        }
         replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
         phases.lap("train")
 
@@ -299,20 +342,41 @@ class Coordinator:
             if start.HasField("restored_from"):  # the round trained from a rolled-back state
                 record["started-from"] = {"version": int(start.version), "restores": int(start.restored_from)}
             record.update(newcomers.get(target, {}))
-            record["skipped"] = [r for r in skipped if repr(target) in r or f"({target})" in r] \
-                + (fleet_wide if not trained else [])
+            record["skipped"] = [r for r in skipped if repr(target) in r or f"({target})" in r] + (
+                fleet_wide if not trained else []
+            )
             trained.append(record)
         for target in recovered:
-            log.warning("round %d, %s: version %d was committed by this round before a restart; not trained again",
-                        rnd, target, states[target].manifest.version)
-            trained.append({"round": rnd, "target": target, "aggregated": 0, "recovered": True,
-                            "version": int(states[target].manifest.version), "devices": len(members[target]),
-                            "switched": switched.get(target, 0), "rejected": [], "skipped": []})
+            log.warning(
+                "round %d, %s: version %d was committed by this round before a restart; not trained again",
+                rnd,
+                target,
+                states[target].manifest.version,
+            )
+            trained.append(
+                {
+                    "round": rnd,
+                    "target": target,
+                    "aggregated": 0,
+                    "recovered": True,
+                    "version": int(states[target].manifest.version),
+                    "devices": len(members[target]),
+                    "switched": switched.get(target, 0),
+                    "rejected": [],
+                    "skipped": [],
+                }
+            )
         phases.lap("aggregate")
         if cfg.evaluate:  # the probe panels (else the round's devices) measure the new states, all at once
-            panels = {r["target"]: Panel(list(probes.get(r["target"]) or round_devices[r["target"]]),
-                                         self.registry.load(r["target"]), probes.get(r["target"]))
-                      for r in trained if r["aggregated"] or r.get("recovered")}
+            panels = {
+                r["target"]: Panel(
+                    list(probes.get(r["target"]) or round_devices[r["target"]]),
+                    self.registry.load(r["target"]),
+                    probes.get(r["target"]),
+                )
+                for r in trained
+                if r["aggregated"] or r.get("recovered")
+            }
             measured = self.evaluate_panels(grid, rnd, panels)
             for record in trained:
                 record.update(measured.get(record["target"], {}))
@@ -339,12 +403,14 @@ class Coordinator:
         """Ask every connected device for its status; returns (members, probes, skipped, states):
         devices that may train this round and probe devices, both as {target: {node: status}},
         reasons for the devices left out, and the global state of each target in use."""
-        statuses = self._send(grid, nodes, "query.status",
-                              lambda node: RecordDict({"query": ConfigRecord({"round": rnd})}), rnd)
+        statuses = self._send(
+            grid, nodes, "query.status", lambda node: RecordDict({"query": ConfigRecord({"round": rnd})}), rnd
+        )
         members: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
         probes: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
         skipped: list[str] = []
         states: dict[str, GlobalState] = {}
+
         def device_order(item: tuple[int, Message]) -> tuple[str, int]:
             """By the device's own id: aggregation sums and the release's random draws then
             run in the same order every run (Flower's node ids change between runs)."""
@@ -380,23 +446,39 @@ class Coordinator:
             log.warning("round %d: %s", rnd, reason)
         return members, probes, skipped, states
 
-    def _roll_out(self, grid: Grid, rnd: int, members: dict[str, dict[int, ConfigRecord]],
-                  states: dict[str, GlobalState], skipped: list[str]) -> dict[str, int]:
+    def _roll_out(
+        self,
+        grid: Grid,
+        rnd: int,
+        members: dict[str, dict[int, ConfigRecord]],
+        states: dict[str, GlobalState],
+        skipped: list[str],
+    ) -> dict[str, int]:
         """Staged rollouts (``registry.rollout``): of the devices that serve or offer a target
         being rolled out, the first ``fraction`` in ``rollout_rank`` order serve it; the ones
         not there yet are told to switch (``query.switch``) and count as its members from this
         round on. Returns the number switched per target."""
         switched: dict[str, int] = {}
         for target, fraction in sorted(self.registry.rollouts().items()):
-            capable = [(node, status) for group in members.values() for node, status in group.items()
-                       if status.get("target") == target or target in str(status.get("can-serve", "")).split(",")]
+            capable = [
+                (node, status)
+                for group in members.values()
+                for node, status in group.items()
+                if status.get("target") == target or target in str(status.get("can-serve", "")).split(",")
+            ]
             capable.sort(key=lambda item: rollout_rank(target, str(item[1].get("device", item[0]))))
-            chosen = [node for node, status in capable[: round(fraction * len(capable))]
-                      if status.get("target") != target]
+            chosen = [
+                node for node, status in capable[: round(fraction * len(capable))] if status.get("target") != target
+            ]
             if not chosen:
                 continue
-            replies = self._send(grid, chosen, "query.switch",
-                                 lambda node: RecordDict({"query": ConfigRecord({"round": rnd, "target": target})}), rnd)
+            replies = self._send(
+                grid,
+                chosen,
+                "query.switch",
+                lambda node, target=target: RecordDict({"query": ConfigRecord({"round": rnd, "target": target})}),
+                rnd,
+            )
             if target not in states:
                 states[target] = self.registry.load(target)
             for node in chosen:
@@ -412,12 +494,18 @@ class Coordinator:
                     continue
                 members[target][node] = status
                 switched[target] = switched.get(target, 0) + 1
-            log.info("round %d: %d device(s) switched to %s (rollout %.0f%%)", rnd, switched.get(target, 0),
-                     target, 100 * fraction)
+            log.info(
+                "round %d: %d device(s) switched to %s (rollout %.0f%%)",
+                rnd,
+                switched.get(target, 0),
+                target,
+                100 * fraction,
+            )
         return switched
 
-    def _first_sessions(self, grid: Grid, rnd: int, states: dict[str, GlobalState],
-                        by_target: dict[str, dict[int, ConfigRecord]]) -> dict[str, dict]:
+    def _first_sessions(
+        self, grid: Grid, rnd: int, states: dict[str, GlobalState], by_target: dict[str, dict[int, ConfigRecord]]
+    ) -> dict[str, dict]:
         """Per target, sampled devices that never trained for it and meet a trained global state
         (at most ``newcomer_evals`` of them): their first session's acceptance without it
         (``new-cold-``) and with it (``new-warm-``); alongside, as many sampled devices that did
@@ -447,8 +535,9 @@ class Coordinator:
                 out[target].update(metrics)
         return dict(out)
 
-    def _send(self, grid: Grid, nodes: list[int], message_type: str,
-              content: Callable[[int], RecordDict], rnd: int) -> dict[int, Message]:
+    def _send(
+        self, grid: Grid, nodes: list[int], message_type: str, content: Callable[[int], RecordDict], rnd: int
+    ) -> dict[int, Message]:
         """Send one message per node, collect replies until all came or ``round_timeout_s``
         passed (reporting progress as they come); returns the replies by node."""
         if not nodes:
@@ -456,9 +545,14 @@ class Coordinator:
         progress = self._progress
         progress[2] += len(nodes)
         self.progress(*progress)
-        pending = set(grid.push_messages([  # a list: the deployed grid iterates it twice
-            Message(content(node), dst_node_id=node, message_type=message_type, group_id=str(rnd))
-            for node in nodes]))
+        pending = set(
+            grid.push_messages(
+                [  # a list: the deployed grid iterates it twice
+                    Message(content(node), dst_node_id=node, message_type=message_type, group_id=str(rnd))
+                    for node in nodes
+                ]
+            )
+        )
         by_node: dict[int, Message] = {}
         deadline = time.monotonic() + self.config.round_timeout_s
         wait = POLL_S[0]
@@ -479,8 +573,16 @@ class Coordinator:
             log.warning("round %d: %d device(s) did not answer %s in time", rnd, len(missing), message_type)
         return by_node
 
-    def _aggregate(self, grid: Grid, rnd: int, target: str, state: GlobalState, group: dict[int, ConfigRecord],
-                   replies: dict[int, Message], downlink: dict[int, int]) -> dict:
+    def _aggregate(
+        self,
+        grid: Grid,
+        rnd: int,
+        target: str,
+        state: GlobalState,
+        group: dict[int, ConfigRecord],
+        replies: dict[int, Message],
+        downlink: dict[int, int],
+    ) -> dict:
         cfg = self.config
         secure = cfg.secagg.enabled
         global_adapter = {k: v.numpy() for k, v in state.adapter.items()}
@@ -495,7 +597,8 @@ class Coordinator:
                 continue
             received[id(msg)] = 0 if msg.has_error() else payload_bytes(msg)
             reason = expand_update(msg, global_adapter) or check_reply(
-                msg, target, version, global_adapter, cfg.aggregation, expect_adapter=not secure)
+                msg, target, version, global_adapter, cfg.aggregation, expect_adapter=not secure
+            )
             if reason is None:
                 try:
                     bits = decode_stats(msg.content[FLEET_KEY]["ngram-stats"], target, state.spec.target_vocab_size)
@@ -508,9 +611,15 @@ class Coordinator:
         for reason in rejected:
             log.warning("round %d, %s: update rejected: %s", rnd, target, reason)
 
-        record = {"round": rnd, "target": target, "sampled": len(group), "aggregated": len(good),
-                  "rejected": rejected, "version": version,
-                  "downlink-bytes-per-device": float(np.mean([downlink[n] for n in group])) if group else 0.0}
+        record = {
+            "round": rnd,
+            "target": target,
+            "sampled": len(group),
+            "aggregated": len(good),
+            "rejected": rejected,
+            "version": version,
+            "downlink-bytes-per-device": float(np.mean([downlink[n] for n in group])) if group else 0.0,
+        }
         if secure and 0 < len(good) < cfg.secagg.min_devices:
             record["rejected"] += [f"SecAgg+ needs {cfg.secagg.min_devices} devices, {len(good)} replied"]
             record["aggregated"] = 0
@@ -536,7 +645,9 @@ class Coordinator:
             record["rejected"] += ["the aggregate is not finite: round not committed"]
             record["aggregated"] = 0
             return record
-        release = NgramRelease(cfg.release, self.registry.privacy_ledger(target), private_updates=cfg.aggregation.dp_noise > 0)
+        release = NgramRelease(
+            cfg.release, self.registry.privacy_ledger(target), private_updates=cfg.aggregation.dp_noise > 0
+        )
         if cfg.aggregation.dp_noise > 0:  # charged in the same ledger, committed with the version
             release.account_updates(cfg.aggregation.dp_noise)
             from flwr.supercore.differential_privacy import compute_stdv
@@ -548,25 +659,46 @@ class Coordinator:
         for target_id, count in released.items():
             if target_id in candidates:
                 cache.add(candidates[target_id], target_id, max(1, int(round(count))))
-        manifest = self.registry.commit(target, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in adapter.items()},
-                                        cache, round_=rnd, devices=len(msgs), tokens=tokens,
-                                        server_state=server.state(), privacy_ledger=release.ledger())
+        manifest = self.registry.commit(
+            target,
+            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in adapter.items()},
+            cache,
+            round_=rnd,
+            devices=len(msgs),
+            tokens=tokens,
+            server_state=server.state(),
+            privacy_ledger=release.ledger(),
+        )
         record.update({f"train-{k}": float(v) for k, v in metrics.items() if not isinstance(v, list)})
-        record.update({"version": int(manifest.version), "trained-tokens": tokens,
-                       "uplink-bytes-per-device": float(np.mean(uplink)),
-                       "cache-entries": len(cache), "cache-bytes": int(manifest.cache_bytes),
-                       "adapter-bytes": int(manifest.adapter_bytes),
-                       "ngrams": report.to_dict()})
+        record.update(
+            {
+                "version": int(manifest.version),
+                "trained-tokens": tokens,
+                "uplink-bytes-per-device": float(np.mean(uplink)),
+                "cache-entries": len(cache),
+                "cache-bytes": int(manifest.cache_bytes),
+                "adapter-bytes": int(manifest.adapter_bytes),
+                "ngrams": report.to_dict(),
+            }
+        )
         return record
 
-    def _secure_aggregate(self, grid: Grid, rnd: int, target: str, version: int, msgs: list[Message],
-                          global_adapter: dict[str, np.ndarray]):
+    def _secure_aggregate(
+        self,
+        grid: Grid,
+        rnd: int,
+        target: str,
+        version: int,
+        msgs: list[Message],
+        global_adapter: dict[str, np.ndarray],
+    ):
         """SecAgg+ over the devices of ``msgs``: (new adapter or None, metrics, bytes each node sent
         and received in the protocol)."""
         weights = {m.metadata.src_node_id: float(m.content[METRICS_KEY]["trained-tokens"]) for m in msgs}
         shapes = {k: global_adapter[k].shape for k in sorted(global_adapter)}
-        mean, down, up = secure_mean_update(grid, self.context, rnd, target, version, weights, shapes,
-                                            self.config.secagg)
+        mean, down, up = secure_mean_update(
+            grid, self.context, rnd, target, version, weights, shapes, self.config.secagg
+        )
         metrics = aggregate_metricrecords([m.content for m in msgs], "trained-tokens")
         if mean is None:
             return None, metrics, up, down
@@ -581,26 +713,41 @@ class Coordinator:
         named with the panel's prefix}``, averaged over its devices weighted by tokens decoded."""
         records = {}
         for panel in panels.values():
-            extra = {"use-global": panel.state is not None, "measure-ar": self.config.measure_ar and panel.adaptive and panel.timed,
-                     "fixed-k": self.config.fixed_k, "adaptive": panel.adaptive}
+            extra = {
+                "use-global": panel.state is not None,
+                "measure-ar": self.config.measure_ar and panel.adaptive and panel.timed,
+                "fixed-k": self.config.fixed_k,
+                "adaptive": panel.adaptive,
+            }
             for node in panel.nodes:
-                records[node] = (ConfigRecord({"round": rnd, **extra}) if panel.state is None
-                                 else state_record(panel.state, (panel.held or {}).get(node), rnd, **extra))
-        replies = self._send(grid, list(records), MessageType.EVALUATE,
-                             lambda node: RecordDict({FLEET_KEY: records[node]}), rnd)
+                records[node] = (
+                    ConfigRecord({"round": rnd, **extra})
+                    if panel.state is None
+                    else state_record(panel.state, (panel.held or {}).get(node), rnd, **extra)
+                )
+        replies = self._send(
+            grid, list(records), MessageType.EVALUATE, lambda node: RecordDict({FLEET_KEY: records[node]}), rnd
+        )
         out = {}
         for key, panel in panels.items():
             prefix, nodes = panel.prefix, panel.nodes
-            metrics = [replies[n].content[METRICS_KEY] for n in nodes  # in the order asked, not of arrival
-                       if n in replies and not replies[n].has_error() and METRICS_KEY in replies[n].content.metric_records
-                       and eval_metrics_usable(replies[n].content[METRICS_KEY])]
+            metrics = [
+                replies[n].content[METRICS_KEY]
+                for n in nodes  # in the order asked, not of arrival
+                if n in replies
+                and not replies[n].has_error()
+                and METRICS_KEY in replies[n].content.metric_records
+                and eval_metrics_usable(replies[n].content[METRICS_KEY])
+            ]
             if not metrics:
                 out[key] = {f"{prefix}devices": 0}
                 continue
             keys = [k for k in EVAL_KEYS if all(k in m for m in metrics)]
             weights = np.array([float(m["generated-tokens"]) for m in metrics]) + 1e-9
             sent = [sum(len(v) for v in records[n].values() if isinstance(v, bytes)) for n in nodes]
-            out[key] = {f"{prefix}devices": len(metrics), f"{prefix}downlink-bytes-per-device": float(np.mean(sent)),
-                        **{f"{prefix}{k}": float(np.average([float(m[k]) for m in metrics], weights=weights))
-                           for k in keys}}
+            out[key] = {
+                f"{prefix}devices": len(metrics),
+                f"{prefix}downlink-bytes-per-device": float(np.mean(sent)),
+                **{f"{prefix}{k}": float(np.average([float(m[k]) for m in metrics], weights=weights)) for k in keys},
+            }
         return out

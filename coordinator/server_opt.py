@@ -60,8 +60,9 @@ class ServerOptimizer:
     """One target's server step and its state (``state()`` / the ``state`` argument: flat
     tensors ``<adapter key>/<moment>`` plus ``step``, for safetensors)."""
 
-    def __init__(self, config: ServerOptConfig = ServerOptConfig(),
-                 state: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, config: ServerOptConfig = ServerOptConfig(), state: dict[str, torch.Tensor] | None = None
+    ) -> None:
         config.validate()
         self.config = config
         self._saved = dict(state or {})

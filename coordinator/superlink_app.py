@@ -41,8 +41,24 @@ log = logging.getLogger("omnidraft.coordinator")
 def config_from_run(run_config: dict, root: Path) -> FleetConfig:
     """The ``FleetConfig`` a run config asks for (see the module docstring); ValueError with
     one line for a bad value."""
-    known = {"fleet-dir", "rounds", "fraction", "min-devices", "wait-s", "round-timeout-s", "k", "noise",
-             "aggregation", "clip-norm", "dp-noise", "update-bits", "evaluate", "newcomer-evals", "seed", "secagg"}
+    known = {
+        "fleet-dir",
+        "rounds",
+        "fraction",
+        "min-devices",
+        "wait-s",
+        "round-timeout-s",
+        "k",
+        "noise",
+        "aggregation",
+        "clip-norm",
+        "dp-noise",
+        "update-bits",
+        "evaluate",
+        "newcomer-evals",
+        "seed",
+        "secagg",
+    }
     unknown = sorted(set(run_config) - known)
     if unknown:
         raise ValueError(f"unknown run config key(s): {', '.join(unknown)}")
@@ -57,13 +73,18 @@ def config_from_run(run_config: dict, root: Path) -> FleetConfig:
             evaluate=bool(run_config.get("evaluate", True)),
             newcomer_evals=int(run_config.get("newcomer-evals", 2)),
             seed=int(run_config.get("seed", 0)),
-            aggregation=AggregationConfig(method=str(run_config.get("aggregation", "fedavg")),
-                                          clip_norm=clip if clip > 0 else None,
-                                          dp_noise=float(run_config.get("dp-noise", 0.0)),
-                                          update_bits=int(run_config.get("update-bits", 8))),
-            release=ReleaseConfig(k=int(run_config.get("k", 5)),
-                                  noise_multiplier=float(run_config.get("noise", ReleaseConfig.noise_multiplier))),
-            secagg=SecAggConfig(enabled=bool(run_config.get("secagg", False))))
+            aggregation=AggregationConfig(
+                method=str(run_config.get("aggregation", "fedavg")),
+                clip_norm=clip if clip > 0 else None,
+                dp_noise=float(run_config.get("dp-noise", 0.0)),
+                update_bits=int(run_config.get("update-bits", 8)),
+            ),
+            release=ReleaseConfig(
+                k=int(run_config.get("k", 5)),
+                noise_multiplier=float(run_config.get("noise", ReleaseConfig.noise_multiplier)),
+            ),
+            secagg=SecAggConfig(enabled=bool(run_config.get("secagg", False))),
+        )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad run config: {exc}") from None
     config.validate()
@@ -78,7 +99,9 @@ def main(grid: Grid, context: Context) -> None:
     """Run the requested rounds over the registry in ``fleet-dir``."""
     run_config = dict(context.run_config)
     if not run_config.get("fleet-dir"):
-        raise ValueError("run config: set fleet-dir to the coordinator directory (omnidraft fleet register-target --root)")
+        raise ValueError(
+            "run config: set fleet-dir to the coordinator directory (omnidraft fleet register-target --root)"
+        )
     root = Path(str(run_config["fleet-dir"])).expanduser()
     if not TargetRegistry(root).names():
         raise ValueError(f"run config: {root} has no registered target (omnidraft fleet register-target --root {root})")

@@ -63,19 +63,13 @@ def generate(proto_dir: Path) -> dict[str, bytes]:
 
 def committed(proto_dir: Path) -> dict[str, bytes]:
     """The generated modules currently in proto_dir: {file name: contents}."""
-    return {
-        p.name: p.read_bytes() for p in proto_dir.iterdir() if p.name.endswith(GENERATED_SUFFIXES)
-    }
+    return {p.name: p.read_bytes() for p in proto_dir.iterdir() if p.name.endswith(GENERATED_SUFFIXES)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="only compare with the committed modules"
-    )
-    parser.add_argument(
-        "--proto-dir", type=Path, default=PROTO_DIR, help="default: this script's folder"
-    )
+    parser.add_argument("--check", action="store_true", help="only compare with the committed modules")
+    parser.add_argument("--proto-dir", type=Path, default=PROTO_DIR, help="default: this script's folder")
     args = parser.parse_args(argv)
     proto_dir = args.proto_dir.resolve()
     fresh, old = generate(proto_dir), committed(proto_dir)
@@ -83,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if stale:
             print(
-                f"generate.py: generated modules out of date: {', '.join(stale)} "
-                "(run: python proto/generate.py)",
+                f"generate.py: generated modules out of date: {', '.join(stale)} (run: python proto/generate.py)",
                 file=sys.stderr,
             )
             return 1

@@ -58,15 +58,27 @@ def main() -> None:
     for prompt in load_prompts("humaneval", args.prompts):
         session.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens))
         updates += session.last_update is not None
-    models = {name: {"format": catalog.pulled_format(name) or "directory",
-                     "bytes_on_disk": disk_bytes(catalog.resolve(name, progress=False))}
-              for name in (args.drafter, args.target)}
-    print(json.dumps({
-        "models": models, "disk_mb": sum(m["bytes_on_disk"] for m in models.values()) // 2**20,
-        "target_backend": engine.target_runner.backend if hasattr(engine.target_runner, "backend") else "torch",
-        "load_s": round(load_s, 1), "after_load_mb": after_load,
-        "after_generating_and_learning_mb": memory_mb(), "adapter_updates": updates,
-    }, indent=2))
+    models = {
+        name: {
+            "format": catalog.pulled_format(name) or "directory",
+            "bytes_on_disk": disk_bytes(catalog.resolve(name, progress=False)),
+        }
+        for name in (args.drafter, args.target)
+    }
+    print(
+        json.dumps(
+            {
+                "models": models,
+                "disk_mb": sum(m["bytes_on_disk"] for m in models.values()) // 2**20,
+                "target_backend": engine.target_runner.backend if hasattr(engine.target_runner, "backend") else "torch",
+                "load_s": round(load_s, 1),
+                "after_load_mb": after_load,
+                "after_generating_and_learning_mb": memory_mb(),
+                "adapter_updates": updates,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -83,10 +83,14 @@ def collect(args) -> None:
     devices = []
     t0 = time.perf_counter()
     for d, part in enumerate(parts):
-        samples = [session.generate(corpus.prompts[i], config, learn=True, observe=False).training_sample
-                   for i in part]
-        devices.append({"probe": d >= args.devices, "samples": [s for s in samples if s is not None],
-                        "labels": [corpus.labels[i] for i in part]})
+        samples = [session.generate(corpus.prompts[i], config, learn=True, observe=False).training_sample for i in part]
+        devices.append(
+            {
+                "probe": d >= args.devices,
+                "samples": [s for s in samples if s is not None],
+                "labels": [corpus.labels[i] for i in part],
+            }
+        )
         print(f"{d + 1}/{len(parts)} devices, {time.perf_counter() - t0:.0f} s", flush=True)
     torch.save({"devices": devices, "args": vars(args)}, args.out)
 
@@ -113,9 +117,15 @@ def parse_recipe(text: str) -> tuple[str, dict, ServerOptConfig]:
 
 def local_update(adapters: DrafterAdapters, name: str, inter: Intersection, samples, local: dict) -> dict:
     """Train ``name``'s adapter (already holding the global one) on ``samples``; returns its tensors."""
-    learner = OnlineLearner(adapters, name, inter, None,
-                            OnlineConfig(interval=len(samples), lr=local["lr"], head=False,
-                                         epochs=local["epochs"], optimizer=local["optimizer"]))
+    learner = OnlineLearner(
+        adapters,
+        name,
+        inter,
+        None,
+        OnlineConfig(
+            interval=len(samples), lr=local["lr"], head=False, epochs=local["epochs"], optimizer=local["optimizer"]
+        ),
+    )
     learner.buffer = list(samples)
     learner.update()
     return adapters.state_dict(name)
@@ -129,8 +139,11 @@ def load_samples(path: str) -> dict:
         saved = torch.load(path, weights_only=False)
     except (pickle.UnpicklingError, EOFError, RuntimeError, AttributeError, ImportError):
         raise ValueError(f"{path} is not a fed_sweep collect file") from None
-    if not (isinstance(saved, dict) and isinstance(saved.get("devices"), list)
-            and all(isinstance(d, dict) and {"probe", "samples"} <= d.keys() for d in saved["devices"])):
+    if not (
+        isinstance(saved, dict)
+        and isinstance(saved.get("devices"), list)
+        and all(isinstance(d, dict) and {"probe", "samples"} <= d.keys() for d in saved["devices"])
+    ):
         raise ValueError(f"{path} is not a fed_sweep collect file")
     return saved
 
@@ -180,12 +193,26 @@ def sweep(args) -> None:
                 weights.append(float(sum(s.target_tokens for s in mine)))
             total = sum(weights)
             mean = {k: sum(u[k] * (w / total) for u, w in zip(updates, weights)) for k in glob}
-            glob = {k: torch.from_numpy(v) for k, v in server.step(
-                {k: v.numpy() for k, v in glob.items()}, {k: v.numpy() for k, v in mean.items()}).items()}
+            glob = {
+                k: torch.from_numpy(v)
+                for k, v in server.step(
+                    {k: v.numpy() for k, v in glob.items()}, {k: v.numpy() for k, v in mean.items()}
+                ).items()
+            }
             adapters.load_state_dict("global", glob)
             curve.append({"round": rnd, **score(adapters, "global", heldout)})
-        print(json.dumps({"recipe": name, "local": local, "server": server_config.as_dict(),
-                          "seconds": round(time.perf_counter() - t0, 1), "curve": curve}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "recipe": name,
+                    "local": local,
+                    "server": server_config.as_dict(),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "curve": curve,
+                }
+            ),
+            flush=True,
+        )
 
 
 def _versions(args) -> list[tuple[int, dict[str, torch.Tensor]]]:
@@ -219,7 +246,9 @@ def score_versions(args) -> None:
     adapters.add("global")
     for version, tensors in versions:
         adapters.load_state_dict("global", tensors)
-        print(json.dumps({"version": version, "samples": len(heldout), **score(adapters, "global", heldout)}), flush=True)
+        print(
+            json.dumps({"version": version, "samples": len(heldout), **score(adapters, "global", heldout)}), flush=True
+        )
 
 
 def _heldout_prompts(args) -> list[str]:
@@ -243,8 +272,16 @@ def _heldout_prompts(args) -> list[str]:
 def _decoding_session(args) -> tuple[Engine, DeviceSession]:
     """An engine and a non-learning session with the run's LoRA settings, for fixed-k decoding."""
     engine = Engine.load(DRAFTER, args.target, args.dtype)
-    session = DeviceSession(engine, target_name=args.target, adaptive=False, learn=False, grow_cache=False,
-                            lora=_run_lora(args), translate=args.translate, heal=not args.no_heal)
+    session = DeviceSession(
+        engine,
+        target_name=args.target,
+        adaptive=False,
+        learn=False,
+        grow_cache=False,
+        lora=_run_lora(args),
+        translate=args.translate,
+        heal=not args.no_heal,
+    )
     return engine, session
 
 
@@ -255,8 +292,14 @@ def _decoded(args, session: DeviceSession, prompts: list[str], recordings: list[
 
     t0 = time.perf_counter()
     out = evaluate_fixed_k(session, prompts, _generation(args), args.k, recordings=recordings)
-    return {"prompts": len(prompts), "translate": args.translate, "heal": not args.no_heal,
-            "replayed": recordings is not None, **out, "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "prompts": len(prompts),
+        "translate": args.translate,
+        "heal": not args.no_heal,
+        "replayed": recordings is not None,
+        **out,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def _recordings(args, session: DeviceSession, prompts: list[str]) -> list[list[int]] | None:
@@ -295,18 +338,32 @@ def pooled(args) -> None:
     name = args.target
 
     def report(epoch: int, seconds: float = 0.0) -> None:
-        print(json.dumps({"epoch": epoch, "trained-tokens": epoch * tokens, "train-s": round(seconds, 1),
-                          "teacher-forced": score(session.adapters, name, heldout),
-                          "decoded": _decoded(args, session, prompts, recordings)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "epoch": epoch,
+                    "trained-tokens": epoch * tokens,
+                    "train-s": round(seconds, 1),
+                    "teacher-forced": score(session.adapters, name, heldout),
+                    "decoded": _decoded(args, session, prompts, recordings),
+                }
+            ),
+            flush=True,
+        )
 
     report(0)
-    learner = OnlineLearner(session.adapters, name, Intersection(engine.bridge, engine.drafter.logit_rows), None,
-                            OnlineConfig(interval=args.interval, lr=args.lr, head=False))
+    learner = OnlineLearner(
+        session.adapters,
+        name,
+        Intersection(engine.bridge, engine.drafter.logit_rows),
+        None,
+        OnlineConfig(interval=args.interval, lr=args.lr, head=False),
+    )
     train_s = 0.0
     for epoch in range(1, args.epochs + 1):
         t0 = time.perf_counter()
         for i in range(0, len(train), args.interval):
-            learner.buffer = train[i: i + args.interval]
+            learner.buffer = train[i : i + args.interval]
             learner.update()
         train_s += time.perf_counter() - t0
         report(epoch, train_s)
@@ -385,12 +442,20 @@ def main() -> None:
             v.add_argument("--translate", default="ngram", choices=("ngram", "text"))
             v.add_argument("--no-heal", action="store_true", help="draft without token healing")
             v.add_argument("--max-new-tokens", type=int, default=32)
-            v.add_argument("--replay", action="store_true",
-                           help="run the target once per prompt and replay its greedy output for every "
-                                "adapter (the same acceptance, at the drafter's cost)")
+            v.add_argument(
+                "--replay",
+                action="store_true",
+                help="run the target once per prompt and replay its greedy output for every "
+                "adapter (the same acceptance, at the drafter's cost)",
+            )
     args = p.parse_args()
-    commands = {"collect": collect, "sweep": sweep, "score": score_versions, "decode": decode_versions,
-                "pooled": pooled}
+    commands = {
+        "collect": collect,
+        "sweep": sweep,
+        "score": score_versions,
+        "decode": decode_versions,
+        "pooled": pooled,
+    }
     try:
         commands[args.command](args)
     except (CatalogError, OSError, ValueError, RuntimeError) as exc:  # a missing samples file, an unknown target

@@ -39,18 +39,26 @@ def main() -> None:
     corpus = load_corpus("codebases")
     prompts = random.Random(args.seed).sample(corpus.prompts, args.samples)
     engine = Engine.load("smollm2-135m", "qwen2.5-coder-1.5b", "int8")
-    decoder = DeviceSession(engine, target_name="qwen2.5-coder-1.5b", online=OnlineConfig(interval=10 ** 9))
+    decoder = DeviceSession(engine, target_name="qwen2.5-coder-1.5b", online=OnlineConfig(interval=10**9))
     samples = [decoder.generate(p, GenerationConfig(max_new_tokens=48), observe=False).training_sample for p in prompts]
     torch.manual_seed(args.seed)
     session = DeviceSession(engine, target_name="bench", online=OnlineConfig(interval=args.interval, lr=args.lr))
     seconds = []
     for i in range(0, len(samples) - args.interval + 1, args.interval):
-        session.learner.buffer = list(samples[i:i + args.interval])
+        session.learner.buffer = list(samples[i : i + args.interval])
         seconds.append(round(session.learner.update().seconds, 2))
     state = session.adapters.state_dict("bench")
     digest = hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
-    print(json.dumps({"update_s": seconds, "drafter_tokens": [len(s.draft_ids) for s in samples],
-                      "adapter_sha256": digest[:16], "threads": args.threads}))
+    print(
+        json.dumps(
+            {
+                "update_s": seconds,
+                "drafter_tokens": [len(s.draft_ids) for s in samples],
+                "adapter_sha256": digest[:16],
+                "threads": args.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -74,19 +74,29 @@ class VariantLearner(OnlineLearner):
             ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
             if self.variant == "span":
                 mask = torch.zeros(len(s.draft_ids), dtype=torch.bool)
-                mask[s.seq_start:] = True
+                mask[s.seq_start :] = True
                 mask[s.dm_pos] = False
                 mask[s.ng_pos] = False
                 straddle = mask.nonzero()[:, 0]
                 st_logits = lm_head(hidden.index_select(0, straddle - 1)).float()
         if self.variant == "span":
-            loss, parts = hybrid_loss(dm_logits, self.inter.draft_ids, s.dm_top_idx, s.dm_top_logp,
-                                      s.dm_inter_logmass, ng_logits, s.ng_ids, s.ng_logp_t, self.config.loss)
+            loss, parts = hybrid_loss(
+                dm_logits,
+                self.inter.draft_ids,
+                s.dm_top_idx,
+                s.dm_top_logp,
+                s.dm_inter_logmass,
+                ng_logits,
+                s.ng_ids,
+                s.ng_logp_t,
+                self.config.loss,
+            )
             nll = ngram_nll(st_logits, ids[0, straddle])
             n = s.loss_positions
             return (loss * n + nll.sum()) / (n + nll.numel()), parts, None, None
-        logq = coarse_log_probs(torch.log_softmax(dm_logits.index_select(1, self.inter.draft_ids), -1)
-                                .gather(1, s.dm_top_idx))
+        logq = coarse_log_probs(
+            torch.log_softmax(dm_logits.index_select(1, self.inter.draft_ids), -1).gather(1, s.dm_top_idx)
+        )
         logp = coarse_log_probs(s.dm_top_logp - s.dm_inter_logmass[:, None])
         kl = (logp.exp() * (logp - logq)).sum(-1)
         nll = ngram_nll(ng_logits, s.ng_ids)
@@ -100,10 +110,13 @@ def agreement(adapters: DrafterAdapters, name: str, samples) -> dict:
 
 def parse_variant(name: str) -> tuple[str, LossConfig, float]:
     base, _, lr = name.partition("-lr")
-    kinds = {"seq": ("", LossConfig(kind="seq")), "hybrid": ("", LossConfig(kind="hybrid")),
-             "hybrid-lam1": ("", LossConfig(kind="hybrid", lam=1.0)),
-             "hybrid-span": ("span", LossConfig(kind="hybrid", lam=1.0)),
-             "hybrid-fkl": ("fkl", LossConfig(kind="hybrid"))}
+    kinds = {
+        "seq": ("", LossConfig(kind="seq")),
+        "hybrid": ("", LossConfig(kind="hybrid")),
+        "hybrid-lam1": ("", LossConfig(kind="hybrid", lam=1.0)),
+        "hybrid-span": ("span", LossConfig(kind="hybrid", lam=1.0)),
+        "hybrid-fkl": ("fkl", LossConfig(kind="hybrid")),
+    }
     if base not in kinds:
         raise SystemExit(f"loss_sweep: unknown variant {name!r}")
     variant, loss = kinds[base]
@@ -118,7 +131,7 @@ def sweep(args) -> None:
     torch.manual_seed(0)
     samples = torch.load(args.samples, weights_only=False)  # before the models: a bad path fails fast
     engine = Engine.load(DRAFTER, args.target, args.dtype)
-    train, test = samples[:args.train], samples[args.train:]
+    train, test = samples[: args.train], samples[args.train :]
     inter = Intersection(engine.bridge, engine.drafter.logit_rows)
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=32), drafter_weights=engine.drafter_weights)
     for i, name in enumerate(names):
@@ -126,8 +139,7 @@ def sweep(args) -> None:
         row = {"variant": name}
         if name != "base":
             variant, loss, lr = parse_variant(name)
-            learner = VariantLearner(adapters, f"v{i}", inter, None,
-                                     OnlineConfig(lr=lr, loss=loss, head=False))
+            learner = VariantLearner(adapters, f"v{i}", inter, None, OnlineConfig(lr=lr, loss=loss, head=False))
             learner.variant = variant
             t0 = time.perf_counter()
             for s in train:
@@ -151,7 +163,9 @@ def main() -> None:
     s = sub.add_parser("sweep")
     s.add_argument("--target", required=True)
     s.add_argument("--samples", required=True)
-    s.add_argument("--train", type=int, default=131, help="samples in the training stream (default: 80 %% of HumanEval)")
+    s.add_argument(
+        "--train", type=int, default=131, help="samples in the training stream (default: 80 %% of HumanEval)"
+    )
     s.add_argument("--variants", default="base,seq,hybrid")
     s.add_argument("--dtype", default="int8")
     args = p.parse_args()

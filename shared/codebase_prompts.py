@@ -43,7 +43,7 @@ def _import_block(tree: ast.Module, lines: list[str]) -> str:
     out, size = [], 0
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            text = "\n".join(lines[node.lineno - 1: node.end_lineno])
+            text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
             if size + len(text) + 1 > MAX_IMPORT_CHARS:
                 break
             out.append(text)
@@ -55,14 +55,15 @@ def _head(node, lines: list[str]) -> str | None:
     """A function's decorators, signature and docstring as written (newline-terminated), or
     None when its body is too short or its head too long."""
     first = node.body[0]
-    has_doc = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-               and isinstance(first.value.value, str))
+    has_doc = (
+        isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+    )
     body = node.body[1:] if has_doc else node.body
     if not body or node.end_lineno - body[0].lineno + 1 < MIN_BODY_LINES:
         return None
     start = min([d.lineno for d in node.decorator_list] + [node.lineno])
     end = first.end_lineno if has_doc else body[0].lineno - 1
-    head = "\n".join(lines[start - 1: end]) + "\n"
+    head = "\n".join(lines[start - 1 : end]) + "\n"
     return head if len(head) <= MAX_HEAD_CHARS else None
 
 
@@ -78,7 +79,7 @@ def _function_heads(tree: ast.Module, lines: list[str]):
                 yield node.lineno, head
         elif isinstance(node, ast.ClassDef) and node.body:
             start = min([d.lineno for d in node.decorator_list] + [node.lineno])
-            header = "\n".join(lines[start - 1: node.body[0].lineno - 1]).rstrip() + "\n"
+            header = "\n".join(lines[start - 1 : node.body[0].lineno - 1]).rstrip() + "\n"
             for item in node.body:
                 if isinstance(item, functions):
                     head = _head(item, lines)

@@ -33,9 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from omnidraft.shared.draft_context import DraftContext, common_prefix_len, text_encoder
-from omnidraft.shared.draft_policy import DRAFTER, LOOKUP, PLAIN, ThroughputRule
+from omnidraft.shared.draft_policy import DRAFTER, LOOKUP, ThroughputRule
 from omnidraft.shared.generation import (
-    GenerationConfig, GenerationResult, GenerationStats, StopChecker,
+    GenerationConfig,
+    GenerationResult,
+    GenerationStats,
+    StopChecker,
 )
 from omnidraft.shared.lookup_drafts import LookupDrafter
 from omnidraft.shared.model_runner import ModelRunner
@@ -69,8 +72,9 @@ def _decode_bytes(token_bytes, ids: list[int]) -> str:
 class _TargetSide:
     """Target runner plus the masking and token selection both decoders share."""
 
-    def __init__(self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge,
-                 timings: StepTimings | None = None) -> None:
+    def __init__(
+        self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge, timings: StepTimings | None = None
+    ) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
         self.runner = ModelRunner(target) if isinstance(target, torch.nn.Module) else target
         self.invalid = bridge.target_invalid_mask
@@ -111,8 +115,9 @@ class _TargetSide:
 class TargetOnlyDecoder:
     """Plain autoregressive decoding with the target: one forward pass per token."""
 
-    def __init__(self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge,
-                 timings: StepTimings | None = None) -> None:
+    def __init__(
+        self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge, timings: StepTimings | None = None
+    ) -> None:
         self.side = _TargetSide(target, bridge, timings)
 
     @torch.inference_mode()
@@ -191,8 +196,15 @@ class CrossVocabDecoder:
         return self.rule
 
     # -- drafting --------------------------------------------------------------------------
-    def _draft(self, context_ids: list[int], fed: list[int], config: GenerationConfig,
-               stats: GenerationStats, rule: ThroughputRule | None, heal: bool) -> tuple[Draft, list[int]]:
+    def _draft(
+        self,
+        context_ids: list[int],
+        fed: list[int],
+        config: GenerationConfig,
+        stats: GenerationStats,
+        rule: ThroughputRule | None,
+        heal: bool,
+    ) -> tuple[Draft, list[int]]:
         """Propose up to ``k_max`` drafter tokens after ``context_ids`` (healing tokens aside).
 
         ``fed`` lists the ids whose keys/values sit in the drafter KV cache; ``heal``: whether
@@ -265,8 +277,15 @@ class CrossVocabDecoder:
 
     # -- the loop --------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompt_text: str, prompt_ids: list[int], config: GenerationConfig,
-                 recorder=None, on_tokens=None, remember: bool = True) -> GenerationResult:
+    def generate(
+        self,
+        prompt_text: str,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        recorder=None,
+        on_tokens=None,
+        remember: bool = True,
+    ) -> GenerationResult:
         """Generate a continuation of ``prompt_text`` (tokenized for the target as ``prompt_ids``).
 
         With a ``recorder`` (``training_signal.SignalRecorder``) the verification rows of every
@@ -321,20 +340,23 @@ class CrossVocabDecoder:
                     accepted += 1
                 nxt = best[accepted]
             else:
-                accepted, nxt = verify_sampled(
-                    warp(logits, config.temperature, config.top_p), proposal, generator)
+                accepted, nxt = verify_sampled(warp(logits, config.temperature, config.top_p), proposal, generator)
             stats.proposed_tokens += len(proposal)
             stats.accepted_tokens += accepted
             if rule is not None:  # (a plain or model-free round's cost does not read the draft)
                 modelled_ms += rule.round_ms(kind, len(proposal), len(draft.ids), draft.refeed)
             if kind == DRAFTER:
                 if rule is not None:
-                    rule.observe(self._accepted_drafts(draft, proposal[:accepted]), len(draft.ids) - draft.healing,
-                                 len(proposal), accepted + 1)
+                    rule.observe(
+                        self._accepted_drafts(draft, proposal[:accepted]),
+                        len(draft.ids) - draft.healing,
+                        len(proposal),
+                        accepted + 1,
+                    )
                 for unit in units[:accepted]:
                     if unit.ngram:
                         stats.ngram_hits += 1
-                        self.cache.record_hit(draft.ids[unit.draft_start: unit.draft_start + unit.draft_len])
+                        self.cache.record_hit(draft.ids[unit.draft_start : unit.draft_start + unit.draft_len])
             elif kind == LOOKUP:
                 rule.observe_lookup(found.source, found.match, len(proposal), accepted)
                 stats.lookup_proposed += len(proposal)

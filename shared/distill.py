@@ -68,8 +68,13 @@ def coarse_log_probs(top: torch.Tensor) -> torch.Tensor:
     return torch.cat([top, rest], dim=-1)
 
 
-def dm_reverse_kl(draft_logits: torch.Tensor, inter_draft_ids: torch.Tensor, top_idx: torch.Tensor,
-                  top_logp: torch.Tensor, inter_logmass: torch.Tensor) -> torch.Tensor:
+def dm_reverse_kl(
+    draft_logits: torch.Tensor,
+    inter_draft_ids: torch.Tensor,
+    top_idx: torch.Tensor,
+    top_logp: torch.Tensor,
+    inter_logmass: torch.Tensor,
+) -> torch.Tensor:
     """Per-position ``KL(q'_theta || p)`` ``[n]`` on the coarsened intersection.
 
     ``draft_logits`` [n, drafter vocab]: the drafter's logits predicting each DM token;
@@ -98,10 +103,17 @@ def sequence_nll(draft_logits: torch.Tensor, next_ids: torch.Tensor) -> tuple[to
     return loss, {"seq_nll": float(loss.detach()), "seq_terms": int(nll.numel()), "loss": float(loss.detach())}
 
 
-def hybrid_loss(dm_logits: torch.Tensor, inter_draft_ids: torch.Tensor, top_idx: torch.Tensor,
-                top_logp: torch.Tensor, inter_logmass: torch.Tensor, ng_logits: torch.Tensor,
-                ng_ids: torch.Tensor, ng_logp_t: torch.Tensor,
-                config: LossConfig = LossConfig()) -> tuple[torch.Tensor, dict[str, float]]:
+def hybrid_loss(
+    dm_logits: torch.Tensor,
+    inter_draft_ids: torch.Tensor,
+    top_idx: torch.Tensor,
+    top_logp: torch.Tensor,
+    inter_logmass: torch.Tensor,
+    ng_logits: torch.Tensor,
+    ng_ids: torch.Tensor,
+    ng_logp_t: torch.Tensor,
+    config: LossConfig = LossConfig(),
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``(loss, parts)``: the mean over loss terms of ``KL_DM`` and ``lambda * NLL_ngram``.
 
     ``parts`` reports ``dm_kl`` and ``ngram_nll`` (means of each term) and the term counts.
@@ -125,7 +137,9 @@ def hybrid_loss(dm_logits: torch.Tensor, inter_draft_ids: torch.Tensor, top_idx:
 
 
 @torch.no_grad()
-def teacher_forced_agreement(decoder: torch.nn.Module, lm_head: torch.nn.Module, samples, k: int = 4) -> dict[str, float]:
+def teacher_forced_agreement(
+    decoder: torch.nn.Module, lm_head: torch.nn.Module, samples, k: int = 4
+) -> dict[str, float]:
     """How well the drafter (``decoder`` + ``lm_head``, adapter applied) predicts the target's
     committed responses in ``samples`` (``TrainingSample``), teacher-forced, without decoding:
 
@@ -147,7 +161,7 @@ def teacher_forced_agreement(decoder: torch.nn.Module, lm_head: torch.nn.Module,
     for s in samples:
         ids = torch.tensor([s.draft_ids])
         hidden = decoder(input_ids=ids).last_hidden_state[0]
-        ok = lm_head(hidden[s.seq_start - 1:-1]).argmax(-1) == ids[0, s.seq_start:]
+        ok = lm_head(hidden[s.seq_start - 1 : -1]).argmax(-1) == ids[0, s.seq_start :]
         hits, total = hits + int(ok.sum()), total + ok.numel()
         run, run_from = 0, []  # run of hits starting at each position, from the end
         for hit in reversed(ok.tolist()):
@@ -163,5 +177,9 @@ def teacher_forced_agreement(decoder: torch.nn.Module, lm_head: torch.nn.Module,
         dm = lm_head(hidden.index_select(0, s.dm_pos - 1)).argmax(-1)
         dm_hits += int((dm == ids[0, s.dm_pos]).sum())
         dm_total += s.dm_pos.numel()
-    return {"top1": hits / max(1, total), f"k{k}": runs / max(1, total),
-            f"rounds_k{k}": accepted / max(1, proposed), "dm_top1": dm_hits / max(1, dm_total)}
+    return {
+        "top1": hits / max(1, total),
+        f"k{k}": runs / max(1, total),
+        f"rounds_k{k}": accepted / max(1, proposed),
+        "dm_top1": dm_hits / max(1, dm_total),
+    }

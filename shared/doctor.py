@@ -16,14 +16,21 @@ import torch
 
 from omnidraft.shared import catalog
 from omnidraft.shared.fast_drafter import (
-    FALLBACK_COST, NATIVE_MACHINES, cpu_flags, cpu_has_native_bf16, cpu_machine, default_native_isa, native_error,
+    FALLBACK_COST,
+    NATIVE_MACHINES,
+    cpu_flags,
+    cpu_has_native_bf16,
+    cpu_machine,
+    default_native_isa,
+    native_error,
 )
 from omnidraft.shared.profiling import cpu_name
 
 # the CPU features the kernels and torch's paths use, by machine
-FEATURES = {"x86_64": ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
-                       "amx_bf16"),
-            "aarch64": ("asimd", "asimddp")}
+FEATURES = {
+    "x86_64": ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"),
+    "aarch64": ("asimd", "asimddp"),
+}
 
 
 def diagnose() -> dict:
@@ -49,12 +56,18 @@ def diagnose() -> dict:
     if machine == "x86_64" and not bf16:
         missing.append("no native bf16 (AVX512-BF16/AMX): training runs in float32, about 2x slower")
     if not models:
-        missing.append("no catalog model on disk yet: the first run downloads and converts them "
-                       "(omnidraft models pull NAME)")
+        missing.append(
+            "no catalog model on disk yet: the first run downloads and converts them (omnidraft models pull NAME)"
+        )
     return {
-        "machine": {"cpu": cpu_name(), "arch": machine, "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "threads": torch.get_num_threads()},
+        "machine": {
+            "cpu": cpu_name(),
+            "arch": machine,
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
+        },
         "cpu_features": {f: f in flags for f in FEATURES.get(machine, ())},
         "native_kernels": isas,
         "int8_backend": f"native-{default}" if usable else "fbgemm (no native kernels)",
@@ -70,17 +83,21 @@ def diagnose() -> dict:
 def format_report(report: dict) -> str:
     """``diagnose()`` as lines for a terminal."""
     m = report["machine"]
-    lines = [f"machine   {m['cpu']} ({m['arch']}, {m['cpus']} CPUs), torch {m['torch']} "
-             f"({m['torch_cpu_capability']}, {m['threads']} threads)",
-             "features  " + " ".join(f if on else f"-{f}" for f, on in report["cpu_features"].items()),
-             "kernels   " + "; ".join(f"{isa}: {state}" for isa, state in report["native_kernels"].items()),
-             f"int8      {report['int8_backend']}; native bf16: {'yes' if report['native_bf16'] else 'no'}",
-             f"home      {report['home']}"]
+    lines = [
+        f"machine   {m['cpu']} ({m['arch']}, {m['cpus']} CPUs), torch {m['torch']} "
+        f"({m['torch_cpu_capability']}, {m['threads']} threads)",
+        "features  " + " ".join(f if on else f"-{f}" for f, on in report["cpu_features"].items()),
+        "kernels   " + "; ".join(f"{isa}: {state}" for isa, state in report["native_kernels"].items()),
+        f"int8      {report['int8_backend']}; native bf16: {'yes' if report['native_bf16'] else 'no'}",
+        f"home      {report['home']}",
+    ]
     models = report["models_bytes"]
     formats = report.get("models_format", {})
-    lines.append("models    " + (", ".join(f"{n} {b / 1e9:.2f} GB ({formats.get(n, '?')})" for n, b in models.items())
-                                 if models else "none")
-                 + (f" ({sum(models.values()) / 1e9:.2f} GB in all)" if models else ""))
+    lines.append(
+        "models    "
+        + (", ".join(f"{n} {b / 1e9:.2f} GB ({formats.get(n, '?')})" for n, b in models.items()) if models else "none")
+        + (f" ({sum(models.values()) / 1e9:.2f} GB in all)" if models else "")
+    )
     lines.append(f"profiles  {report['profiles']} cached")
     lines += [f"missing   {line}" for line in report["missing"]] or ["missing   nothing"]
     return "\n".join(lines)

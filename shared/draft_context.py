@@ -28,15 +28,14 @@ from __future__ import annotations
 import codecs
 import re
 from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from itertools import accumulate
-from typing import Callable, Sequence
 
 __all__ = ["DraftContext", "common_prefix_len", "text_encoder"]
 
 # Unicode White_Space (what \s matches in the pre-tokenizer regex).
 _WHITESPACE = frozenset(
-    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
-    + "".join(chr(c) for c in range(0x2000, 0x200B))
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(chr(c) for c in range(0x2000, 0x200B))
 )
 _ASCII_WS = frozenset(b"\t\n\x0b\x0c\r ")
 _SPACE = 0x20
@@ -55,8 +54,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 def text_encoder(tokenizer) -> Callable[[str], list[int]]:
     """``encode`` for ``DraftContext``: the drafter tokenizer without special tokens added, and
     with special-token strings in the text encoded as plain text (committed text is text)."""
+
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
     return encode
 
 
@@ -93,7 +94,7 @@ def _is_ws_at(text: bytes | bytearray, pos: int) -> bool:
     lead = text[pos]
     if lead < 0x80:
         return lead in _ASCII_WS
-    return bytes(text[pos:pos + _char_len(lead)]).decode("utf-8", "replace") in _WHITESPACE
+    return bytes(text[pos : pos + _char_len(lead)]).decode("utf-8", "replace") in _WHITESPACE
 
 
 def _is_safe(text: bytearray, p: int, known: int) -> bool:
@@ -142,7 +143,9 @@ class DraftContext:
         self._dropped = _dropped_bytes(draft_bytes)
         self._dropped_re = (
             re.compile(b"[" + b"".join(re.escape(bytes([x])) for x in sorted(self._dropped)) + b"]")
-            if self._dropped else None)
+            if self._dropped
+            else None
+        )
         self._window = max(1, int(window_tokens))
         self._verify = verify
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -207,7 +210,8 @@ class DraftContext:
             if table[t] is None:
                 raise ValueError(
                     f"drafter encode produced special id {t}: encode text with special-token "
-                    "strings split (see text_encoder)")
+                    "strings split (see text_encoder)"
+                )
         if self._dropped_re is None or not self._dropped_re.search(self._text, start):
             ends = list(accumulate((len(table[t]) for t in new_ids), initial=start))[1:]
             end = ends[-1] if ends else start
@@ -271,7 +275,7 @@ class DraftContext:
                 continue
             hit = self.span(a, z)
             if hit is not None and hit[1] > hit[0]:
-                ids = tuple(self.ids[hit[0]:hit[1] + 1])
+                ids = tuple(self.ids[hit[0] : hit[1] + 1])
                 if self._dropped_re is None or b"".join(self._draft_bytes[t] for t in ids) == b:
                     out.append((i, ids))
         return out

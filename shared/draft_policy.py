@@ -80,8 +80,7 @@ class AcceptanceTable:
         self.seen = [0.0] * len(prior)
 
     def rate(self, bucket: int) -> float:
-        return ((self.weight * self.prior[bucket] + self.accepted[bucket])
-                / (self.weight + self.seen[bucket]))
+        return (self.weight * self.prior[bucket] + self.accepted[bucket]) / (self.weight + self.seen[bucket])
 
     def count(self, bucket: int, accepted: bool) -> None:
         if self.seen[bucket] >= MAX_EVIDENCE:
@@ -129,16 +128,16 @@ class ThroughputRule:
         self._max_block = max_block
         self.use_profile(profile)
         # per-token acceptance of drafted tokens, by the drafter's confidence or the head's output
-        self.tables = {"confidence": AcceptanceTable(_confidence_prior()),
-                       "head": AcceptanceTable(_confidence_prior())}
+        self.tables = {"confidence": AcceptanceTable(_confidence_prior()), "head": AcceptanceTable(_confidence_prior())}
         # acceptance of the token drafted after one in each bucket (from the same prior: until
         # counted, the next token is expected like the current one)
         self.next_tables = {name: AcceptanceTable(_confidence_prior()) for name in self.tables}
         # each feature's decayed squared error of its calibrated predictions, and its weight
         self.scores = {name: [0.0, 0.0] for name in self.tables}
         # model-free drafts: per source, by match length (1..LOOKUP_MATCH_MAX); flat prior 0.5
-        self.lookup = {source: AcceptanceTable([0.5] * LOOKUP_MATCH_MAX, weight=2.0)
-                       for source in ("context", "history")}
+        self.lookup = {
+            source: AcceptanceTable([0.5] * LOOKUP_MATCH_MAX, weight=2.0) for source in ("context", "history")
+        }
         self.target_per_draft = 1.0  # r: target tokens per drafter token (measured)
         self._drafted = 0.0
         self._proposed = 0.0
@@ -174,8 +173,12 @@ class ThroughputRule:
         a drafter round also pays its fixed work, feeding the drafter ``refeed`` committed tokens
         and ``drafted`` drafter steps; a plain or model-free round its fixed work."""
         if kind == DRAFTER:
-            return (self.overhead_ms + self.profile.drafter_block_cost(refeed) + drafted * self.drafter_ms
-                    + self._target_ms(1 + proposed))
+            return (
+                self.overhead_ms
+                + self.profile.drafter_block_cost(refeed)
+                + drafted * self.drafter_ms
+                + self._target_ms(1 + proposed)
+            )
         return self.step_overhead_ms + self._target_ms(1 + proposed)
 
     def target_step_ms(self) -> float:
@@ -309,13 +312,16 @@ class ThroughputRule:
     # -- persistence and reports -------------------------------------------------------------------
     def calibration(self) -> dict:
         """What this rule learned, to persist with a device's state (JSON-able)."""
-        return {"version": CALIBRATION_VERSION,
-                "tables": {k: t.to_dict() for k, t in self.tables.items()},
-                "next_tables": {k: t.to_dict() for k, t in self.next_tables.items()},
-                "scores": {k: list(v) for k, v in self.scores.items()},
-                "lookup": {k: t.to_dict() for k, t in self.lookup.items()},
-                "drafted": self._drafted, "proposed": self._proposed,
-                "rate": [self._rate_tokens, self._rate_ms]}
+        return {
+            "version": CALIBRATION_VERSION,
+            "tables": {k: t.to_dict() for k, t in self.tables.items()},
+            "next_tables": {k: t.to_dict() for k, t in self.next_tables.items()},
+            "scores": {k: list(v) for k, v in self.scores.items()},
+            "lookup": {k: t.to_dict() for k, t in self.lookup.items()},
+            "drafted": self._drafted,
+            "proposed": self._proposed,
+            "rate": [self._rate_tokens, self._rate_ms],
+        }
 
     def load_calibration(self, saved: dict) -> None:
         """Restore :meth:`calibration`; raises ValueError when it does not fit."""
@@ -346,19 +352,25 @@ class ThroughputRule:
 
     def state(self) -> dict:
         """The calibration as rounded numbers (for reports)."""
+
         def rates(t: AcceptanceTable) -> list[float]:
             return [round(t.rate(b), 4) for b in range(len(t.prior))]
+
         rate = self.drafter_rate()
-        return {"acceptance_by_confidence": rates(self.tables["confidence"]),
-                "acceptance_by_head": rates(self.tables["head"]),
-                "next_acceptance_by_confidence": rates(self.next_tables["confidence"]),
-                "next_acceptance_by_head": rates(self.next_tables["head"]),
-                "squared_error": {k: round(e / n, 4) if n else None for k, (e, n) in self.scores.items()},
-                "feature_in_use": self.feature_in_use(),
-                "lookup_acceptance_by_match": {k: rates(t) for k, t in self.lookup.items()},
-                "observations": {k: round(t.observations()) for k, t in {**self.tables, **{
-                    f"lookup-{s}": t for s, t in self.lookup.items()}}.items()},
-                "target_per_draft": round(self.target_per_draft, 4),
-                "drafter_tokens_per_s": round(rate * 1000, 2),
-                "target_alone_tokens_per_s": round(self.plain_rate() * 1000, 2),
-                "rounds": dict(self.rounds)}
+        return {
+            "acceptance_by_confidence": rates(self.tables["confidence"]),
+            "acceptance_by_head": rates(self.tables["head"]),
+            "next_acceptance_by_confidence": rates(self.next_tables["confidence"]),
+            "next_acceptance_by_head": rates(self.next_tables["head"]),
+            "squared_error": {k: round(e / n, 4) if n else None for k, (e, n) in self.scores.items()},
+            "feature_in_use": self.feature_in_use(),
+            "lookup_acceptance_by_match": {k: rates(t) for k, t in self.lookup.items()},
+            "observations": {
+                k: round(t.observations())
+                for k, t in {**self.tables, **{f"lookup-{s}": t for s, t in self.lookup.items()}}.items()
+            },
+            "target_per_draft": round(self.target_per_draft, 4),
+            "drafter_tokens_per_s": round(rate * 1000, 2),
+            "target_alone_tokens_per_s": round(self.plain_rate() * 1000, 2),
+            "rounds": dict(self.rounds),
+        }

@@ -10,7 +10,7 @@ the forwards it times while decoding check that profile (``check_profile``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -18,23 +18,29 @@ import torch
 from omnidraft.shared import catalog, model_runner, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.draft_policy import ThroughputRule
-from omnidraft.shared.precision import (
-    build_drafter_runner, build_target_runner, load_dtype, precision_name, quantize_linear_int8, runner_backend,
-)
-from omnidraft.shared.lookup_drafts import LookupDrafter
-from omnidraft.shared.profiling import CostProfile, StepTimings
-from omnidraft.shared.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.fast_drafter import FastLlamaRunner
+from omnidraft.shared.generation import GenerationConfig, GenerationResult
+from omnidraft.shared.lookup_drafts import LookupDrafter
 from omnidraft.shared.model_runner import LoadedModel, ModelRunner
 from omnidraft.shared.ngram_cache import NgramCache, seed_from_tokenizers
+from omnidraft.shared.precision import (
+    build_drafter_runner,
+    build_target_runner,
+    load_dtype,
+    precision_name,
+    quantize_linear_int8,
+    runner_backend,
+)
+from omnidraft.shared.profiling import CostProfile, StepTimings
 from omnidraft.shared.recordings import RecordingStore
 from omnidraft.shared.vocab_bridge import VocabBridge
 
-
 DRAFTER_WEIGHTS = ("int8", "bf16", "fp32", "hf")
 # what the per-round overhead is measured on: ordinary code, decoded for OVERHEAD_TOKENS tokens
-OVERHEAD_PROMPT = ('import os\n\n\ndef list_files(root: str, suffix: str) -> list[str]:\n'
-                   '    """Return the paths under root that end with suffix, sorted."""\n')
+OVERHEAD_PROMPT = (
+    "import os\n\n\ndef list_files(root: str, suffix: str) -> list[str]:\n"
+    '    """Return the paths under root that end with suffix, sorted."""\n'
+)
 OVERHEAD_TOKENS = 48
 
 
@@ -43,7 +49,8 @@ def seed_cache_from_bridge(cache: NgramCache, bridge: VocabBridge, drafter_token
     tokenized by the drafter alone); returns the entries created."""
     tok = drafter_tokenizer
     return seed_from_tokenizers(
-        cache, bridge.target_bytes[: bridge.target_vocab_size],
+        cache,
+        bridge.target_bytes[: bridge.target_vocab_size],
         lambda text: tok.encode(text, add_special_tokens=False),
         frozenset(t for t in bridge.d2t if t >= 0),
         encode_draft_batch=lambda texts: tok(texts, add_special_tokens=False)["input_ids"],
@@ -73,10 +80,18 @@ class Engine:
     _hf_target: torch.nn.Module | None = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, drafter: str, target: str, precision: str | torch.dtype = "fp32", *,
-             drafter_weights: str = "int8", cache: NgramCache | None = None,
-             seed_cache: bool = False, progress: bool = True,
-             drafter_model: LoadedModel | None = None) -> "Engine":
+    def load(
+        cls,
+        drafter: str,
+        target: str,
+        precision: str | torch.dtype = "fp32",
+        *,
+        drafter_weights: str = "int8",
+        cache: NgramCache | None = None,
+        seed_cache: bool = False,
+        progress: bool = True,
+        drafter_model: LoadedModel | None = None,
+    ) -> Engine:
         """Load a pair. ``precision`` is the target's (``auto``/``fp32``/``bf16``/``int8`` or a
         torch float dtype); ``drafter_weights`` picks the drafter's kernels (``int8``/``bf16``/
         ``fp32`` through ``FastLlamaRunner`` for Llama-architecture drafters, ``hf`` for the plain
@@ -92,13 +107,23 @@ class Engine:
         if precision == "auto":
             precision, _ = profiling.choose_precision(target, progress=progress)
         fast = drafter_weights != "hf"  # the fast runners pack from float32 weights
-        d = drafter_model or model_runner.load(drafter, torch.float32 if fast else load_dtype(precision),
-                                               progress=progress)
+        d = drafter_model or model_runner.load(
+            drafter, torch.float32 if fast else load_dtype(precision), progress=progress
+        )
         # an int8 target kept as GGUF is packed from it layer by layer (no float copy in memory)
         t = model_runner.load(target, load_dtype(precision), progress=progress, stream=precision == "int8")
         bridge = VocabBridge.from_tokenizers(d.tokenizer, t.tokenizer, d.logit_rows, t.logit_rows)
-        engine = cls(d, t, bridge, cache if cache is not None else NgramCache(),
-                     build_expand_map(bridge, t.tokenizer), drafter, target, drafter_weights, precision)
+        engine = cls(
+            d,
+            t,
+            bridge,
+            cache if cache is not None else NgramCache(),
+            build_expand_map(bridge, t.tokenizer),
+            drafter,
+            target,
+            drafter_weights,
+            precision,
+        )
         engine.target_runner  # noqa: B018  (quantize / pack the target now, not in the first request)
         engine._release_float_target()
         if seed_cache:
@@ -130,7 +155,9 @@ class Engine:
         model = self.target.model
         if model.device.type == "meta":  # freed once packed (_release_float_target): load a float copy for transformers
             if self._hf_target is None:
-                self._hf_target = model_runner.load(str(self.target.path), load_dtype(self.precision), progress=False).model
+                self._hf_target = model_runner.load(
+                    str(self.target.path), load_dtype(self.precision), progress=False
+                ).model
             model = self._hf_target
         if self.precision == "int8":
             return quantize_linear_int8(model)
@@ -143,22 +170,32 @@ class Engine:
         is merged into its runner's weights, so one drafter cost holds for every adapter."""
         runner = drafter_runner if drafter_runner is not None else (self._profiled_drafter or self.drafter_runner)
         if self._profile is None or refresh:
-            target_ms = profiling.target_costs(self.target_runner, self.target.path, self.precision,
-                                               runner_backend(self.target_runner), refresh=refresh)
+            target_ms = profiling.target_costs(
+                self.target_runner,
+                self.target.path,
+                self.precision,
+                runner_backend(self.target_runner),
+                refresh=refresh,
+            )
             drafter_ms = profiling.drafter_cost(runner, self.drafter.path, runner_backend(runner), refresh=refresh)
             profile = CostProfile(target_ms, drafter_ms[1], drafter_ms)
-            overhead = profiling.cached(self._overhead_key(runner),
-                                        lambda: self._measure_overheads(runner, profile), refresh)
+            overhead = profiling.cached(
+                self._overhead_key(runner), lambda: self._measure_overheads(runner, profile), refresh
+            )
             profile.round_overhead_ms = float(overhead["round_ms"])
             profile.step_overhead_ms = float(overhead["step_ms"])
             self._profile, self._profiled_drafter = profile, runner
         return self._profile
 
     def _overhead_key(self, runner) -> dict:
-        return {"role": "round-overhead", "drafter": profiling.model_fingerprint(self.drafter.path),
-                "target": profiling.model_fingerprint(self.target.path), "precision": self.precision,
-                "backends": [runner_backend(runner), runner_backend(self.target_runner)],
-                "tokens": OVERHEAD_TOKENS}
+        return {
+            "role": "round-overhead",
+            "drafter": profiling.model_fingerprint(self.drafter.path),
+            "target": profiling.model_fingerprint(self.target.path),
+            "precision": self.precision,
+            "backends": [runner_backend(runner), runner_backend(self.target_runner)],
+            "tokens": OVERHEAD_TOKENS,
+        }
 
     def _measure_overheads(self, runner, profile: CostProfile) -> dict:
         """The work of a round outside its timed forwards (ms): decode ``OVERHEAD_PROMPT`` with 4
@@ -174,10 +211,17 @@ class Engine:
             return max(0.0, rest / max(result.stats.target_calls, 1))
 
         def spd(timings):
-            return CrossVocabDecoder(runner, self.drafter.tokenizer, self.target_runner, self.bridge,
-                                     NgramCache(), expand_map=self.expand_map, translate="text",
-                                     target_tokenizer=self.target.tokenizer, timings=timings,
-                                     ).generate(text, ids, fixed, remember=False)
+            return CrossVocabDecoder(
+                runner,
+                self.drafter.tokenizer,
+                self.target_runner,
+                self.bridge,
+                NgramCache(),
+                expand_map=self.expand_map,
+                translate="text",
+                target_tokenizer=self.target.tokenizer,
+                timings=timings,
+            ).generate(text, ids, fixed, remember=False)
 
         def ar(timings):
             return TargetOnlyDecoder(self.target_runner, self.bridge, timings).generate(ids, fixed)
@@ -196,9 +240,11 @@ class Engine:
         report = self.timings.check(self._profile)
         if report["stale"]:
             drafter = self._profiled_drafter
-            for key in (profiling.target_key(self.target.path, self.precision, runner_backend(self.target_runner)),
-                        profiling.drafter_key(self.drafter.path, runner_backend(drafter)),
-                        self._overhead_key(drafter)):
+            for key in (
+                profiling.target_key(self.target.path, self.precision, runner_backend(self.target_runner)),
+                profiling.drafter_key(self.drafter.path, runner_backend(drafter)),
+                self._overhead_key(drafter),
+            ):
                 profiling.forget(key)
         return report
 
@@ -214,10 +260,16 @@ class Engine:
     def recordings(self, root=None) -> RecordingStore:
         """The store of this engine's recorded greedy decodes (``recordings``): keyed by both
         models, the target's precision and kernels and the machine, which decide its output."""
-        return RecordingStore({"drafter": profiling.model_fingerprint(self.drafter.path),
-                               "target": profiling.model_fingerprint(self.target.path),
-                               "precision": self.precision, "backend": runner_backend(self.target_runner),
-                               "machine": profiling.machine_fingerprint()}, root)
+        return RecordingStore(
+            {
+                "drafter": profiling.model_fingerprint(self.drafter.path),
+                "target": profiling.model_fingerprint(self.target.path),
+                "precision": self.precision,
+                "backend": runner_backend(self.target_runner),
+                "machine": profiling.machine_fingerprint(),
+            },
+            root,
+        )
 
     def seed_cache(self) -> int:
         """Warm-start the n-gram cache from the two tokenizers alone; returns entries added."""
@@ -228,7 +280,8 @@ class Engine:
         tok = self.target.tokenizer
         if chat:
             prompt = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
             return prompt, tok.encode(prompt, add_special_tokens=False)
         return prompt, tok.encode(prompt)
 
@@ -242,17 +295,31 @@ class Engine:
         return self._rule
 
     def omnidraft(self, translate: str = "text") -> CrossVocabDecoder:
-        return CrossVocabDecoder(self.drafter_runner, self.drafter.tokenizer, self.target_runner,
-                                 self.bridge, self.cache, expand_map=self.expand_map,
-                                 translate=translate, target_tokenizer=self.target.tokenizer,
-                                 rule=self.rule(), lookup=self.lookup, timings=self.timings)
+        return CrossVocabDecoder(
+            self.drafter_runner,
+            self.drafter.tokenizer,
+            self.target_runner,
+            self.bridge,
+            self.cache,
+            expand_map=self.expand_map,
+            translate=translate,
+            target_tokenizer=self.target.tokenizer,
+            rule=self.rule(),
+            lookup=self.lookup,
+            timings=self.timings,
+        )
 
-    def generate(self, prompt: str, config: GenerationConfig, method: str = "omnidraft",
-                 chat: bool = False, translate: str = "text") -> GenerationResult:
+    def generate(
+        self,
+        prompt: str,
+        config: GenerationConfig,
+        method: str = "omnidraft",
+        chat: bool = False,
+        translate: str = "text",
+    ) -> GenerationResult:
         text, ids = self.prompt_ids(prompt, chat)
         if method == "ar":
             return self.ar().generate(ids, config)
         if method == "omnidraft":
             return self.omnidraft(translate).generate(text, ids, config)
         raise ValueError(f"unknown method {method!r}: choose omnidraft or ar")
-

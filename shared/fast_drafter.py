@@ -117,8 +117,16 @@ def cpu_flags() -> set[str]:
 
 
 # oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) under which its bf16 kernels still run natively
-_ONEDNN_BF16_ISAS = {"ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX",
-                     "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16"}
+_ONEDNN_BF16_ISAS = {
+    "ALL",
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512_AMX_FP16",
+}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -139,8 +147,10 @@ def onednn_bf16_linear() -> bool:
 
 
 # instruction set -> (gcc flags, /proc/cpuinfo flags it needs), best first
-_AVX512 = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
-           {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"})
+_AVX512 = (
+    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+    {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"},
+)
 NATIVE_ISAS: dict[str, tuple[list[str], set[str]]] = {
     # AVX-512 VNNI for one-token steps, AMX-INT8 tiles for calls of 2+ tokens (Intel Sapphire Rapids and later)
     "amx": (_AVX512[0] + ["-mamx-tile", "-mamx-int8"], _AVX512[1] | {"amx_tile", "amx_int8"}),
@@ -150,10 +160,20 @@ NATIVE_ISAS: dict[str, tuple[list[str], set[str]]] = {
     "neon-dotprod": (["-march=armv8.2-a+dotprod"], {"asimd", "asimddp"}),
     "neon": (["-march=armv8-a"], {"asimd"}),
 }
-_NATIVE_SOURCES = {"amx": ["fd_avx512.h", "fd_amx.h"], "avx512": ["fd_avx512.h"], "avx2": ["fd_avx2.h"],
-                   "neon-dotprod": ["fd_neon.h"], "neon": ["fd_neon.h"]}
-NATIVE_MACHINES = {"amx": "x86_64", "avx512": "x86_64", "avx2": "x86_64", "neon-dotprod": "aarch64",
-                    "neon": "aarch64"}  # the machine each instruction set's build runs on
+_NATIVE_SOURCES = {
+    "amx": ["fd_avx512.h", "fd_amx.h"],
+    "avx512": ["fd_avx512.h"],
+    "avx2": ["fd_avx2.h"],
+    "neon-dotprod": ["fd_neon.h"],
+    "neon": ["fd_neon.h"],
+}
+NATIVE_MACHINES = {
+    "amx": "x86_64",
+    "avx512": "x86_64",
+    "avx2": "x86_64",
+    "neon-dotprod": "aarch64",
+    "neon": "aarch64",
+}  # the machine each instruction set's build runs on
 _native_lock = threading.Lock()
 _native_state: dict[str, tuple] = {}  # instruction set -> (library or None, why not or None)
 
@@ -203,8 +223,10 @@ def native_error(isa: str | None = None) -> str | None:
 
 
 # what running int8 weights without the native kernels costs (warnings, omnidraft doctor)
-FALLBACK_COST = ("int8 runs on fbgemm: slower, and verification blocks are not bit-identical to single "
-                 "steps (greedy output may differ from the target alone's)")
+FALLBACK_COST = (
+    "int8 runs on fbgemm: slower, and verification blocks are not bit-identical to single "
+    "steps (greedy output may differ from the target alone's)"
+)
 _warned: set[str] = set()
 
 
@@ -249,8 +271,9 @@ def _build_native(isa: str):
             c_file.write_text(source)
             tmp_so = Path(tmp) / "fd.so"
             for extra in (["-fopenmp"], []):  # OpenMP only for 2+ threads; build without it if absent
-                proc = subprocess.run([cc, *flags, *extra, str(c_file), "-o", str(tmp_so), "-lm"],
-                                      capture_output=True, text=True)
+                proc = subprocess.run(
+                    [cc, *flags, *extra, str(c_file), "-o", str(tmp_so), "-lm"], capture_output=True, text=True
+                )
                 if proc.returncode == 0:
                     break
             else:
@@ -258,8 +281,15 @@ def _build_native(isa: str):
             os.replace(tmp_so, so)  # atomic: concurrent builders agree on the result
     lib = ctypes.CDLL(str(so))
     lib.fd_forward.restype = ctypes.c_int
-    lib.fd_forward.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_int]
+    lib.fd_forward.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     if isa == "amx" and lib.fd_amx_init() != 0:
         raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
     return lib
@@ -267,9 +297,15 @@ def _build_native(isa: str):
 
 class _FdModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("D", "H", "KV", "HD", "I", "L", "maxpos", "n_qkv", "n_head")] + [
-        ("eps", ctypes.c_float), ("layer_ptrs", ctypes.c_void_p), ("head_ptrs", ctypes.c_void_p),
-        ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("cos_t", ctypes.c_void_p),
-        ("sin_t", ctypes.c_void_p), ("act8", ctypes.c_int32)]
+        ("eps", ctypes.c_float),
+        ("layer_ptrs", ctypes.c_void_p),
+        ("head_ptrs", ctypes.c_void_p),
+        ("kcache", ctypes.c_void_p),
+        ("vcache", ctypes.c_void_p),
+        ("cos_t", ctypes.c_void_p),
+        ("sin_t", ctypes.c_void_p),
+        ("act8", ctypes.c_int32),
+    ]
 
 
 @contextlib.contextmanager
@@ -350,8 +386,8 @@ def _pack_native_slices(read_rows: Callable[[int, int], torch.Tensor], n: int) -
             blocks = -(-n // 16)
             packed = torch.empty((blocks, *part.shape[1:]), dtype=part.dtype)
             scales = torch.empty((blocks, *part_scales.shape[1:]), dtype=part_scales.dtype)
-        packed[lo // 16: lo // 16 + part.shape[0]] = part
-        scales[lo // 16: lo // 16 + part.shape[0]] = part_scales
+        packed[lo // 16 : lo // 16 + part.shape[0]] = part
+        scales[lo // 16 : lo // 16 + part.shape[0]] = part_scales
     return [packed, scales, None]
 
 
@@ -410,17 +446,30 @@ class FastLlamaRunner:
     packed in slices of rows). ``backend`` names the kernels in use.
     """
 
-    def __init__(self, model, *, weights: str = "int8", max_positions: int = 4096,
-                 vocab_rows: torch.Tensor | None = None, prefill_weights: str | None = "auto",
-                 prefill_min_tokens: int = 16, native: bool | None = None,
-                 threads: int | None = None, activation_bits: int = 16, native_isa: str | None = None,
-                 prefill_activation_bits: int | None = None, checkpoint=None) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        weights: str = "int8",
+        max_positions: int = 4096,
+        vocab_rows: torch.Tensor | None = None,
+        prefill_weights: str | None = "auto",
+        prefill_min_tokens: int = 16,
+        native: bool | None = None,
+        threads: int | None = None,
+        activation_bits: int = 16,
+        native_isa: str | None = None,
+        prefill_activation_bits: int | None = None,
+        checkpoint=None,
+    ) -> None:
         if weights not in WEIGHT_KINDS:
             raise ValueError(f"unknown weights kind {weights!r}: choose one of {', '.join(WEIGHT_KINDS)}")
         config = model.config
         if getattr(config, "model_type", "llama") not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"FastLlamaRunner supports Llama-architecture models ({', '.join(SUPPORTED_MODEL_TYPES)}), "
-                             f"not {config.model_type!r}")
+            raise ValueError(
+                f"FastLlamaRunner supports Llama-architecture models ({', '.join(SUPPORTED_MODEL_TYPES)}), "
+                f"not {config.model_type!r}"
+            )
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
             raise ValueError("FastLlamaRunner supports full attention only (no sliding-window layers)")
         decoder = model.model
@@ -449,8 +498,11 @@ class FastLlamaRunner:
         # int8 through the native kernels where possible (K dims multiples of 64, head_dim of 16)
         lib = None
         if weights == "int8" and native is not False:
-            dims_ok = (self.head_dim % 16 == 0 and self.n_heads % self.n_kv == 0 and all(
-                d % 64 == 0 for d in (self.hidden, self.intermediate, self.n_heads * self.head_dim)))
+            dims_ok = (
+                self.head_dim % 16 == 0
+                and self.n_heads % self.n_kv == 0
+                and all(d % 64 == 0 for d in (self.hidden, self.intermediate, self.n_heads * self.head_dim))
+            )
             native_isa = native_isa or default_native_isa()
             lib = native_library(native_isa) if dims_ok else None
             if lib is None and native:
@@ -471,11 +523,18 @@ class FastLlamaRunner:
         self.activation_bits = activation_bits if lib else None
         self._prefill_act8 = int(prefill_activation_bits == 8)
         self.native_isa = native_isa if lib else None
-        self.backend = {"fp32": "torch-fp32", "bf16": "onednn-bf16" if onednn_bf16_linear() else "torch-bf16",
-                        "int8": ("native-int8" + ("" if native_isa == "avx512" else f"-{native_isa}")
-                                 + ("-a8" if activation_bits == 8 else "")
-                                 + ("-p8" if prefill_activation_bits == 8 and activation_bits != 8 else "")) if lib
-                        else "fbgemm-int8"}[weights]
+        self.backend = {
+            "fp32": "torch-fp32",
+            "bf16": "onednn-bf16" if onednn_bf16_linear() else "torch-bf16",
+            "int8": (
+                "native-int8"
+                + ("" if native_isa == "avx512" else f"-{native_isa}")
+                + ("-a8" if activation_bits == 8 else "")
+                + ("-p8" if prefill_activation_bits == 8 and activation_bits != 8 else "")
+            )
+            if lib
+            else "fbgemm-int8",
+        }[weights]
         torch_kinds = [k for k in [weights, prefill_weights] if k is not None and not (k == "int8" and lib)]
 
         # --- RoPE table: exp(i * pos * inv_freq) * attention_scaling ------------------------
@@ -500,8 +559,11 @@ class FastLlamaRunner:
         self._q_perm, self._k_perm = q_perm, k_perm
         self._torch_kinds = torch_kinds
         self._source_layers = decoder.layers  # the model's float weights (a reference): adapters merge into them
-        self._layer_weights = (partial(checkpoint.materialized, model) if checkpoint is not None
-                               else lambda layer: contextlib.nullcontext(layer))
+        self._layer_weights = (
+            partial(checkpoint.materialized, model)
+            if checkpoint is not None
+            else lambda layer: contextlib.nullcontext(layer)
+        )
         self.lora_rank = 0
         self._base_packing = self._pack_layers()
         self._packing = self._base_packing
@@ -542,8 +604,9 @@ class FastLlamaRunner:
         if lib is not None:
             if w_head is None:  # from the GGUF, HEAD_SLICE_ROWS rows at a time
                 head_rows = checkpoint.rows(head_name)
-                bufs = _pack_native_slices(lambda lo, hi: head_rows.index_select(0, torch.arange(lo, hi)) * gain,
-                                           self.vocab)
+                bufs = _pack_native_slices(
+                    lambda lo, hi: head_rows.index_select(0, torch.arange(lo, hi)) * gain, self.vocab
+                )
                 release_freed_memory()
             else:
                 bufs = _pack_native(w_head, None)
@@ -552,11 +615,24 @@ class FastLlamaRunner:
             self._head_pad = bufs[0].shape[0] * 16
             n_qkv = (self.n_heads + 2 * self.n_kv) * hd
             self._fd = _FdModel(
-                D=self.hidden, H=self.n_heads, KV=self.n_kv, HD=hd, I=self.intermediate, L=self.num_layers,
-                maxpos=self._pos_pad, n_qkv=n_qkv + (-n_qkv % 16),
-                n_head=self._head_pad, eps=self.eps, layer_ptrs=self._packing.layer_ptrs.data_ptr(),
-                head_ptrs=head_ptrs.data_ptr(), kcache=self._kcache.data_ptr(), vcache=self._vcache.data_ptr(),
-                cos_t=self._cos.data_ptr(), sin_t=self._sin.data_ptr(), act8=int(activation_bits == 8))
+                D=self.hidden,
+                H=self.n_heads,
+                KV=self.n_kv,
+                HD=hd,
+                I=self.intermediate,
+                L=self.num_layers,
+                maxpos=self._pos_pad,
+                n_qkv=n_qkv + (-n_qkv % 16),
+                n_head=self._head_pad,
+                eps=self.eps,
+                layer_ptrs=self._packing.layer_ptrs.data_ptr(),
+                head_ptrs=head_ptrs.data_ptr(),
+                kcache=self._kcache.data_ptr(),
+                vcache=self._vcache.data_ptr(),
+                cos_t=self._cos.data_ptr(),
+                sin_t=self._sin.data_ptr(),
+                act8=int(activation_bits == 8),
+            )
             self._fd_ref = ctypes.addressof(self._fd)
         self.length = 0
         self.forward_calls = 0
@@ -579,23 +655,27 @@ class FastLlamaRunner:
 
         g_in = layer.input_layernorm.weight.detach().float()
         g_post = layer.post_attention_layernorm.weight.detach().float()
-        scale = float(getattr(attn, "scaling", hd ** -0.5))
+        scale = float(getattr(attn, "scaling", hd**-0.5))
         wq = weight("q_proj")[self._q_perm] * scale
         wk = weight("k_proj")[self._k_perm]
         w_qkv = torch.cat([wq, wk, weight("v_proj")]) * g_in[None, :]
         b_qkv = None
         if attn.q_proj.bias is not None:
-            b_qkv = torch.cat([bias("q_proj")[self._q_perm] * scale, bias("k_proj")[self._k_perm],
-                               bias("v_proj")])
+            b_qkv = torch.cat([bias("q_proj")[self._q_perm] * scale, bias("k_proj")[self._k_perm], bias("v_proj")])
         w_gu = torch.cat([weight("gate_proj"), weight("up_proj")]) * g_post[None, :]
         b_gu = None
         if mlp.gate_proj.bias is not None:
             b_gu = torch.cat([bias("gate_proj"), bias("up_proj")])
-        return [(w_qkv, b_qkv), (weight("o_proj"), bias("o_proj")), (w_gu, b_gu),
-                (weight("down_proj"), bias("down_proj"))]
+        return [
+            (w_qkv, b_qkv),
+            (weight("o_proj"), bias("o_proj")),
+            (w_gu, b_gu),
+            (weight("down_proj"), bias("down_proj")),
+        ]
 
-    def _pack_layers(self, layer_deltas: list[dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]] | None = None
-                     ) -> _Packing:
+    def _pack_layers(
+        self, layer_deltas: list[dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]] | None = None
+    ) -> _Packing:
         """Pack every decoder layer's weights (plus ``layer_deltas[i]``, see ``_layer_mats``)
         for the kernels in use; ``layer_deltas`` may hold callables producing the deltas
         (one layer's full-size deltas exist at a time)."""
@@ -640,8 +720,9 @@ class FastLlamaRunner:
         if len(layers) != self.num_layers:
             raise ValueError(f"LoRA for {len(layers)} layers, the model has {self.num_layers}")
         if self._source_layers is None:
-            raise RuntimeError("this runner no longer holds the model's float weights (own_weights): "
-                               "an adapter cannot be merged")
+            raise RuntimeError(
+                "this runner no longer holds the model's float weights (own_weights): an adapter cannot be merged"
+            )
         ranks = {a.shape[0] for mods in layers for a, _ in mods.values()}
         if len(ranks) != 1:
             raise ValueError("LoRA matrices must share one rank")
@@ -707,8 +788,15 @@ class FastLlamaRunner:
         if kind == "int8" and self._lib is not None:
             out = torch.empty(min(logits_to_keep, m) or m, self._head_pad)
             self._fd.act8 = self._prefill_act8 if m > self.prefill_min_tokens else int(self.activation_bits == 8)
-            rc = self._lib.fd_forward(self._fd_ref, m, h.data_ptr(), p, logits_to_keep, out.data_ptr(),
-                                      self.threads or torch.get_num_threads())
+            rc = self._lib.fd_forward(
+                self._fd_ref,
+                m,
+                h.data_ptr(),
+                p,
+                logits_to_keep,
+                out.data_ptr(),
+                self.threads or torch.get_num_threads(),
+            )
             if rc != 0:
                 raise MemoryError("native forward failed to allocate its work buffers")
             logits = out[:, : self.head_rows] if self._head_pad != self.head_rows else out
@@ -763,7 +851,7 @@ class FastLlamaRunner:
             if half_cache:
                 kv_new = kv_new.clamp(-65504.0, 65504.0).to(torch.float16)
             k_l[:, blk, :, lane] = kv_new[:, : n_kv * hd].view(m, n_kv, hd)
-            v_l.narrow(1, p, m).copy_(kv_new[:, n_kv * hd:].view(m, n_kv, hd).transpose(0, 1))
+            v_l.narrow(1, p, m).copy_(kv_new[:, n_kv * hd :].view(m, n_kv, hd).transpose(0, 1))
             q = qkv[:, :q_width].view(m, n_kv, g, hd).permute(1, 2, 0, 3).reshape(n_kv, g * m, hd)
             k_t = k_l.narrow(1, 0, nblk).permute(0, 2, 1, 3).reshape(n_kv, hd, nblk * 16)
             v_t = v_l.narrow(1, 0, t)

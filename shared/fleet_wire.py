@@ -18,16 +18,19 @@ class StatsError(ValueError):
     """A device's n-gram statistics that cannot be used (one line, for the round log)."""
 
 
-def encode_stats(target: str, target_ids: set[int] | list[int], vocab_size: int,
-                 state_version: int = 0) -> bytes:
+def encode_stats(target: str, target_ids: set[int] | list[int], vocab_size: int, state_version: int = 0) -> bytes:
     """A device's ``NgramStats`` for the ids it learned (ids outside the vocabulary raise)."""
     bits = np.zeros(vocab_size, dtype=bool)
     ids = np.fromiter(target_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError("target id outside the target vocabulary")
     bits[ids] = True
-    return fleet_pb2.NgramStats(target=target, target_vocab_size=vocab_size, state_version=state_version,
-                                present=np.packbits(bits, bitorder="little").tobytes()).SerializeToString()
+    return fleet_pb2.NgramStats(
+        target=target,
+        target_vocab_size=vocab_size,
+        state_version=state_version,
+        present=np.packbits(bits, bitorder="little").tobytes(),
+    ).SerializeToString()
 
 
 def decode_stats(blob: bytes, target: str, vocab_size: int) -> np.ndarray:
@@ -42,8 +45,7 @@ def decode_stats(blob: bytes, target: str, vocab_size: int) -> np.ndarray:
         raise StatsError(f"n-gram stats are for target {msg.target!r}, not {target!r}")
     if msg.target_vocab_size != vocab_size or len(msg.present) != (vocab_size + 7) // 8:
         raise StatsError(f"n-gram stats cover {msg.target_vocab_size} ids, the target has {vocab_size}")
-    return np.unpackbits(np.frombuffer(msg.present, dtype=np.uint8), count=vocab_size,
-                         bitorder="little").astype(bool)
+    return np.unpackbits(np.frombuffer(msg.present, dtype=np.uint8), count=vocab_size, bitorder="little").astype(bool)
 
 
 def tokenizer_digest(bridge: VocabBridge) -> str:
@@ -56,5 +58,4 @@ def tokenizer_digest(bridge: VocabBridge) -> str:
 
 
 def lora_spec(spec: fleet_pb2.TargetSpec) -> LoraSpec:
-    return LoraSpec(rank=spec.lora_rank, alpha=spec.lora_alpha, modules=spec.lora_modules,
-                    ffa=spec.lora_ffa)
+    return LoraSpec(rank=spec.lora_rank, alpha=spec.lora_alpha, modules=spec.lora_modules, ffa=spec.lora_ffa)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-
 from dataclasses import asdict, dataclass, field
-
 
 DRAFT_STOPS = ("auto", "cost", "confidence")
 
@@ -88,7 +86,7 @@ class GenerationStats:
     modelled_s: float = 0.0
     modelled_target_alone_s: float = 0.0
 
-    def add(self, other: "GenerationStats") -> None:
+    def add(self, other: GenerationStats) -> None:
         """Accumulate ``other``'s counters and time into this one (totals over many calls)."""
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -112,9 +110,12 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out.update(acceptance_rate=self.acceptance_rate,
-                   tokens_per_target_call=self.tokens_per_target_call,
-                   tokens_per_s=self.tokens_per_s, modelled_speedup=self.modelled_speedup)
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_target_call=self.tokens_per_target_call,
+            tokens_per_s=self.tokens_per_s,
+            modelled_speedup=self.modelled_speedup,
+        )
         return out
 
 
@@ -131,8 +132,12 @@ class GenerationResult:
     training_sample: object | None = None
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
 
 
 class StopChecker:
@@ -143,8 +148,13 @@ class StopChecker:
     never exceeds ``max_new_tokens``.
     """
 
-    def __init__(self, config: GenerationConfig, stop_ids: frozenset[int], token_bytes,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: GenerationConfig,
+        stop_ids: frozenset[int],
+        token_bytes,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> None:
         self.on_tokens = on_tokens  # called with the kept ids of every commit (streaming); may raise to abort
         self.max_new_tokens = config.max_new_tokens
         self.stop_ids = stop_ids

@@ -32,7 +32,10 @@ from accelerate import init_empty_weights
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import (
-    TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, read_field,
+    TENSOR_PROCESSORS,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+    read_field,
 )
 
 from omnidraft.shared.atomic_io import write_bytes_atomic
@@ -97,15 +100,21 @@ def tensor_table(path: Path) -> tuple[str, list[_TensorAt]]:
         saved = {}
     if saved.get("file") != key:
         reader = GGUFReader(path)  # maps the whole file; closed when the reader goes
-        saved = {"file": key, "architecture": read_field(reader, "general.architecture")[0],
-                 "tensors": [[t.name, int(t.tensor_type), int(t.data_offset), [int(n) for n in t.data.shape],
-                              t.data.dtype.str] for t in reader.tensors]}
+        saved = {
+            "file": key,
+            "architecture": read_field(reader, "general.architecture")[0],
+            "tensors": [
+                [t.name, int(t.tensor_type), int(t.data_offset), [int(n) for n in t.data.shape], t.data.dtype.str]
+                for t in reader.tensors
+            ],
+        }
         del reader
         with contextlib.suppress(OSError):
             write_bytes_atomic(cache, json.dumps(saved).encode())
     return saved["architecture"], [
         _TensorAt(name, GGMLQuantizationType(qtype), offset, tuple(shape), np.dtype(dtype))
-        for name, qtype, offset, shape, dtype in saved["tensors"]]
+        for name, qtype, offset, shape, dtype in saved["tensors"]
+    ]
 
 
 class GgufRows:
@@ -133,22 +142,26 @@ class GgufCheckpoint:
     def __init__(self, path: str | Path, model: torch.nn.Module) -> None:
         self.path = Path(path)
         arch, tensors = tensor_table(self.path)
-        self._processor: TensorProcessor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(
-            config=model.config.to_dict())
+        self._processor: TensorProcessor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
         self._hf_names = get_gguf_hf_weights_map(model, self._processor)
         self._tensors = {self._hf_names[t.gguf_name]: t for t in tensors if t.gguf_name in self._hf_names}
         expected = {name for name, _ in model.named_parameters()}
         tied = set(getattr(model, "all_tied_weights_keys", None) or ())
         missing = sorted(expected - set(self._tensors) - tied)
         if missing:
-            raise ValueError(f"{self.path.name}: no tensor for {', '.join(missing[:3])}"
-                             f"{' ...' if len(missing) > 3 else ''}")
+            raise ValueError(
+                f"{self.path.name}: no tensor for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            )
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Parameter ``name`` dequantized (float32 values, then cast to ``dtype``)."""
         at = self._tensors[name]
-        result = self._processor.process(weights=at.read(at.map(self.path)), name=at.gguf_name,
-                                         tensor_key_mapping=self._hf_names, parsed_parameters={"tensors": {}})
+        result = self._processor.process(
+            weights=at.read(at.map(self.path)),
+            name=at.gguf_name,
+            tensor_key_mapping=self._hf_names,
+            parsed_parameters={"tensors": {}},
+        )
         return torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
 
     def rows(self, name: str) -> GgufRows:
@@ -167,8 +180,9 @@ class GgufCheckpoint:
             owner, _, attr = name.rpartition(".")
             value = self.tensor(full, dtype or param.dtype)
             if value.shape != param.shape:
-                raise ValueError(f"{self.path.name}: {full} is {tuple(value.shape)} in the GGUF, "
-                                 f"{tuple(param.shape)} in config.json")
+                raise ValueError(
+                    f"{self.path.name}: {full} is {tuple(value.shape)} in the GGUF, {tuple(param.shape)} in config.json"
+                )
             module.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
 
     def load(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -199,8 +213,9 @@ def _prefix_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
     raise ValueError("module is not part of model")
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, *, stream: bool = False
-               ) -> tuple[torch.nn.Module, GgufCheckpoint]:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, *, stream: bool = False
+) -> tuple[torch.nn.Module, GgufCheckpoint]:
     """The model of a GGUF-format directory: every weight filled in ``dtype``, or, with
     ``stream``, only what lies outside the decoder layers and the embeddings (norms), for a
     runner that packs layer by layer through ``checkpoint.materialized`` and reads embedding

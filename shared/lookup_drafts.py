@@ -86,7 +86,7 @@ class NgramLookup:
                 key |= t << (_BITS * i)
             start = index.get(key | (n << (_BITS * n)))
             if start is not None:
-                out = tokens[start: start + k]
+                out = tokens[start : start + k]
                 if SEPARATOR in out:
                     out = out[: out.index(SEPARATOR)]
                 if out:
@@ -117,7 +117,7 @@ class LookupDrafter:
 
     def propose(self, k: int) -> LookupDraft | None:
         """The best model-free continuation (at most ``k`` tokens) of the current generation."""
-        tail = self.context.tokens[-self.max_n:]
+        tail = self.context.tokens[-self.max_n :]
         n_ctx, ctx = self.context.lookup(tail, k)
         n_hist, hist = self.history.lookup(tail, k) if len(self.history) else (0, [])
         if n_ctx and n_ctx >= n_hist:
@@ -135,13 +135,13 @@ class LookupDrafter:
     def remember(self, ids: list[int]) -> None:
         """Add one earlier generation (prompt + output ids) to the history, dropping the oldest
         generations beyond ``capacity`` tokens."""
-        ids = list(ids[-self.capacity:]) if self.capacity else []
+        ids = list(ids[-self.capacity :]) if self.capacity else []
         if not ids:
             return
         if len(self.history) + len(ids) + 1 > self.capacity:
-            kept = self.history.tokens[len(self.history) + len(ids) + 1 - self.capacity:]
+            kept = self.history.tokens[len(self.history) + len(ids) + 1 - self.capacity :]
             if SEPARATOR in kept:  # restart at a generation boundary
-                kept = kept[kept.index(SEPARATOR) + 1:]
+                kept = kept[kept.index(SEPARATOR) + 1 :]
             else:
                 kept = []
             self.history = NgramLookup(self.min_n, self.max_n)
@@ -162,7 +162,7 @@ class LookupDrafter:
         if any(t != SEPARATOR and not 0 <= t < vocab_size for t in values):
             raise ValueError(f"the lookup history has ids outside [0, {vocab_size})")
         self.history = NgramLookup(self.min_n, self.max_n)
-        self.history.extend(values[-self.capacity:] if self.capacity else [])
+        self.history.extend(values[-self.capacity :] if self.capacity else [])
 
 
 def lookup_drafter(mode: str) -> LookupDrafter | None:

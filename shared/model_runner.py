@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from omnidraft.shared import catalog, gguf_weights
 
+
 @dataclass
 class LoadedModel:
     """A causal LM with its tokenizer and the directory it came from."""
@@ -33,8 +34,9 @@ class LoadedModel:
         return self.model.get_output_embeddings().weight.shape[0]
 
 
-def load(name_or_path: str, dtype: torch.dtype = torch.float32, *, progress: bool = True,
-         stream: bool = False) -> LoadedModel:
+def load(
+    name_or_path: str, dtype: torch.dtype = torch.float32, *, progress: bool = True, stream: bool = False
+) -> LoadedModel:
     """Load a catalog model (pulled on first use) or a local HF directory, in eval mode.
 
     A model kept as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at
@@ -105,7 +107,9 @@ class ModelRunner:
             self.reset()
         input_ids = torch.tensor([ids], dtype=torch.long)
         out = self.model(
-            input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+            input_ids=input_ids,
+            past_key_values=self.cache,
+            use_cache=True,
             logits_to_keep=logits_to_keep,
         )
         self.length += len(ids)

@@ -159,9 +159,7 @@ class NgramCache:
             + _scalar_field_bytes(FORMAT_VERSION)
         )
         if max_bytes is not None and max_bytes < self._header_bytes:
-            raise ValueError(
-                f"max_bytes={max_bytes} is below the {self._header_bytes} bytes of an empty cache"
-            )
+            raise ValueError(f"max_bytes={max_bytes} is below the {self._header_bytes} bytes of an empty cache")
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._policy = policy
@@ -217,9 +215,7 @@ class NgramCache:
         rec = self._records.get(tuple(draft_ids))
         return None if rec is None else rec.target_id
 
-    def match(
-        self, draft_ids: Sequence[int], start: int, end: int | None = None
-    ) -> tuple[int, int] | None:
+    def match(self, draft_ids: Sequence[int], start: int, end: int | None = None) -> tuple[int, int] | None:
         """Longest cached key equal to ``draft_ids[start:start + n]`` with ``start + n <= end``.
 
         ``draft_ids`` holds Python (or numpy) ints, not tensor elements. ``end`` defaults to
@@ -307,9 +303,7 @@ class NgramCache:
 
     def to_bytes(self) -> bytes:
         """The cache as a serialized ``omnidraft.v1.NgramCache`` message."""
-        msg = ngram_cache_pb2.NgramCache(
-            drafter=self._drafter, target=self._target, version=FORMAT_VERSION
-        )
+        msg = ngram_cache_pb2.NgramCache(drafter=self._drafter, target=self._target, version=FORMAT_VERSION)
         for key, rec in self._records.items():
             msg.entries.add(
                 draft_ids=key,
@@ -335,20 +329,15 @@ class NgramCache:
             raise NgramCacheError(f"not a valid n-gram cache ({exc})") from None
         if msg.version != FORMAT_VERSION:
             raise NgramCacheError(
-                f"n-gram cache format version {msg.version}, expected {FORMAT_VERSION}"
-                " (truncated or foreign data)"
+                f"n-gram cache format version {msg.version}, expected {FORMAT_VERSION} (truncated or foreign data)"
             )
         cache = cls(**capacity_kwargs, drafter=msg.drafter, target=msg.target)
         with _gc_paused():  # tens of thousands of small objects: the cyclic GC would run often
             for e in sorted(msg.entries, key=operator.attrgetter("last_used")):
                 key = tuple(e.draft_ids)
                 if len(key) < 2 or key in cache._records:
-                    raise NgramCacheError(
-                        f"n-gram cache has a {'duplicate' if len(key) >= 2 else 'short'} key {key}"
-                    )
-                cache._insert(
-                    key, _Record(e.target_id, e.count, e.hits, e.last_used, _key_field_bytes(key))
-                )
+                    raise NgramCacheError(f"n-gram cache has a {'duplicate' if len(key) >= 2 else 'short'} key {key}")
+                cache._insert(key, _Record(e.target_id, e.count, e.hits, e.last_used, _key_field_bytes(key)))
                 cache._clock = max(cache._clock, e.last_used)
         cache._shrink(protect=None)
         return cache
@@ -411,9 +400,7 @@ class NgramCache:
             heapq.heapify(self._heap)
 
     def _over_capacity(self) -> bool:
-        return len(self._records) > self._max_entries or (
-            self._max_bytes is not None and self._bytes > self._max_bytes
-        )
+        return len(self._records) > self._max_entries or (self._max_bytes is not None and self._bytes > self._max_bytes)
 
     def _shrink(self, protect: Key | None) -> None:
         """Evict by policy until within capacity; ``protect`` goes only if it is the last entry."""
@@ -473,10 +460,7 @@ def seed_from_tokenizers(
         except UnicodeDecodeError:
             continue
         target_ids.append(target_id)
-    encoded = (
-        encode_draft_batch(texts) if encode_draft_batch is not None else map(encode_draft, texts)
-    )
-    candidates = [(target_id, ids) for target_id, ids in zip(target_ids, encoded, strict=True)
-                  if len(ids) >= 2]
+    encoded = encode_draft_batch(texts) if encode_draft_batch is not None else map(encode_draft, texts)
+    candidates = [(target_id, ids) for target_id, ids in zip(target_ids, encoded, strict=True) if len(ids) >= 2]
     kept = candidates[: cache.max_entries]
     return sum(cache.add(ids, target_id) for target_id, ids in reversed(kept))

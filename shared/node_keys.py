@@ -33,8 +33,12 @@ def write_node_key(private: str | os.PathLike[str], comment: str) -> bytes:
         path.parent.mkdir(parents=True)
         os.chmod(path.parent, 0o700)
     key = ec.generate_private_key(ec.SECP384R1())
-    write_bytes_atomic(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                               serialization.NoEncryption()))  # atomic writes create files 0600
+    write_bytes_atomic(
+        path,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )  # atomic writes create files 0600
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     line = public + f" {comment}\n".encode()
     write_bytes_atomic(public_key_path(path), line)
@@ -52,6 +56,8 @@ def checked_public_key(data: bytes, source: str) -> bytes:
     except (ValueError, TypeError, IndexError):
         raise ValueError(f"{source} is not an OpenSSH public key") from None
     if not line.startswith(KEY_TYPE + b" ") or not isinstance(key, ec.EllipticCurvePublicKey):
-        raise ValueError(f"{source}: Flower's SuperNode authentication takes an {KEY_TYPE.decode()} key "
-                         f"(omnidraft device keygen makes one)")
+        raise ValueError(
+            f"{source}: Flower's SuperNode authentication takes an {KEY_TYPE.decode()} key "
+            f"(omnidraft device keygen makes one)"
+        )
     return line + b"\n"

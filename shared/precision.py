@@ -67,8 +67,9 @@ def load_dtype(precision: str) -> torch.dtype:
 def fast_runner_supports(model: torch.nn.Module) -> bool:
     """True when ``FastLlamaRunner`` can run this model (Llama / Qwen2, full attention)."""
     config = model.config
-    return (getattr(config, "model_type", "") in SUPPORTED_MODEL_TYPES
-            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ()))
+    return getattr(config, "model_type", "") in SUPPORTED_MODEL_TYPES and all(
+        t == "full_attention" for t in getattr(config, "layer_types", None) or ()
+    )
 
 
 def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None) -> ModelRunner | FastLlamaRunner:
@@ -82,8 +83,9 @@ def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None)
     if precision == "int8" and fast_runner_supports(model):
         # prompt prefill on the int8 kernels too: every call of a sequence runs one kernel path,
         # and on this project's machines int8 prefill is faster than bf16 (BENCHMARKS.md)
-        return FastLlamaRunner(model, weights="int8", prefill_weights=None, activation_bits=TARGET_ACTIVATION_BITS,
-                               checkpoint=checkpoint)
+        return FastLlamaRunner(
+            model, weights="int8", prefill_weights=None, activation_bits=TARGET_ACTIVATION_BITS, checkpoint=checkpoint
+        )
     if checkpoint is not None:
         checkpoint.load(model)
     if precision != "int8":

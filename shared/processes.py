@@ -14,8 +14,9 @@ import threading
 from collections.abc import Callable
 
 
-def run_foreground(cmd: list[str], env: dict[str, str] | None = None,
-                   on_line: Callable[[str], None] | None = None) -> int:
+def run_foreground(
+    cmd: list[str], env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None
+) -> int:
     """Run ``cmd`` (found first beside this Python, then on PATH) until it exits, passing
     SIGINT/SIGTERM on to it; returns its exit code.
     ``on_line``: also see each line it prints (its output then goes to our stderr).
@@ -29,9 +30,16 @@ def run_foreground(cmd: list[str], env: dict[str, str] | None = None,
         raise FileNotFoundError(f"{cmd[0]} is not installed (it comes with flwr: pip install 'omnidraft-fleet')")
     cmd = [found, *cmd[1:]]
     piped = on_line is not None
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if piped else None,
-                            stderr=subprocess.STDOUT if piped else None, text=piped, bufsize=1 if piped else -1)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE if piped else None,
+        stderr=subprocess.STDOUT if piped else None,
+        text=piped,
+        bufsize=1 if piped else -1,
+    )
     handlers = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+
     def relay() -> None:
         for line in proc.stdout:
             sys.stderr.write(line)
@@ -52,6 +60,7 @@ def run_foreground(cmd: list[str], env: dict[str, str] | None = None,
 
 def toml_pairs(values: dict[str, object]) -> str:
     """``key=value ...`` with TOML values, as Flower's ``--run-config``/``--node-config`` take them."""
+
     def value(v: object) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -71,8 +80,9 @@ class PeakMemory:
     over a dozen processes holding models once a second took ~10 % of a 2-core machine) or
     ``"rss"`` (resident set, cheap, counting shared pages in every process)."""
 
-    def __init__(self, groups: dict[str, list[int]] | None = None, *, interval_s: float = 5.0,
-                 field: str = "pss") -> None:
+    def __init__(
+        self, groups: dict[str, list[int]] | None = None, *, interval_s: float = 5.0, field: str = "pss"
+    ) -> None:
         if field not in ("pss", "rss"):
             raise ValueError(f"unknown memory field {field!r}: pss or rss")
         self.groups = groups or {"all": [os.getpid()]}

@@ -21,9 +21,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -58,8 +58,9 @@ def _time_block(runner, context: int, block: int, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_block_ms(runner, blocks: tuple[int, ...] | list[int], repeats: int = 5,
-                     trials: int = TRIALS, max_trials: int = MAX_TRIALS) -> dict[int, float]:
+def measure_block_ms(
+    runner, blocks: tuple[int, ...] | list[int], repeats: int = 5, trials: int = TRIALS, max_trials: int = MAX_TRIALS
+) -> dict[int, float]:
     """``{block: ms}``: one forward of ``block`` new tokens after ``CONTEXT_TOKENS`` cached ones
     (fewer where the model's positions run out). Leaves the runner holding that context
     (callers reset it before decoding).
@@ -98,9 +99,13 @@ def cpu_name() -> str:
 
 def machine_fingerprint() -> dict:
     """What makes a measurement valid on another run: CPU model and ISA, torch, threads."""
-    return {"cpu": cpu_name(), "machine": platform.machine(),
-            "capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {
+        "cpu": cpu_name(),
+        "machine": platform.machine(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def model_fingerprint(path: str | Path) -> str:
@@ -172,22 +177,38 @@ def cached(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dic
     return value
 
 
-def target_key(model_path: str | Path, precision: str, backend: str,
-               blocks: tuple[int, ...] = PROFILE_BLOCKS) -> dict:
+def target_key(model_path: str | Path, precision: str, backend: str, blocks: tuple[int, ...] = PROFILE_BLOCKS) -> dict:
     """The cache key of a target's costs."""
-    return {"role": "target", "model": model_fingerprint(model_path), "precision": precision,
-            "backend": backend, "blocks": list(blocks), "context": CONTEXT_TOKENS}
+    return {
+        "role": "target",
+        "model": model_fingerprint(model_path),
+        "precision": precision,
+        "backend": backend,
+        "blocks": list(blocks),
+        "context": CONTEXT_TOKENS,
+    }
 
 
 def drafter_key(model_path: str | Path, backend: str) -> dict:
     """The cache key of a drafter's costs (adapters are merged into the drafting runner's
     weights, so they do not change its costs)."""
-    return {"role": "drafter", "model": model_fingerprint(model_path), "backend": backend,
-            "context": CONTEXT_TOKENS, "blocks": list(DRAFTER_BLOCKS)}
+    return {
+        "role": "drafter",
+        "model": model_fingerprint(model_path),
+        "backend": backend,
+        "context": CONTEXT_TOKENS,
+        "blocks": list(DRAFTER_BLOCKS),
+    }
 
 
-def target_costs(runner, model_path: str | Path, precision: str, backend: str,
-                 blocks: tuple[int, ...] = PROFILE_BLOCKS, refresh: bool = False) -> dict[int, float]:
+def target_costs(
+    runner,
+    model_path: str | Path,
+    precision: str,
+    backend: str,
+    blocks: tuple[int, ...] = PROFILE_BLOCKS,
+    refresh: bool = False,
+) -> dict[int, float]:
     """Target forward cost ``{block tokens: ms}`` on this machine (cached)."""
     key = target_key(model_path, precision, backend, blocks)
     value = cached(key, lambda: {str(b): ms for b, ms in measure_block_ms(runner, blocks).items()}, refresh)
@@ -198,8 +219,9 @@ def drafter_cost(runner, model_path: str | Path, backend: str, refresh: bool = F
     """The drafter's forward cost ``{block tokens: ms}`` on this machine (cached): block 1 is
     one decode step; larger blocks are what feeding it committed tokens costs."""
     key = drafter_key(model_path, backend)
-    value = cached(key, lambda: {str(b): ms for b, ms in measure_block_ms(runner, DRAFTER_BLOCKS, repeats=10).items()},
-                   refresh)
+    value = cached(
+        key, lambda: {str(b): ms for b, ms in measure_block_ms(runner, DRAFTER_BLOCKS, repeats=10).items()}, refresh
+    )
     return {int(b): float(ms) for b, ms in value.items()}
 
 
@@ -258,11 +280,13 @@ class CostProfile:
         return _interpolate(self.drafter_block_ms, block)
 
     def to_dict(self) -> dict:
-        return {"target_ms": {str(b): round(ms, 3) for b, ms in sorted(self.target_ms.items())},
-                "drafter_ms_per_token": round(self.drafter_ms_per_token, 3),
-                "drafter_block_ms": {str(b): round(ms, 3) for b, ms in sorted(self.drafter_block_ms.items())},
-                "round_overhead_ms": round(self.round_overhead_ms, 3),
-                "step_overhead_ms": round(self.step_overhead_ms, 3)}
+        return {
+            "target_ms": {str(b): round(ms, 3) for b, ms in sorted(self.target_ms.items())},
+            "drafter_ms_per_token": round(self.drafter_ms_per_token, 3),
+            "drafter_block_ms": {str(b): round(ms, 3) for b, ms in sorted(self.drafter_block_ms.items())},
+            "round_overhead_ms": round(self.round_overhead_ms, 3),
+            "step_overhead_ms": round(self.step_overhead_ms, 3),
+        }
 
 
 class StepTimings:
@@ -300,12 +324,21 @@ class StepTimings:
             if len(samples) >= min_samples:
                 rows[f"target:{block}"] = (statistics.median(samples), profile.target_cost(block), len(samples))
         if len(self.drafter_steps) >= min_samples:
-            rows["drafter:1"] = (statistics.median(self.drafter_steps), profile.drafter_ms_per_token, len(self.drafter_steps))
-        out = {name: {"in_use_ms": round(used, 2), "profile_ms": round(cached, 2), "samples": n,
-                      "ratio": round(used / cached, 3) if cached > 0 else None}
-               for name, (used, cached, n) in rows.items()}
-        stale = any(r["ratio"] is not None and not 1 / STALE_RATIO <= r["ratio"] <= STALE_RATIO
-                    for r in out.values())
+            rows["drafter:1"] = (
+                statistics.median(self.drafter_steps),
+                profile.drafter_ms_per_token,
+                len(self.drafter_steps),
+            )
+        out = {
+            name: {
+                "in_use_ms": round(used, 2),
+                "profile_ms": round(cached, 2),
+                "samples": n,
+                "ratio": round(used / cached, 3) if cached > 0 else None,
+            }
+            for name, (used, cached, n) in rows.items()
+        }
+        stale = any(r["ratio"] is not None and not 1 / STALE_RATIO <= r["ratio"] <= STALE_RATIO for r in out.values())
         return {"steps": out, "stale": stale}
 
 
@@ -316,8 +349,9 @@ def verification_score(target_ms: dict[int, float]) -> float:
     return profile.target_cost(1) + profile.target_cost(4)
 
 
-def choose_precision(target: str, candidates: tuple[str, ...] | None = None, *, refresh: bool = False,
-                     progress: bool = True) -> tuple[str, dict[str, dict[int, float]]]:
+def choose_precision(
+    target: str, candidates: tuple[str, ...] | None = None, *, refresh: bool = False, progress: bool = True
+) -> tuple[str, dict[str, dict[int, float]]]:
     """Resolve ``--dtype auto`` for ``target``: the candidate precision with the lowest
     :func:`verification_score` on this machine, and each candidate's measured costs.
 
@@ -336,9 +370,9 @@ def choose_precision(target: str, candidates: tuple[str, ...] | None = None, *, 
         candidates = ("int8", "bf16", "fp32") if cpu_has_native_bf16() else ("int8", "fp32")
     costs: dict[str, dict[int, float]] = {}
     for precision in candidates:
+
         def measure_one(precision=precision) -> dict[int, float]:
-            loaded = model_runner.load(str(path), load_dtype(precision), progress=progress,
-                                       stream=precision == "int8")
+            loaded = model_runner.load(str(path), load_dtype(precision), progress=progress, stream=precision == "int8")
             runner = build_target_runner(loaded.model, precision, loaded.checkpoint)
             return target_costs(runner, path, precision, runner_backend(runner), refresh=refresh)
 
@@ -347,11 +381,16 @@ def choose_precision(target: str, candidates: tuple[str, ...] | None = None, *, 
     return best, costs
 
 
-def _cached_precision_costs(path: Path, precision: str, measure: Callable[[], dict[int, float]],
-                            refresh: bool) -> dict[int, float]:
+def _cached_precision_costs(
+    path: Path, precision: str, measure: Callable[[], dict[int, float]], refresh: bool
+) -> dict[int, float]:
     """Costs of ``precision`` for the model at ``path`` from the auto-selection cache (which
     needs no loaded model to look up), else ``measure()``."""
-    key = {"role": "auto-candidate", "model": model_fingerprint(path), "precision": precision,
-           "blocks": list(PROFILE_BLOCKS)}
+    key = {
+        "role": "auto-candidate",
+        "model": model_fingerprint(path),
+        "precision": precision,
+        "blocks": list(PROFILE_BLOCKS),
+    }
     value = cached(key, lambda: {str(b): ms for b, ms in measure().items()}, refresh)
     return {int(b): ms for b, ms in value.items()}

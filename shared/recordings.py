@@ -50,14 +50,15 @@ class Recording:
 
     @property
     def generated(self) -> list[int]:
-        return self.ids[self.prompt_tokens:]
+        return self.ids[self.prompt_tokens :]
 
     def to_bytes(self, key: dict) -> bytes:
         tensors = {"ids": torch.tensor(self.ids, dtype=torch.int64)}
         if self.signal is not None:
             tensors.update({k: self.signal[k].contiguous() for k in SIGNAL_KEYS})
-        return st_save(tensors, metadata={"key": json.dumps(key, sort_keys=True),
-                                          "prompt_tokens": str(self.prompt_tokens)})
+        return st_save(
+            tensors, metadata={"key": json.dumps(key, sort_keys=True), "prompt_tokens": str(self.prompt_tokens)}
+        )
 
     @classmethod
     def load(cls, path: Path, key: dict) -> Recording | None:
@@ -83,8 +84,11 @@ class RecordingStore:
     def _key(self, prompt: str, config: GenerationConfig) -> dict:
         if not config.greedy:
             raise ValueError("only a greedy decode can be recorded and replayed")
-        return {"engine": self.digest, "prompt": _digest(prompt),
-                "generation": [config.max_new_tokens, list(config.stop_strings)]}
+        return {
+            "engine": self.digest,
+            "prompt": _digest(prompt),
+            "generation": [config.max_new_tokens, list(config.stop_strings)],
+        }
 
     def _path(self, key: dict) -> Path:
         return self.root / self.digest[:16] / f"{_digest(key)[:32]}.safetensors"

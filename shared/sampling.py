@@ -35,9 +35,7 @@ def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.
     return probs
 
 
-def verify_sampled(
-    probs: torch.Tensor, proposal: list[int], generator: torch.Generator
-) -> tuple[int, int]:
+def verify_sampled(probs: torch.Tensor, proposal: list[int], generator: torch.Generator) -> tuple[int, int]:
     """Apply the point-mass rule along a proposal.
 
     ``probs``: ``[len(proposal) + 1, vocab]`` warped target distributions, row i for the

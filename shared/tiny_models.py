@@ -30,7 +30,7 @@ def corpus(n: int = 400, seed: int = 0) -> list[str]:
         op = rng.choice(ops)
         out.append(
             f"def {f}_{rng.randint(0, 9)}({a}, {b}):\n"
-            f"    \"\"\"Return {a} {op} {b}.\"\"\"\n"
+            f'    """Return {a} {op} {b}."""\n'
             f"    {f} = {a} {op} {b}\n"
             f"    return {f}\n\n"
         )
@@ -41,24 +41,35 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
 
 
-def train_model(tokenizer, texts: list[str], hidden: int, layers: int, steps: int, seed: int,
-                extra_rows: int = 0) -> LlamaForCausalLM:
+def train_model(
+    tokenizer, texts: list[str], hidden: int, layers: int, steps: int, seed: int, extra_rows: int = 0
+) -> LlamaForCausalLM:
     """A small Llama trained for ``steps`` AdamW steps on ``texts`` (fp32, CPU).
 
     ``extra_rows`` pads the LM head beyond the tokenizer (like Qwen's padded vocabulary).
     """
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer) + extra_rows, hidden_size=hidden,
-                         intermediate_size=hidden * 2, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + extra_rows,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
     model = LlamaForCausalLM(config)
     ids = tokenizer("".join(texts))["input_ids"]
     data = torch.tensor(ids)
@@ -67,7 +78,7 @@ def train_model(tokenizer, texts: list[str], hidden: int, layers: int, steps: in
     seq = 64
     for _ in range(steps):
         starts = torch.randint(0, len(data) - seq - 1, (8,), generator=gen)
-        batch = torch.stack([data[s: s + seq + 1] for s in starts])
+        batch = torch.stack([data[s : s + seq + 1] for s in starts])
         loss = model(input_ids=batch, labels=batch).loss  # the model shifts labels itself
         opt.zero_grad()
         loss.backward()
@@ -122,8 +133,7 @@ def ensure_tiny_fleet(root: str | os.PathLike[str]) -> dict[str, Path]:
         }
         for name, vocab, seed, extra in (("tiny-target-a", 420, 2, 13), ("tiny-target-b", 520, 3, 0)):
             tok = train_tokenizer(texts, vocab)
-            built[name] = (train_model(tok, texts, hidden=64, layers=2, steps=160, seed=seed,
-                                       extra_rows=extra), tok)
+            built[name] = (train_model(tok, texts, hidden=64, layers=2, steps=160, seed=seed, extra_rows=extra), tok)
         for name, (model, tok) in built.items():
             model.save_pretrained(tmp / name)
             tok.save_pretrained(tmp / name)

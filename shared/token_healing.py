@@ -28,7 +28,7 @@ them needs more drafter steps than they win back.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -127,8 +127,12 @@ class SignalRecorder:
     def signal(self) -> dict[str, torch.Tensor]:
         """The rows recorded so far, one per committed token (``recordings.Recording.signal``)."""
         if not self._rows:
-            return {"top_idx": torch.zeros(0, self.top_k, dtype=torch.int32), "top_logp": torch.zeros(0, self.top_k),
-                    "mass": torch.zeros(0), "logp_t": torch.zeros(0)}
+            return {
+                "top_idx": torch.zeros(0, self.top_k, dtype=torch.int32),
+                "top_logp": torch.zeros(0, self.top_k),
+                "mass": torch.zeros(0),
+                "logp_t": torch.zeros(0),
+            }
         return dict(zip(SIGNAL_KEYS, (torch.cat(c) for c in zip(*self._rows))))
 
     @torch.inference_mode(False)
@@ -159,7 +163,7 @@ class SignalRecorder:
                     dm_rows.append(i)
                     dm_pos.append(first)
             else:
-                sub = ids[first:last + 1]
+                sub = ids[first : last + 1]
                 ng_count += 1
                 ng_pos.extend(range(first, last + 1))
                 ng_ids.extend(sub)
@@ -169,10 +173,15 @@ class SignalRecorder:
         return TrainingSample(
             draft_ids=list(ids),
             dm_pos=torch.tensor(dm_pos, dtype=torch.long),
-            dm_top_idx=top_idx[dm].long(), dm_top_logp=top_logp[dm], dm_inter_logmass=mass[dm],
+            dm_top_idx=top_idx[dm].long(),
+            dm_top_logp=top_logp[dm],
+            dm_inter_logmass=mass[dm],
             dm_logp_t=logp_t[dm],
-            ng_pos=torch.tensor(ng_pos, dtype=torch.long), ng_ids=torch.tensor(ng_ids, dtype=torch.long),
-            ng_logp_t=logp_t[ng], ng_count=ng_count, target_tokens=len(self._tokens),
+            ng_pos=torch.tensor(ng_pos, dtype=torch.long),
+            ng_ids=torch.tensor(ng_ids, dtype=torch.long),
+            ng_logp_t=logp_t[ng],
+            ng_count=ng_count,
+            target_tokens=len(self._tokens),
             seq_start=min(dm_pos[:1] + ng_pos[:1], default=len(ids)),
         )
 
@@ -183,8 +192,9 @@ class ReplayedSignal(SignalRecorder):
     ``RecordedTarget`` commits the recorded tokens in order, and each ``record`` takes their
     recorded rows (the logits it is given are the recording's own and carry no statistics)."""
 
-    def __init__(self, intersection: Intersection, generated: list[int], signal: dict[str, torch.Tensor],
-                 top_k: int = TOP_K) -> None:
+    def __init__(
+        self, intersection: Intersection, generated: list[int], signal: dict[str, torch.Tensor], top_k: int = TOP_K
+    ) -> None:
         super().__init__(intersection, top_k)
         if signal["top_idx"].shape[1:] != (self.top_k,) or any(len(signal[k]) != len(generated) for k in signal):
             raise ValueError("the recorded signal does not fit this pair (recorded again)")
@@ -195,8 +205,8 @@ class ReplayedSignal(SignalRecorder):
         start, n = len(self._tokens), len(committed)
         if n == 0:
             return
-        if self._generated[start:start + n] != committed:
+        if self._generated[start : start + n] != committed:
             raise ValueError("the decode left the recording it replays")
         s = self._signal
-        self._rows.append(tuple(s[k][start:start + n] for k in SIGNAL_KEYS))
+        self._rows.append(tuple(s[k][start : start + n] for k in SIGNAL_KEYS))
         self._tokens.extend(committed)

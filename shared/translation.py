@@ -24,8 +24,8 @@ of them (a healed ``" if"`` after a committed ``"\n    "`` proposes ``"if"``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.vocab_bridge import VocabBridge
@@ -47,8 +47,13 @@ class Unit:
 class NgramTranslator:
     """Cache merge, then direct map, then one-to-many expansion; stop at the first gap."""
 
-    def __init__(self, bridge: VocabBridge, cache: NgramCache, expand_map: dict[int, tuple[int, ...]],
-                 encode_target: Callable[[str], list[int]] | None = None):
+    def __init__(
+        self,
+        bridge: VocabBridge,
+        cache: NgramCache,
+        expand_map: dict[int, tuple[int, ...]],
+        encode_target: Callable[[str], list[int]] | None = None,
+    ):
         """``encode_target``: the target tokenizer (without special tokens), for the new bytes of
         a token that straddles the end of the committed text; without it such a block proposes
         nothing."""

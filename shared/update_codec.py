@@ -123,4 +123,3 @@ def _unpack4(packed: np.ndarray, width: int) -> np.ndarray:
     u = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
     u[:, 0::2], u[:, 1::2] = packed & 0x0F, packed >> 4
     return u[:, :width].astype(np.int8) - 8
-

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -72,7 +73,10 @@ _MARKER_ROLES: dict[str, str] = {
     "<unk>": "unk",
 }
 _ATTRIBUTE_ROLES: tuple[tuple[str, str], ...] = (
-    ("eos_token", "eos"), ("bos_token", "bos"), ("pad_token", "pad"), ("unk_token", "unk"),
+    ("eos_token", "eos"),
+    ("bos_token", "bos"),
+    ("pad_token", "pad"),
+    ("unk_token", "unk"),
 )
 # If the target lacks a role, a drafter special of that role maps to the first fallback present.
 _ROLE_FALLBACK: dict[str, tuple[str, ...]] = {"turn_end": ("eos",), "eos": ("turn_end",)}
@@ -91,8 +95,9 @@ class TokenScheme:
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode character table (byte 0x20 -> "Ġ", 0x0A -> "Ċ")."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table = {b: chr(b) for b in printable}
     n = 0
     for b in range(256):
@@ -145,8 +150,8 @@ def detect_scheme(tokenizer: Any) -> TokenScheme:
     if "ByteLevel" in types:
         return TokenScheme("byte_level", byte_fallback)
     metaspace = "Metaspace" in types or any(
-        d.get("type") == "Replace" and d.get("pattern", {}).get("String") == _METASPACE
-        and d.get("content") == " " for d in decoders
+        d.get("type") == "Replace" and d.get("pattern", {}).get("String") == _METASPACE and d.get("content") == " "
+        for d in decoders
     )
     if metaspace:
         return TokenScheme("metaspace", byte_fallback)
@@ -330,7 +335,7 @@ class VocabBridge:
         target_tokenizer: Any,
         draft_logit_rows: int | None = None,
         target_logit_rows: int | None = None,
-    ) -> "VocabBridge":
+    ) -> VocabBridge:
         """Build the bridge. ``*_logit_rows`` default to ``len(tokenizer)``; pass the models'
         output-head sizes (``config.vocab_size``) so the tensors line up with the logits."""
         d_bytes, d_special, _, _ = _table_and_flags(draft_tokenizer)
@@ -393,10 +398,12 @@ class VocabBridge:
         )
 
     def __repr__(self) -> str:
-        return (f"VocabBridge(draft_vocab_size={self.draft_vocab_size}, target_vocab_size="
-                f"{self.target_vocab_size}, draft_logit_rows={len(self.d2t)}, target_logit_rows="
-                f"{len(self.target_to_draft)}, num_direct={self.num_direct}, "
-                f"special_draft_to_target={self.special_draft_to_target})")
+        return (
+            f"VocabBridge(draft_vocab_size={self.draft_vocab_size}, target_vocab_size="
+            f"{self.target_vocab_size}, draft_logit_rows={len(self.d2t)}, target_logit_rows="
+            f"{len(self.target_to_draft)}, num_direct={self.num_direct}, "
+            f"special_draft_to_target={self.special_draft_to_target})"
+        )
 
     def target_text_bytes(self, target_ids: Iterable[int] | torch.Tensor) -> bytes:
         """Concatenated bytes of ``target_ids`` (specials and filler ids contribute nothing)."""

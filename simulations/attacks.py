@@ -66,8 +66,10 @@ def assign(attacks: dict[str, float], veterans: int, seed: int) -> dict[int, str
     for kind, fraction in sorted(attacks.items()):
         n = max(1, round(fraction * veterans))
         if len(out) + n > veterans:
-            raise ValueError(f"the attacks need {len(out) + n} devices, the fleet has {veterans} that are not late joiners")
-        out.update({p: kind for p in order[len(out): len(out) + n]})
+            raise ValueError(
+                f"the attacks need {len(out) + n} devices, the fleet has {veterans} that are not late joiners"
+            )
+        out.update({p: kind for p in order[len(out) : len(out) + n]})
     return out
 
 
@@ -83,10 +85,15 @@ def _set_update(reply: Message, arrays: dict[str, np.ndarray]) -> None:
 def _scale_update(reply: Message, factor: float | None = None, fill: float | None = None) -> None:
     """Scale (or fill) every float array of the reply's compressed update: the per-block scales,
     or the values themselves at 32 bits."""
-    _set_update(reply, {
-        k: (np.full(a.shape, fill, np.float32) if fill is not None else a * np.float32(factor)).astype(np.float32)
-        if a.dtype == np.float32 else a
-        for k, a in _update_arrays(reply).items()})
+    _set_update(
+        reply,
+        {
+            k: (np.full(a.shape, fill, np.float32) if fill is not None else a * np.float32(factor)).astype(np.float32)
+            if a.dtype == np.float32
+            else a
+            for k, a in _update_arrays(reply).items()
+        },
+    )
 
 
 def _replay_file(context: Context, partition: int) -> Path:
@@ -117,8 +124,11 @@ def spoil_train_reply(kind: str, reply: Message, context: Context, partition: in
             _set_update(reply, old["update"])
             reply.content["fleet"]["state-version"] = old["state-version"]
         else:
-            path.write_bytes(pickle.dumps({"update": _update_arrays(reply),
-                                           "state-version": reply.content["fleet"]["state-version"]}))
+            path.write_bytes(
+                pickle.dumps(
+                    {"update": _update_arrays(reply), "state-version": reply.content["fleet"]["state-version"]}
+                )
+            )
     return reply
 
 
@@ -129,8 +139,11 @@ def attack_mod(msg: Message, context: Context, call_next) -> Message:
     scenario = saved_scenario(run_dir(context))
     attacks = scenario.get("attacks") or {}
     partition = int(context.node_config["partition-id"])
-    kind = assign(attacks, scenario["devices"] - scenario["late_joiners"], scenario["seed"]).get(partition) \
-        if attacks else None
+    kind = (
+        assign(attacks, scenario["devices"] - scenario["late_joiners"], scenario["seed"]).get(partition)
+        if attacks
+        else None
+    )
     kind_of_message = msg.metadata.message_type
     if kind == "crash" and kind_of_message == "train":
         raise RuntimeError("simulated device crash (--attack crash)")

@@ -27,15 +27,35 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnidraft.shared.codebase_prompts import PREFIX as CODEBASE, codebase_prompts, package_root, parsed_modules
+from omnidraft.shared.codebase_prompts import PREFIX as CODEBASE
+from omnidraft.shared.codebase_prompts import codebase_prompts, package_root, parsed_modules
 
 DOMAINS = {"humaneval": "code", "stdlib": "code", "pydoc": "prose"}
 DEFAULT_SOURCES = ("humaneval", "stdlib", "pydoc")
 MAX_CHARS = 600
 # the personal codebases: projects installed with this one (its dependencies), most used first
-CODEBASES = ("numpy", "requests", "pandas", "torch", "transformers", "scipy", "matplotlib", "pydantic",
-             "datasets", "aiohttp", "cryptography", "jinja2", "flwr", "networkx", "rich", "click",
-             "httpx", "peft", "safetensors", "sympy")
+CODEBASES = (
+    "numpy",
+    "requests",
+    "pandas",
+    "torch",
+    "transformers",
+    "scipy",
+    "matplotlib",
+    "pydantic",
+    "datasets",
+    "aiohttp",
+    "cryptography",
+    "jinja2",
+    "flwr",
+    "networkx",
+    "rich",
+    "click",
+    "httpx",
+    "peft",
+    "safetensors",
+    "sympy",
+)
 PROJECT_PROMPTS = 240  # prompts read per project: its first functions in file order
 ZIPF = 1.0  # popularity of the project at rank r (from 0): 1 / (r + 1) ** ZIPF
 
@@ -60,13 +80,15 @@ def stdlib_heads(max_chars: int = MAX_CHARS) -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     heads = []
     for _, lines, tree in parsed_modules(sorted(root.glob("*.py"))):
-        nodes = sorted((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
-                       key=lambda n: n.lineno)
+        nodes = sorted(
+            (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
+            key=lambda n: n.lineno,
+        )
         for node in nodes:
             doc = ast.get_docstring(node)
             if not doc or len(doc) < 40:
                 continue
-            head = "\n".join(lines[node.lineno - 1: node.body[0].end_lineno])
+            head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
             indent = len(head) - len(head.lstrip())
             head = "\n".join(line[indent:] for line in head.splitlines())
             if len(head) <= max_chars:
@@ -87,9 +109,11 @@ def source_prompts(name: str) -> list[str]:
     if name == "pydoc":
         return pydoc_passages(MAX_CHARS)
     if name.startswith(CODEBASE):
-        return codebase_prompts(name[len(CODEBASE):], PROJECT_PROMPTS)
-    raise ValueError(f"unknown data source {name!r} (choose from {', '.join(DEFAULT_SOURCES)}, codebases, "
-                     f"codebase:<package> or a .jsonl file)")
+        return codebase_prompts(name[len(CODEBASE) :], PROJECT_PROMPTS)
+    raise ValueError(
+        f"unknown data source {name!r} (choose from {', '.join(DEFAULT_SOURCES)}, codebases, "
+        f"codebase:<package> or a .jsonl file)"
+    )
 
 
 def load_corpus(data: str | None) -> Corpus:
@@ -127,8 +151,15 @@ def is_codebases(corpus: Corpus) -> bool:
     return bool(corpus.labels) and all(label.startswith(CODEBASE) for label in corpus.labels)
 
 
-def split_projects(corpus: Corpus, devices: int, per_device: int, *, seed: int,
-                   newcomers: frozenset[int] = frozenset(), share: bool = False) -> tuple[list[list[int]], list[str]]:
+def split_projects(
+    corpus: Corpus,
+    devices: int,
+    per_device: int,
+    *,
+    seed: int,
+    newcomers: frozenset[int] = frozenset(),
+    share: bool = False,
+) -> tuple[list[list[int]], list[str]]:
     """Each device's project and ``per_device`` prompt indices (a contiguous, disjoint stretch
     of that project's prompts in file order): the project's label order is its popularity
     rank, and each device draws its project with weight ``1 / (rank + 1) ** ZIPF`` among the
@@ -154,9 +185,11 @@ def split_projects(corpus: Corpus, devices: int, per_device: int, *, seed: int,
     stretches = dict(room)
     if sum(room.values()) < devices:
         if not share:
-            raise ValueError(f"the codebases hold {sum(len(v) for v in projects.values())} prompts in "
-                             f"{len(names)} projects: too few for {devices} devices x {per_device} prompts "
-                             f"(fewer devices or prompts per device, or --share-projects)")
+            raise ValueError(
+                f"the codebases hold {sum(len(v) for v in projects.values())} prompts in "
+                f"{len(names)} projects: too few for {devices} devices x {per_device} prompts "
+                f"(fewer devices or prompts per device, or --share-projects)"
+            )
         room = {n: (devices if n != unseen and r >= 1 else r) for n, r in room.items()}  # teammates share
     rng = random.Random(seed)
     used = {name: 0 for name in names}
@@ -167,16 +200,16 @@ def split_projects(corpus: Corpus, devices: int, per_device: int, *, seed: int,
         if d == last_newcomer and unseen is not None:
             name = unseen
         else:
-            pool = [n for n in names if n != unseen and used[n] < room[n]
-                    and (d not in newcomers or n in known)]
+            pool = [n for n in names if n != unseen and used[n] < room[n] and (d not in newcomers or n in known)]
             if not pool:  # newcomers when every known project is full: any project with room
                 pool = [n for n in names if n != unseen and used[n] < room[n]]
             if not pool:
-                raise ValueError(f"the codebases have no room left for device {d} "
-                                 f"(fewer devices or prompts per device)")
+                raise ValueError(
+                    f"the codebases have no room left for device {d} (fewer devices or prompts per device)"
+                )
             name = rng.choices(pool, weights=[weight[n] for n in pool])[0]
         start = (used[name] % stretches[name]) * per_device
-        parts.append(projects[name][start:start + per_device])
+        parts.append(projects[name][start : start + per_device])
         used[name] += 1
         chosen.append(name)
         if d not in newcomers:
@@ -202,8 +235,10 @@ def split(corpus: Corpus, devices: int, per_device: int, *, alpha: float, seed: 
     dropped (so devices fill up before any label runs out, and the skew is the Dirichlet's).
     With one label the split is IID. The corpus needs ``devices * per_device`` prompts."""
     if len(corpus) < devices * per_device:
-        raise ValueError(f"the data has {len(corpus)} prompts; {devices} devices x {per_device} "
-                         f"prompts need {devices * per_device} (fewer devices or prompts per device)")
+        raise ValueError(
+            f"the data has {len(corpus)} prompts; {devices} devices x {per_device} "
+            f"prompts need {devices * per_device} (fewer devices or prompts per device)"
+        )
     from datasets import Dataset
     from flwr_datasets.partitioner import IidPartitioner, InnerDirichletPartitioner
 

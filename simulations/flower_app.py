@@ -98,16 +98,22 @@ def serve(grid: Grid, context: Context) -> None:
             nodes = len(list(grid.get_node_ids()))
             scenario.devices = nodes - scenario.probes * len(scenario.target_shares())
             if scenario.devices < 1:
-                raise ValueError(f"{nodes} SuperNodes leave no training device beside "
-                                 f"{scenario.probes} probes per target: raise num-supernodes")
+                raise ValueError(
+                    f"{nodes} SuperNodes leave no training device beside "
+                    f"{scenario.probes} probes per target: raise num-supernodes"
+                )
             scenario.late_joiners = min(scenario.late_joiners, scenario.devices - 1)
             prepare(scenario, out)
             write_bytes_atomic(out / SCENARIO_FILE, json.dumps(scenario.to_dict(), default=str).encode())
         else:
             scenario = Scenario.from_dict(saved_scenario(out), source=str(out / SCENARIO_FILE))
         nodes = sum(1 for _ in (out / "devices").iterdir())
-        coordinator = Coordinator(out / "coordinator", fleet_config(scenario, nodes), progress=_progress_file(out),
-                                  before_round=operator_actions(scenario))
+        coordinator = Coordinator(
+            out / "coordinator",
+            fleet_config(scenario, nodes),
+            progress=_progress_file(out),
+            before_round=operator_actions(scenario),
+        )
         for hook in _mods(str(context.run_config.get("coordinator-hooks", "") or "")):
             hook(coordinator)  # e.g. fault injection in tests: a crash at a chosen point of a round
         coordinator.run(grid, context)
@@ -118,9 +124,12 @@ def serve(grid: Grid, context: Context) -> None:
             report.finish(out, scenario.to_dict(), time.perf_counter() - t0)
         write_bytes_atomic(out / OUTCOME_FILE, json.dumps({"status": "finished"}).encode())
     except BaseException as exc:
-        write_bytes_atomic(out / OUTCOME_FILE, json.dumps({
-            "status": "failed", "error": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc()}).encode())
+        write_bytes_atomic(
+            out / OUTCOME_FILE,
+            json.dumps(
+                {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            ).encode(),
+        )
         raise
 
 
@@ -139,6 +148,7 @@ def _progress_file(out: Path):
 
 
 # -- the ClientApp ---------------------------------------------------------------------------------
+
 
 def device_for(context: Context) -> FleetDevice:
     """The device of this partition, in the run directory."""
@@ -178,11 +188,15 @@ def run_config(directory: Path, client_mods: tuple = (), coordinator_hooks: tupl
     """The run config that points ``flwr run`` at a prepared ``directory`` (``client_mods``:
     mod functions, importable by name in the workers; ``coordinator_hooks``: functions called
     with the ``Coordinator`` before it runs, importable in the ServerApp's process)."""
+
     def names(funcs: tuple) -> str:
         return ",".join(f"{f.__module__}:{f.__qualname__}" for f in funcs)
 
-    return {"run-dir": str(Path(directory).resolve()), "client-mods": names(client_mods),
-            "coordinator-hooks": names(coordinator_hooks)}
+    return {
+        "run-dir": str(Path(directory).resolve()),
+        "client-mods": names(client_mods),
+        "coordinator-hooks": names(coordinator_hooks),
+    }
 
 
 class RunFollower:
@@ -207,6 +221,6 @@ class RunFollower:
                 self.progress(*json.loads(state))
         if self.on_round is not None and self.rounds.exists():
             lines = self.rounds.read_text().splitlines()
-            for line in lines[self.seen:]:
+            for line in lines[self.seen :]:
                 self.on_round(json.loads(line))
             self.seen = len(lines)

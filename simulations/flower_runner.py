@@ -39,9 +39,19 @@ class FlowerRunError(RuntimeError):
     """The Flower run did not complete (one line; the log has the details)."""
 
 
-def run_app(app_dir: str | Path, run_config: dict[str, object], supernodes: int, flwr_home: str | Path, *,
-            cpus_per_device: int = 1, total_cpus: int | None = None, ray_address: str | None = None,
-            verbose: bool = False, watch: Callable[[], None] | None = None, poll_s: float = 0.5) -> None:
+def run_app(
+    app_dir: str | Path,
+    run_config: dict[str, object],
+    supernodes: int,
+    flwr_home: str | Path,
+    *,
+    cpus_per_device: int = 1,
+    total_cpus: int | None = None,
+    ray_address: str | None = None,
+    verbose: bool = False,
+    watch: Callable[[], None] | None = None,
+    poll_s: float = 0.5,
+) -> None:
     """Run the Flower App in ``app_dir`` with ``supernodes`` simulated SuperNodes until it ends.
 
     ``run_config``: overrides of the app's ``[tool.flwr.app.config]``; ``total_cpus``: CPUs Ray
@@ -56,29 +66,67 @@ def run_app(app_dir: str | Path, run_config: dict[str, object], supernodes: int,
     (http_port,) = _free_ports(1)
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-        f'address = "127.0.0.1:{http_port}"\ninsecure = true\n')
+        f'address = "127.0.0.1:{http_port}"\ninsecure = true\n'
+    )
     log_path = home / "flower.log"
-    federation = {"num-supernodes": supernodes, "client-resources-num-cpus": cpus_per_device,
-                  "init-args-logging-level": "info" if verbose else "error"}
+    federation = {
+        "num-supernodes": supernodes,
+        "client-resources-num-cpus": cpus_per_device,
+        "init-args-logging-level": "info" if verbose else "error",
+    }
     if not ray_address:
         federation["init-args-num-cpus"] = total_cpus or len(os.sched_getaffinity(0))
     with open(log_path, "ab") as log:
+
         def start(*cmd: str) -> subprocess.Popen:
-            return subprocess.Popen([_executable(cmd[0], env), *cmd[1:]], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, preexec_fn=_stop_with_parent)
+            return subprocess.Popen(
+                [_executable(cmd[0], env), *cmd[1:]],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_stop_with_parent,
+            )
 
         # the SuperLink's own SuperExec would run in a session of its own: start it here instead
-        superlink = start("flower-superlink", "--insecure", "--simulation", "--isolation", "process", "--host",
-                          "127.0.0.1", "--port", str(http_port), "--disable-runtime-dependency-installation")
+        superlink = start(
+            "flower-superlink",
+            "--insecure",
+            "--simulation",
+            "--isolation",
+            "process",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(http_port),
+            "--disable-runtime-dependency-installation",
+        )
         superexec = None
         try:
             _wait_until_up(superlink, http_port, log_path)
-            superexec = start("flower-superexec", "--insecure", "--runtime-api-address", f"127.0.0.1:{http_port}",
-                              "--parent-pid", str(os.getpid()))
+            superexec = start(
+                "flower-superexec",
+                "--insecure",
+                "--runtime-api-address",
+                f"127.0.0.1:{http_port}",
+                "--parent-pid",
+                str(os.getpid()),
+            )
             run = subprocess.Popen(
-                [_executable("flwr", env), "run", str(app_dir), CONNECTION, "--stream",
-                 "--run-config", toml_pairs(run_config), "--federation-config", toml_pairs(federation)],
-                env=env, stdout=None if verbose else log, stderr=subprocess.STDOUT)
+                [
+                    _executable("flwr", env),
+                    "run",
+                    str(app_dir),
+                    CONNECTION,
+                    "--stream",
+                    "--run-config",
+                    toml_pairs(run_config),
+                    "--federation-config",
+                    toml_pairs(federation),
+                ],
+                env=env,
+                stdout=None if verbose else log,
+                stderr=subprocess.STDOUT,
+            )
             try:
                 while run.poll() is None:
                     if watch is not None:
@@ -98,8 +146,9 @@ def run_app(app_dir: str | Path, run_config: dict[str, object], supernodes: int,
 
 def _environment(home: Path, cpus_per_device: int, verbose: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                "FLWR_DISABLE_UPDATE_CHECK": "1"})
+    env.update(
+        {"FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    )
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     env.setdefault("OMNIDRAFT_THREADS", str(cpus_per_device))

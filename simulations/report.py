@@ -17,14 +17,14 @@ from omnidraft.shared.atomic_io import write_bytes_atomic
 
 PLOTS = {
     "acceptance.png": "Acceptance of the global state on the probes' held-out prompts, by round "
-                      "(solid: drafting a fixed k tokens per round; dashed: adaptive draft length)",
+    "(solid: drafting a fixed k tokens per round; dashed: adaptive draft length)",
     "speedup.png": "Speedup over the target alone (same prompts, same machine), by round: live (solid) and "
-                   "modelled from the machine's cost profile, decoding only (dashed)",
+    "modelled from the machine's cost profile, decoding only (dashed)",
     "cache.png": "Global n-gram cache entries, by round",
     "bytes.png": "Bytes per device and round (uplink: adapter + n-gram statistics; downlink: state sent)",
     "newcomers.png": "First session of a new device: with the global state (warm) vs without (cold), "
-                     "and devices that trained before (veterans) with the same state: acceptance, and where "
-                     "measured the modelled speedup",
+    "and devices that trained before (veterans) with the same state: acceptance, and where "
+    "measured the modelled speedup",
 }
 
 
@@ -57,21 +57,28 @@ def target_summary(rows: list[dict]) -> dict:
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
     return {
         "rounds": [r["round"] for r in rows],
-        "acceptance-first": first.get("eval-acceptance"), "acceptance-last": last.get("eval-acceptance"),
+        "acceptance-first": first.get("eval-acceptance"),
+        "acceptance-last": last.get("eval-acceptance"),
         "acceptance-k-first": first.get("eval-fixed-k-acceptance"),
         "acceptance-k-last": last.get("eval-fixed-k-acceptance"),
         "new-warm-acceptance-k": _mean([r.get("new-warm-fixed-k-acceptance") for r in newcomers]),
         "new-cold-acceptance-k": _mean([r.get("new-cold-fixed-k-acceptance") for r in newcomers]),
         "veteran-acceptance": _mean([r.get("veteran-acceptance") for r in newcomers]),
         "veteran-acceptance-k": _mean([r.get("veteran-fixed-k-acceptance") for r in newcomers]),
-        "first-round": first.get("round"), "last-round": last.get("round"),
-        "tokens-per-call-first": first.get("eval-tokens-per-call"), "tokens-per-call-last": last.get("eval-tokens-per-call"),
-        "speedup-first": first.get("eval-speedup"), "speedup-last": last.get("eval-speedup"),
+        "first-round": first.get("round"),
+        "last-round": last.get("round"),
+        "tokens-per-call-first": first.get("eval-tokens-per-call"),
+        "tokens-per-call-last": last.get("eval-tokens-per-call"),
+        "speedup-first": first.get("eval-speedup"),
+        "speedup-last": last.get("eval-speedup"),
         "modelled-speedup-first": first.get("eval-modelled-speedup"),
         "modelled-speedup-last": last.get("eval-modelled-speedup"),
         "tokens-per-s-last": last.get("eval-tokens-per-s"),
-        **{f"{who}-modelled-{k}": _mean([r.get(f"{who}-modelled-{k}") for r in newcomers])
-           for who in ("new-warm", "new-cold", "veteran") for k in ("speedup", "tokens-per-s")},
+        **{
+            f"{who}-modelled-{k}": _mean([r.get(f"{who}-modelled-{k}") for r in newcomers])
+            for who in ("new-warm", "new-cold", "veteran")
+            for k in ("speedup", "tokens-per-s")
+        },
         "train-replayed": _mean([r.get("train-replayed") for r in trained]),
         "new-warm-acceptance": _mean([r.get("new-warm-acceptance") for r in newcomers]),
         "new-cold-acceptance": _mean([r.get("new-cold-acceptance") for r in newcomers]),
@@ -141,16 +148,22 @@ def verdict(summaries: dict[str, dict]) -> str:
             call = f"speed unchanged within {NOISE:.0%} ({_times(first)} → {_times(last)} the target alone's)"
         text = f"**{t}**: {call} from round {s['first-round']} to {s['last-round']}"
         if s.get("modelled-speedup-first") is not None and s.get("modelled-speedup-last") is not None:
-            text += (f" (modelled from the machine's cost profile, decoding only: "
-                     f"{_times(s['modelled-speedup-first'])} → {_times(s['modelled-speedup-last'])})")
+            text += (
+                f" (modelled from the machine's cost profile, decoding only: "
+                f"{_times(s['modelled-speedup-first'])} → {_times(s['modelled-speedup-last'])})"
+            )
         if s["acceptance-k-first"] is not None:
             text += f"; acceptance at fixed k {_fmt(s['acceptance-k-first'])} → {_fmt(s['acceptance-k-last'])}"
         if s["new-devices"]:
-            text += (f"; new devices start at {_fmt(s['new-warm-acceptance-k'] or s['new-warm-acceptance'])} "
-                     f"with the fleet's state vs {_fmt(s['new-cold-acceptance-k'] or s['new-cold-acceptance'])} without")
+            text += (
+                f"; new devices start at {_fmt(s['new-warm-acceptance-k'] or s['new-warm-acceptance'])} "
+                f"with the fleet's state vs {_fmt(s['new-cold-acceptance-k'] or s['new-cold-acceptance'])} without"
+            )
             if s.get("new-warm-modelled-speedup") is not None:
-                text += (f" (modelled speed {_times(s['new-warm-modelled-speedup'])} warm, "
-                         f"{_times(s['new-cold-modelled-speedup'])} cold, veterans {_times(s['veteran-modelled-speedup'])})")
+                text += (
+                    f" (modelled speed {_times(s['new-warm-modelled-speedup'])} warm, "
+                    f"{_times(s['new-cold-modelled-speedup'])} cold, veterans {_times(s['veteran-modelled-speedup'])})"
+                )
         parts.append(text + ".")
     return " ".join(parts)
 
@@ -158,15 +171,18 @@ def verdict(summaries: dict[str, dict]) -> str:
 def summary_table(summaries: dict[str, dict]) -> str:
     """A Markdown table, one row per target (also printed at the end of a run). Where the
     fixed-length acceptance was measured it comes first, the adaptive one in parentheses."""
-    head = ("| target | acceptance, fixed k (adaptive) (round → round) | tokens/call | speedup vs target, live (modelled) "
-            "| new device warm / cold / veterans, fixed k (adaptive) "
-            "| devices trained | uplink / downlink per device | cache entries | n-grams released | ε |")
+    head = (
+        "| target | acceptance, fixed k (adaptive) (round → round) | tokens/call | speedup vs target, live (modelled) "
+        "| new device warm / cold / veterans, fixed k (adaptive) "
+        "| devices trained | uplink / downlink per device | cache entries | n-grams released | ε |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for t, s in summaries.items():
         rounds = f"{s['first-round']} → {s['last-round']}" if s["first-round"] is not None else ""
         first, last = (_pair(s[f"acceptance-k-{end}"], s[f"acceptance-{end}"]) for end in ("first", "last"))
-        warm, cold, veteran = (_pair(s[f"{who}-acceptance-k"], s[f"{who}-acceptance"])
-                               for who in ("new-warm", "new-cold", "veteran"))
+        warm, cold, veteran = (
+            _pair(s[f"{who}-acceptance-k"], s[f"{who}-acceptance"]) for who in ("new-warm", "new-cold", "veteran")
+        )
         lines.append(
             f"| {t} | {first} → {last} ({rounds}) "
             f"| {_fmt(s['tokens-per-call-first'], '.2f')} → {_fmt(s['tokens-per-call-last'], '.2f')} "
@@ -175,7 +191,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
             f"| {warm} / {cold} / {veteran} "
             f"({s['new-devices']} device{'s' if s['new-devices'] != 1 else ''}) "
             f"| {s['devices-trained']} | {_mb(s['uplink-bytes-per-device'])} / {_mb(s['downlink-bytes-per-device'])} "
-            f"| {_fmt(s['cache-entries-last'], 'd')} | {s['ngrams-released']} | {_fmt(s['epsilon-last'], '.2f')} |")
+            f"| {_fmt(s['cache-entries-last'], 'd')} | {s['ngrams-released']} | {_fmt(s['epsilon-last'], '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -187,19 +204,32 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    def series(key: str, fig_name: str, ylabel: str, *, scale: float = 1.0, marker="o",
-               dashed: str | None = None, dashed_label: str = "adaptive") -> None:
+    def series(
+        key: str,
+        fig_name: str,
+        ylabel: str,
+        *,
+        scale: float = 1.0,
+        marker="o",
+        dashed: str | None = None,
+        dashed_label: str = "adaptive",
+    ) -> None:
         """``key`` by round per target; ``dashed``: a second key drawn dashed in the same colour
         (labelled ``dashed_label``)."""
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for t, rows in per_target.items():
             pts = [(r["round"], r[key] / scale) for r in rows if r.get(key) is not None]
             if pts:
-                line, = ax.plot(*zip(*pts), marker=marker, label=t)
+                (line,) = ax.plot(*zip(*pts), marker=marker, label=t)
             more = [(r["round"], r[dashed] / scale) for r in rows if dashed and r.get(dashed) is not None]
             if more:
-                ax.plot(*zip(*more), "--", marker=".", color=line.get_color() if pts else None,
-                        label=f"{t} ({dashed_label})" if pts else t)
+                ax.plot(
+                    *zip(*more),
+                    "--",
+                    marker=".",
+                    color=line.get_color() if pts else None,
+                    label=f"{t} ({dashed_label})" if pts else t,
+                )
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
@@ -214,8 +244,13 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
         series("eval-fixed-k-acceptance", "acceptance.png", "acceptance (probes)", dashed="eval-acceptance")
     else:
         series("eval-acceptance", "acceptance.png", "acceptance (probes)")
-    series("eval-speedup", "speedup.png", "speedup vs target alone (x)", dashed="eval-modelled-speedup",
-           dashed_label="modelled")
+    series(
+        "eval-speedup",
+        "speedup.png",
+        "speedup vs target alone (x)",
+        dashed="eval-modelled-speedup",
+        dashed_label="modelled",
+    )
     series("cache-entries", "cache.png", "global cache entries")
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -244,15 +279,23 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
         """Cold / warm / veterans per target, ``{who}-{key}`` of the summaries."""
         groups = [[s[f"{who}-{key}"] or 0.0 for s in summaries] for who in ("new-cold", "new-warm", "veteran")]
         xs = range(len(names))
-        for offset, values, label in zip((-0.27, 0.0, 0.27), groups, ("new, cold (no global state)",
-                                                                      "new, warm (global state)", "veterans (global state)")):
+        for offset, values, label in zip(
+            (-0.27, 0.0, 0.27),
+            groups,
+            ("new, cold (no global state)", "new, warm (global state)", "veterans (global state)"),
+        ):
             ax.bar_label(ax.bar([x + offset for x in xs], values, width=0.27, label=label), fmt=fmt, fontsize=7)
         ax.set_xticks(list(xs), names, fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, 1.35 * max([v for g in groups for v in g] + [0.01]))  # headroom: the legend sits above the bars
         ax.legend(fontsize=7, loc="upper center", ncol=3 if not speed else 1)
 
-    bars(axes[0][0], "acceptance-k" if fixed else "acceptance", "first-session acceptance" + (", fixed k" if fixed else ""), "%.3f")
+    bars(
+        axes[0][0],
+        "acceptance-k" if fixed else "acceptance",
+        "first-session acceptance" + (", fixed k" if fixed else ""),
+        "%.3f",
+    )
     if speed:
         bars(axes[0][1], "modelled-speedup", "speedup vs target alone, modelled (x)", "%.2f")
     fig.tight_layout()
@@ -263,16 +306,20 @@ def plot(per_target: dict[str, list[dict]], out: Path) -> list[str]:
 
 def _warm_cold(r: dict) -> str:
     """A round's newcomers, warm / cold, and its veterans: at fixed k (adaptive) where measured."""
-    return " / ".join(_pair(r.get(f"{who}-fixed-k-acceptance"), r.get(f"{who}-acceptance"))
-                      for who in ("new-warm", "new-cold", "veteran"))
+    return " / ".join(
+        _pair(r.get(f"{who}-fixed-k-acceptance"), r.get(f"{who}-acceptance"))
+        for who in ("new-warm", "new-cold", "veteran")
+    )
 
 
 def _warm_cold_speed(r: dict) -> str:
     """A round's newcomers warm / cold and its veterans: modelled tok/s (speedup), where measured."""
     if r.get("new-warm-modelled-tokens-per-s") is None:
         return "–"
-    return " / ".join(f"{_fmt(r.get(f'{who}-modelled-tokens-per-s'), '.1f')} ({_times(r.get(f'{who}-modelled-speedup'))})"
-                      for who in ("new-warm", "new-cold", "veteran"))
+    return " / ".join(
+        f"{_fmt(r.get(f'{who}-modelled-tokens-per-s'), '.1f')} ({_times(r.get(f'{who}-modelled-speedup'))})"
+        for who in ("new-warm", "new-cold", "veteran")
+    )
 
 
 def _trained_speed(r: dict) -> str:
@@ -284,11 +331,13 @@ def _trained_speed(r: dict) -> str:
 
 
 def round_table(rows: list[dict]) -> str:
-    head = ("| round | devices serving (switched) | devices trained | state version | acceptance, fixed k "
-            "| acceptance | tokens/call "
-            "| tok/s | speedup, live (modelled) | new warm / cold / veterans "
-            "| new warm / cold / veterans: modelled tok/s (speedup) | trained devices: modelled speedup (replayed) "
-            "| cache entries | released | ε |")
+    head = (
+        "| round | devices serving (switched) | devices trained | state version | acceptance, fixed k "
+        "| acceptance | tokens/call "
+        "| tok/s | speedup, live (modelled) | new warm / cold / veterans "
+        "| new warm / cold / veterans: modelled tok/s (speedup) | trained devices: modelled speedup (replayed) "
+        "| cache entries | released | ε |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ngrams = r.get("ngrams", {})
@@ -302,12 +351,19 @@ def round_table(rows: list[dict]) -> str:
             f"| {_fmt(r.get('eval-tokens-per-call'), '.2f')} | {_fmt(r.get('eval-tokens-per-s'), '.1f')} "
             f"| {_speeds(r.get('eval-speedup'), r.get('eval-modelled-speedup'))} "
             f"| {_warm_cold(r)} | {_warm_cold_speed(r)} | {_trained_speed(r)} "
-            f"| {_fmt(r.get('cache-entries'), 'd')} | {ngrams.get('released', '–')} | {_fmt(ngrams.get('epsilon'), '.2f')} |")
+            f"| {_fmt(r.get('cache-entries'), 'd')} | {ngrams.get('released', '–')} | {_fmt(ngrams.get('epsilon'), '.2f')} |"
+        )
     return "\n".join(lines)
 
 
-PHASES = {"census": "status and rollout", "start-eval": "round 0 evaluation", "newcomers": "new devices and veterans",
-          "train": "training devices", "aggregate": "aggregation", "eval": "probes"}
+PHASES = {
+    "census": "status and rollout",
+    "start-eval": "round 0 evaluation",
+    "newcomers": "new devices and veterans",
+    "train": "training devices",
+    "aggregate": "aggregation",
+    "eval": "probes",
+}
 
 
 def time_table(records: list[dict]) -> str | None:
@@ -324,8 +380,13 @@ def time_table(records: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
-def finish(run_dir: str | Path, config: dict, wall_s: float, peak_rss_mb: float | None = None,
-           peak_rss_scope: str = "not measured") -> tuple[dict, Path | None]:
+def finish(
+    run_dir: str | Path,
+    config: dict,
+    wall_s: float,
+    peak_rss_mb: float | None = None,
+    peak_rss_scope: str = "not measured",
+) -> tuple[dict, Path | None]:
     """Write ``summary.json`` (``config``: the scenario's ``to_dict()``; the run's wall time in
     seconds and peak memory in MiB) and, when ``metrics.jsonl`` has rounds, the plots and
     ``report.md``; returns (the per-target summaries, the report's path or None)."""
@@ -337,8 +398,14 @@ def finish(run_dir: str | Path, config: dict, wall_s: float, peak_rss_mb: float 
     metrics = run_dir / "metrics.jsonl"
     per_target = by_target(read_metrics(metrics)) if metrics.exists() else {}
     summaries = {t: target_summary(rows) for t, rows in per_target.items()}
-    summary = {"config": config, "wall_s": round(wall_s, 1), "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
-               "peak_rss_mb": peak_rss_mb, "peak_rss_scope": peak_rss_scope, "targets": summaries}
+    summary = {
+        "config": config,
+        "wall_s": round(wall_s, 1),
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
+        "peak_rss_mb": peak_rss_mb,
+        "peak_rss_scope": peak_rss_scope,
+        "targets": summaries,
+    }
     write_bytes_atomic(run_dir / "summary.json", json.dumps(summary, indent=1, default=str).encode())
     return summaries, write_report(run_dir) if per_target else None
 
@@ -366,7 +433,10 @@ def write_report(run_dir: str | Path) -> Path:
     cfg = summary["config"]
     summaries = {t: target_summary(r) for t, r in per_target.items()}
     parts = [
-        "# OmniDraft Fleet simulation report", "", verdict(summaries), "",
+        "# OmniDraft Fleet simulation report",
+        "",
+        verdict(summaries),
+        "",
         f"{cfg['devices']} devices ({cfg.get('probes', 0)} probe devices per target in addition), "
         f"{cfg['rounds']} rounds, {cfg['fraction']:.0%} of the joined devices sampled per round, "
         f"models `{cfg['models']}`, targets {', '.join(f'`{t}`' for t in cfg['targets'])}, "
@@ -376,7 +446,7 @@ def write_report(run_dir: str | Path) -> Path:
         "",
         "Acceptance, tokens per target call and speedup are the global state's, measured by the probe "
         "devices (never trained) on the same held-out prompts every round; round 0 is the starting state "
-        "(untrained adapter, cache seeded from the tokenizers). \"Fixed k\" acceptance drafts exactly "
+        '(untrained adapter, cache seeded from the tokenizers). "Fixed k" acceptance drafts exactly '
         f"k = {cfg.get('acceptance_k', 0)} drafter tokens per round (the paper's protocol) on all "
         f"{cfg.get('probe_heldout', 0)} held-out prompts of each probe, scored against the target's greedy "
         "output recorded once (greedy decoding commits that output whatever is drafted, so the figure is "
@@ -389,11 +459,19 @@ def write_report(run_dir: str | Path) -> Path:
         "(in parentheses) charges each round the probe decoded its cost in the machine's cached cost "
         "profile (the same figures the draft rule decides from), prompt prefill excluded: it does not move "
         "when the machine is busier or quieter between rounds, the live one does. "
-        + ("Training devices, newcomers and veterans replay the target's greedy output where it was "
-           "recorded before (this run or an earlier one on this machine): their drafting, acceptance and "
-           "learning are the live ones, their speed is only modelled; the probes' adaptive decodes run the "
-           "real target (the live panel)." if cfg.get("replay") else ""),
-        "", "## Per target", "", summary_table(summaries), "",
+        + (
+            "Training devices, newcomers and veterans replay the target's greedy output where it was "
+            "recorded before (this run or an earlier one on this machine): their drafting, acceptance and "
+            "learning are the live ones, their speed is only modelled; the probes' adaptive decodes run the "
+            "real target (the live panel)."
+            if cfg.get("replay")
+            else ""
+        ),
+        "",
+        "## Per target",
+        "",
+        summary_table(summaries),
+        "",
     ]
     for name in plots:
         parts += [f"![{PLOTS[name]}]({name})", "", f"*{PLOTS[name]}.*", ""]
@@ -403,11 +481,15 @@ def write_report(run_dir: str | Path) -> Path:
     if cfg.get("late_joiners"):
         events.append(f"{cfg['late_joiners']} devices join at round {cfg.get('join_round') or cfg['rounds']}")
     if cfg.get("share_projects"):
-        events.append("more devices than the codebases' own stretches: teammates share a project's prompts "
-                      "(a new device's held-out prompts may be a teammate's training prompts)")
+        events.append(
+            "more devices than the codebases' own stretches: teammates share a project's prompts "
+            "(a new device's held-out prompts may be a teammate's training prompts)"
+        )
     if cfg.get("attacks"):
-        events.append("attacks (share of the training devices): "
-                      + ", ".join(f"{k} {v:.0%}" for k, v in sorted(cfg["attacks"].items())))
+        events.append(
+            "attacks (share of the training devices): "
+            + ", ".join(f"{k} {v:.0%}" for k, v in sorted(cfg["attacks"].items()))
+        )
     if events:
         parts += ["## Events", "", *[f"- {e}" for e in events], ""]
     times = time_table([r for rows in per_target.values() for r in rows])
@@ -415,8 +497,14 @@ def write_report(run_dir: str | Path) -> Path:
         parts += ["## Where the time went (wall seconds)", "", times, ""]
     reasons = rejection_reasons([r for rows in per_target.values() for r in rows])
     if reasons:
-        parts += ["## Rejected replies and skipped devices, by reason", "", "| reason | count |", "|---|---|",
-                  *[f"| {why} | {n} |" for why, n in reasons.most_common()], ""]
+        parts += [
+            "## Rejected replies and skipped devices, by reason",
+            "",
+            "| reason | count |",
+            "|---|---|",
+            *[f"| {why} | {n} |" for why, n in reasons.most_common()],
+            "",
+        ]
     parts += ["## Configuration", "", "```json", json.dumps(cfg, indent=1, default=str), "```", ""]
     path = run_dir / "report.md"
     write_bytes_atomic(path, "\n".join(parts).encode())
@@ -431,4 +519,4 @@ if __name__ == "__main__":
         print(write_report(sys.argv[1]))
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None

@@ -45,8 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rounds", type=int)
     a("--fraction", type=float, help="share of the joined devices sampled per round")
     a("--targets", help="target mix, e.g. qwen2.5-coder-0.5b:0.5,gemma3-270m:0.5")
-    a("--data", help="comma list of humaneval,stdlib,pydoc,codebase:<package>; codebases (one installed project "
-                     "per device, by popularity); or PATH.jsonl (a 'prompt' per line, optional 'label')")
+    a(
+        "--data",
+        help="comma list of humaneval,stdlib,pydoc,codebase:<package>; codebases (one installed project "
+        "per device, by popularity); or PATH.jsonl (a 'prompt' per line, optional 'label')",
+    )
     a("--alpha", type=float, help="Dirichlet concentration of each device's mix of sources (default 0.5)")
     a("--prompts-per-device", type=int)
     a("--heldout-per-device", type=int)
@@ -54,62 +57,113 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-new-tokens", type=int)
     a("--probes", type=int, help="evaluation-only devices per target (a fixed panel)")
     a("--probe-heldout", type=int, help="held-out prompts per probe device (fixed-k acceptance)")
-    a("--probe-speed-prompts", type=int,
-      help="of the probe's held-out prompts, how many are also decoded adaptively and timed (0: all)")
+    a(
+        "--probe-speed-prompts",
+        type=int,
+        help="of the probe's held-out prompts, how many are also decoded adaptively and timed (0: all)",
+    )
     a("--newcomer-evals", type=int, help="new devices per target and round measured warm and cold")
     a("--late-joiners", type=int, help="devices that join late (at --join-round, default the last round)")
     a("--join-round", type=int)
-    a("--rollout", help="TARGET@ROUND:SHARE: before ROUND the operator rolls a new TARGET out to a "
-                        "SHARE of the devices (omnidraft fleet rollout)")
-    a("--rollback", help="TARGET@ROUND: before ROUND the operator restores TARGET's previous state "
-                         "(omnidraft fleet rollback)")
+    a(
+        "--rollout",
+        help="TARGET@ROUND:SHARE: before ROUND the operator rolls a new TARGET out to a "
+        "SHARE of the devices (omnidraft fleet rollout)",
+    )
+    a(
+        "--rollback",
+        help="TARGET@ROUND: before ROUND the operator restores TARGET's previous state (omnidraft fleet rollback)",
+    )
     a("--drift", help="SOURCE@ROUND: from ROUND every device's traffic comes from SOURCE")
     a("--lora-rank", type=int)
     a("--lr", type=float, help="the devices' learning rate (AdamW)")
     a("--local-epochs", type=int, help="passes over a round's samples on each device (default 1)")
-    a("--server-opt", choices=["avg", "momentum", "adam"],
-      help="how the coordinator moves a target's global adapter towards the round's aggregate: avg "
-           "(plain FedAvg, default), momentum (FedAvgM) or adam (FedAdam), with --server-lr")
+    a(
+        "--server-opt",
+        choices=["avg", "momentum", "adam"],
+        help="how the coordinator moves a target's global adapter towards the round's aggregate: avg "
+        "(plain FedAvg, default), momentum (FedAvgM) or adam (FedAdam), with --server-lr",
+    )
     a("--server-lr", type=float, help="the server optimizer's learning rate")
-    a("--acceptance-k", type=int,
-      help="probes and new devices also decode drafting exactly K tokens per round, the paper's "
-           "acceptance protocol (default 4; 0: not measured)")
-    a("--ffa", action=argparse.BooleanOptionalAction, default=None,
-      help="FFA-LoRA: freeze A, train and average only B (exact averaging; the default scenario's choice; --no-ffa: plain LoRA)")
-    a("--secagg", action="store_true", default=None,
-      help="sum each target's adapter updates with Flower's SecAgg+ (the coordinator sees only their mean)")
-    a("--translate", choices=["ngram", "text"],
-      help="drafted block -> target tokens: text (the target tokenizer; the default scenario) or ngram (the paper's cache merge)")
-    a("--dtype", choices=["bf16", "fp32", "int8"],
-      help="target precision (int8: the native int8 runtime where the CPU has AVX-512 VNNI or AVX2)")
-    a("--draft-stop", choices=["auto", "cost", "confidence"],
-      help="what each round drafts: auto/cost (default) the throughput rule, from the machine's cached cost "
-           "profile and counted acceptance; confidence: always the drafter, stopping under a confidence threshold")
-    a("--share-projects", action="store_true", default=None,
-      help="with codebases too small for every device to hold its own prompts (e.g. --devices 1000): devices "
-           "beyond a project's own stretches share its code, as teammates do")
-    a("--replay", action=argparse.BooleanOptionalAction, default=None,
-      help="training devices replay the target's greedy output of a prompt decoded before (this run or an "
-           "earlier one on this machine; cached under $OMNIDRAFT_HOME/recordings): the same drafting, "
-           "acceptance and learning at the drafter's cost, their speed modelled (default; --no-replay: "
-           "the target runs for every decode)")
+    a(
+        "--acceptance-k",
+        type=int,
+        help="probes and new devices also decode drafting exactly K tokens per round, the paper's "
+        "acceptance protocol (default 4; 0: not measured)",
+    )
+    a(
+        "--ffa",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="FFA-LoRA: freeze A, train and average only B (exact averaging; the default scenario's choice; --no-ffa: plain LoRA)",
+    )
+    a(
+        "--secagg",
+        action="store_true",
+        default=None,
+        help="sum each target's adapter updates with Flower's SecAgg+ (the coordinator sees only their mean)",
+    )
+    a(
+        "--translate",
+        choices=["ngram", "text"],
+        help="drafted block -> target tokens: text (the target tokenizer; the default scenario) or ngram (the paper's cache merge)",
+    )
+    a(
+        "--dtype",
+        choices=["bf16", "fp32", "int8"],
+        help="target precision (int8: the native int8 runtime where the CPU has AVX-512 VNNI or AVX2)",
+    )
+    a(
+        "--draft-stop",
+        choices=["auto", "cost", "confidence"],
+        help="what each round drafts: auto/cost (default) the throughput rule, from the machine's cached cost "
+        "profile and counted acceptance; confidence: always the drafter, stopping under a confidence threshold",
+    )
+    a(
+        "--share-projects",
+        action="store_true",
+        default=None,
+        help="with codebases too small for every device to hold its own prompts (e.g. --devices 1000): devices "
+        "beyond a project's own stretches share its code, as teammates do",
+    )
+    a(
+        "--replay",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="training devices replay the target's greedy output of a prompt decoded before (this run or an "
+        "earlier one on this machine; cached under $OMNIDRAFT_HOME/recordings): the same drafting, "
+        "acceptance and learning at the drafter's cost, their speed modelled (default; --no-replay: "
+        "the target runs for every decode)",
+    )
     a("--no-ar", action="store_true", help="probes do not run the target alone (no speedup figures)")
     a("--aggregation", choices=["fedavg", "median", "trimmed"])
     a("--clip-norm", type=float, help="L2 bound on each device's adapter update")
-    a("--dp-noise", type=float,
-      help="differential privacy on the adapter updates (DP-FedAvg: fixed clipping, equal weights, central noise): "
-           "Gaussian noise of this multiplier times --clip-norm on the sum of the clipped updates, composed "
-           "into the reported epsilon (default 0: off; needs --clip-norm and the fedavg aggregation)")
-    a("--update-bits", type=int, choices=(4, 8, 32), help="bits per value of the update a device sends (the default scenario: 4, with FFA-LoRA)")
+    a(
+        "--dp-noise",
+        type=float,
+        help="differential privacy on the adapter updates (DP-FedAvg: fixed clipping, equal weights, central noise): "
+        "Gaussian noise of this multiplier times --clip-norm on the sum of the clipped updates, composed "
+        "into the reported epsilon (default 0: off; needs --clip-norm and the fedavg aggregation)",
+    )
+    a(
+        "--update-bits",
+        type=int,
+        choices=(4, 8, 32),
+        help="bits per value of the update a device sends (the default scenario: 4, with FFA-LoRA)",
+    )
     a("--k", type=int, help="devices that must hold an n-gram before it is released (default 5)")
     a("--noise", type=float, help="Gaussian noise multiplier on n-gram counts")
     a("--seed", type=int)
     a("--cpus-per-device", type=int, help="CPUs (and torch threads) per simulated device (the default: 2)")
     a("--ray-address", help="join an existing Ray cluster (ray start --head) instead of a local one")
-    a("--attack", action="append", metavar="KIND:FRACTION",
-      help="fault injection (repeatable): this share of the training devices sends spoiled replies of KIND "
-           "(nan, inf, huge-norm, wrong-shape, extra-metric, huge-weight, tokens-overflow, garbage-status, "
-           "sign-flip, replay, crash; all: every kind)")
+    a(
+        "--attack",
+        action="append",
+        metavar="KIND:FRACTION",
+        help="fault injection (repeatable): this share of the training devices sends spoiled replies of KIND "
+        "(nan, inf, huge-norm, wrong-shape, extra-metric, huge-weight, tokens-overflow, garbage-status, "
+        "sign-flip, replay, crash; all: every kind)",
+    )
     a("--out", type=Path, default=None, help="output directory (default runs/<timestamp>)")
     return p
 
@@ -123,8 +177,24 @@ def scenario_from_args(args: argparse.Namespace):
     tiny = (args.models or from_file.get("models")) == "tiny"
     raw: dict = load_toml(TINY_SCENARIO if tiny else DEFAULT_SCENARIO)
     raw.update(from_file)
-    skip = {"scenario", "out", "targets", "attack", "rollout", "rollback", "drift", "no_ar", "aggregation", "clip_norm", "dp_noise", "update_bits", "k", "noise",
-            "server_opt", "server_lr"}
+    skip = {
+        "scenario",
+        "out",
+        "targets",
+        "attack",
+        "rollout",
+        "rollback",
+        "drift",
+        "no_ar",
+        "aggregation",
+        "clip_norm",
+        "dp_noise",
+        "update_bits",
+        "k",
+        "noise",
+        "server_opt",
+        "server_lr",
+    }
     raw.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
     if args.targets:
         raw["targets"] = parse_targets(args.targets)
@@ -141,8 +211,18 @@ def scenario_from_args(args: argparse.Namespace):
 
         raw["attacks"] = {**(raw.get("attacks") or {}), **parse_attacks(args.attack)}
     aggregation = dict(raw.get("aggregation") or {})
-    aggregation.update({k: v for k, v in (("method", args.aggregation), ("clip_norm", args.clip_norm), ("dp_noise", args.dp_noise),
-                                                     ("update_bits", args.update_bits)) if v is not None})
+    aggregation.update(
+        {
+            k: v
+            for k, v in (
+                ("method", args.aggregation),
+                ("clip_norm", args.clip_norm),
+                ("dp_noise", args.dp_noise),
+                ("update_bits", args.update_bits),
+            )
+            if v is not None
+        }
+    )
     raw["aggregation"] = aggregation
     server_opt = dict(raw.get("server_opt") or {})
     server_opt.update({k: v for k, v in (("kind", args.server_opt), ("lr", args.server_lr)) if v is not None})
@@ -171,8 +251,14 @@ class _Progress:
         if rnd != self.round or self.bar is None:
             self.close()
             self.round = rnd
-            self.bar = self._tqdm(total=sent, desc=f"round {rnd}", unit="msg", leave=True, dynamic_ncols=True,
-                                  mininterval=0.5 if sys.stderr.isatty() else 30)
+            self.bar = self._tqdm(
+                total=sent,
+                desc=f"round {rnd}",
+                unit="msg",
+                leave=True,
+                dynamic_ncols=True,
+                mininterval=0.5 if sys.stderr.isatty() else 30,
+            )
         self.bar.total = sent
         self.bar.update(done - self.bar.n)
 
@@ -212,27 +298,40 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         metrics_path = out / "metrics.jsonl"
         progress = _Progress()
-        print(f"simulating {scenario.devices} devices (+{scenario.probes} probes per target), "
-              f"{scenario.rounds} rounds, models {scenario.models}, targets "
-              f"{', '.join(scenario.all_targets())} -> {out}", flush=True)
+        print(
+            f"simulating {scenario.devices} devices (+{scenario.probes} probes per target), "
+            f"{scenario.rounds} rounds, models {scenario.models}, targets "
+            f"{', '.join(scenario.all_targets())} -> {out}",
+            flush=True,
+        )
 
         def on_round(record: dict) -> None:
             progress.close()
             with open(metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
-            line = (f"round {record['round']} {record['target']}: "
-                    + (f"{record['aggregated']}/{record['sampled']} devices trained, " if "sampled" in record else "start, ")
-                    + (f"acceptance at fixed k {record['eval-fixed-k-acceptance']:.3f} (adaptive "
-                       f"{record.get('eval-acceptance', float('nan')):.3f}), "
-                       if "eval-fixed-k-acceptance" in record else
-                       f"acceptance {record.get('eval-acceptance', float('nan')):.3f}, ")
-                    + f"tokens/call {record.get('eval-tokens-per-call', float('nan')):.2f}")
+            line = (
+                f"round {record['round']} {record['target']}: "
+                + (
+                    f"{record['aggregated']}/{record['sampled']} devices trained, "
+                    if "sampled" in record
+                    else "start, "
+                )
+                + (
+                    f"acceptance at fixed k {record['eval-fixed-k-acceptance']:.3f} (adaptive "
+                    f"{record.get('eval-acceptance', float('nan')):.3f}), "
+                    if "eval-fixed-k-acceptance" in record
+                    else f"acceptance {record.get('eval-acceptance', float('nan')):.3f}, "
+                )
+                + f"tokens/call {record.get('eval-tokens-per-call', float('nan')):.2f}"
+            )
             if record.get("eval-speedup"):
                 line += f", speedup {record['eval-speedup']:.2f}x"
             if record.get("new-warm-devices"):
                 kind = "-fixed-k" if "new-warm-fixed-k-acceptance" in record else ""
-                line += (f", new device warm {record[f'new-warm{kind}-acceptance']:.3f} "
-                         f"vs cold {record[f'new-cold{kind}-acceptance']:.3f}")
+                line += (
+                    f", new device warm {record[f'new-warm{kind}-acceptance']:.3f} "
+                    f"vs cold {record[f'new-cold{kind}-acceptance']:.3f}"
+                )
                 if f"veteran{kind}-acceptance" in record:
                     line += f" (veterans {record[f'veteran{kind}-acceptance']:.3f})"
             print(line, flush=True)
@@ -246,12 +345,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             peak_mb = memory.stop()["all"]
         progress.close()
-        summaries, path = report.finish(out, {**scenario.to_dict(), "devices": scenario.devices},
-                                        time.perf_counter() - t0, peak_mb, memory_scope)
+        summaries, path = report.finish(
+            out, {**scenario.to_dict(), "devices": scenario.devices}, time.perf_counter() - t0, peak_mb, memory_scope
+        )
         if path is not None:
             print("\n" + report.summary_table(summaries) + "\n\n" + report.verdict(summaries))
-            print(f"\nwrote {out}/: metrics.jsonl, summary.json, plots, {path.name} "
-                  f"({time.perf_counter() - t0:.0f} s, peak memory {peak_mb / 1024:.1f} GiB, {memory_scope})")
+            print(
+                f"\nwrote {out}/: metrics.jsonl, summary.json, plots, {path.name} "
+                f"({time.perf_counter() - t0:.0f} s, peak memory {peak_mb / 1024:.1f} GiB, {memory_scope})"
+            )
         return 0
     except (ValueError, RegistryError, CatalogError, FlowerRunError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -38,8 +38,8 @@ from omnidraft.coordinator.aggregation import AggregationConfig
 from omnidraft.coordinator.ngram_release import ReleaseConfig
 from omnidraft.coordinator.registry import TargetRegistry
 from omnidraft.coordinator.secure_aggregation import SecAggConfig
-from omnidraft.coordinator.server_opt import ServerOptConfig
 from omnidraft.coordinator.server_app import FleetConfig
+from omnidraft.coordinator.server_opt import ServerOptConfig
 from omnidraft.shared import catalog
 from omnidraft.shared.adapters import LoraSpec
 from omnidraft.shared.generation import DRAFT_STOPS, GenerationConfig
@@ -80,7 +80,9 @@ class Rollout:
             rnd, _, share = rest.partition(":")
             return cls(target, int(rnd), float(share))
         except ValueError:
-            raise ValueError(f"--rollout {text!r}: expected TARGET@ROUND:SHARE, e.g. qwen2.5-coder-1.5b@3:0.3") from None
+            raise ValueError(
+                f"--rollout {text!r}: expected TARGET@ROUND:SHARE, e.g. qwen2.5-coder-1.5b@3:0.3"
+            ) from None
 
 
 def _name_at_round(text: str, option: str, expected: str) -> tuple[str, int]:
@@ -235,7 +237,9 @@ class Scenario:
         if self.secagg and self.aggregation.method != "fedavg":
             raise ValueError("SecAgg+ reveals only the weighted mean: use the fedavg aggregation with it")
         if self.secagg and self.aggregation.dp_noise > 0:
-            raise ValueError("--dp-noise clips updates on the coordinator, which SecAgg+ never shows it: use one or the other")
+            raise ValueError(
+                "--dp-noise clips updates on the coordinator, which SecAgg+ never shows it: use one or the other"
+            )
 
     def target_shares(self) -> dict[str, float]:
         return self.targets or (TINY_TARGETS if self.models == "tiny" else REAL_TARGETS)
@@ -322,6 +326,7 @@ def load_toml(path: str | Path) -> dict:
 
 # -- preparing the fleet --------------------------------------------------------------------------
 
+
 def _models(scenario: Scenario) -> tuple[str, dict[str, str]]:
     """(drafter, {target name: model}) for the scenario."""
     if scenario.models == "tiny":
@@ -345,7 +350,9 @@ def _corpora(scenario: Scenario, devices: int, newcomers: frozenset[int] = froze
     if scenario.models == "tiny" and scenario.data is None:
         from omnidraft.shared.tiny_models import corpus
 
-        texts = [t[:40] for t in corpus(max(4000, devices * per * (2 if scenario.drift else 1)), seed=scenario.seed + 5)]
+        texts = [
+            t[:40] for t in corpus(max(4000, devices * per * (2 if scenario.drift else 1)), seed=scenario.seed + 5)
+        ]
         half = len(texts) // 2 if scenario.drift else len(texts)
         main = data.Corpus(texts[:half], [""] * half)
         drift = data.Corpus(texts[half:], [""] * (len(texts) - half)) if scenario.drift else None
@@ -360,8 +367,9 @@ def _corpora(scenario: Scenario, devices: int, newcomers: frozenset[int] = froze
             main = data.Corpus([full.prompts[i] for i in keep], [full.labels[i] for i in keep])
     projects = None
     if data.is_codebases(main):
-        main_parts, projects = data.split_projects(main, devices, per, seed=scenario.seed, newcomers=newcomers,
-                                                   share=scenario.share_projects)
+        main_parts, projects = data.split_projects(
+            main, devices, per, seed=scenario.seed, newcomers=newcomers, share=scenario.share_projects
+        )
     else:
         main_parts = data.split(main, devices, per, alpha=scenario.alpha, seed=scenario.seed)
     drift_parts = data.split(drift, devices, per, alpha=scenario.alpha, seed=scenario.seed + 1) if drift else None
@@ -394,8 +402,9 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
     registry = TargetRegistry(out / "coordinator")
     for target, model in models.items():
         if target not in registry:
-            registry.register(target, model, drafter, LoraSpec(rank=scenario.lora_rank, ffa=scenario.ffa),
-                              seed=scenario.seed)
+            registry.register(
+                target, model, drafter, LoraSpec(rank=scenario.lora_rank, ffa=scenario.ffa), seed=scenario.seed
+            )
     fleet_key = registry.public_key()  # every device pins the coordinator's signing key
     shares = scenario.target_shares()
     members = assign_targets(shares, scenario.devices)
@@ -410,22 +419,30 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
         name = f"device-{i:04d}"
         held = scenario.probe_heldout if probe else scenario.heldout_per_device
         p = DeviceProfile(
-            device_id=name, target=target, target_model=models[target], drafter=drafter,
-            prompts=local[:n], heldout=local[n: n + held],
-            state_dir=out / "devices" / name, prompts_per_round=scenario.prompts_per_round,
+            device_id=name,
+            target=target,
+            target_model=models[target],
+            drafter=drafter,
+            prompts=local[:n],
+            heldout=local[n : n + held],
+            state_dir=out / "devices" / name,
+            prompts_per_round=scenario.prompts_per_round,
             generation=GenerationConfig(max_new_tokens=scenario.max_new_tokens, draft_stop=scenario.draft_stop),
             online=OnlineConfig(interval=scenario.prompts_per_round, lr=scenario.lr, epochs=scenario.local_epochs),
-            translate=scenario.translate, probe=probe, fleet_key=fleet_key,
+            translate=scenario.translate,
+            probe=probe,
+            fleet_key=fleet_key,
             speed_prompts=scenario.probe_speed_prompts if probe else 0,
             joins_at_round=join_round if (not probe and i >= scenario.devices - scenario.late_joiners) else 1,
             project=projects[i] if projects else "",
-            recordings=str(catalog.omnidraft_home() / "recordings") if scenario.replay else "")
+            recordings=str(catalog.omnidraft_home() / "recordings") if scenario.replay else "",
+        )
         if scenario.rollout is not None and not probe:  # every member can run the new target
             p.offers = {scenario.rollout.target: models[scenario.rollout.target]}
         if drift is not None:
             moved = [drift.prompts[j] for j in drift_parts[i]]
             p.drift_round = scenario.drift.round
-            p.drift_prompts, p.drift_heldout = moved[:n], moved[n: n + held]
+            p.drift_prompts, p.drift_heldout = moved[:n], moved[n : n + held]
         p.save()
         profiles.append(p)
     if scenario.rollout is not None and scenario.probes:  # probes for the rolled-out target
@@ -433,8 +450,15 @@ def prepare(scenario: Scenario, out: Path) -> list[DeviceProfile]:
         for k in range(scenario.probes):
             base = profiles[len(members) + k]
             name = f"device-{len(profiles):04d}"
-            p = DeviceProfile(**{**base.__dict__, "device_id": name, "target": r.target,
-                                 "target_model": models[r.target], "state_dir": out / "devices" / name})
+            p = DeviceProfile(
+                **{
+                    **base.__dict__,
+                    "device_id": name,
+                    "target": r.target,
+                    "target_model": models[r.target],
+                    "state_dir": out / "devices" / name,
+                }
+            )
             p.save()
             profiles.append(p)
     return profiles
@@ -445,6 +469,7 @@ def operator_actions(scenario: Scenario):
     rollback, done as ``omnidraft fleet rollout|rollback`` would do them. Both are safe to run
     again when a restarted coordinator resumes the round (a rollout sets a share; a rollback is
     recorded with its round and not repeated)."""
+
     def before_round(rnd: int, registry: TargetRegistry) -> None:
         if scenario.rollout is not None and rnd == scenario.rollout.round:
             registry.rollout(scenario.rollout.target, scenario.rollout.share)
@@ -457,17 +482,29 @@ def operator_actions(scenario: Scenario):
 def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
     """The coordinator's settings for ``scenario`` on ``nodes`` devices: one reply weighs at most
     what a round asks of a device (every local prompt, each at most ``max_new_tokens``)."""
-    aggregation = replace(scenario.aggregation,
-                                      max_trained_tokens=float(scenario.prompts_per_round * scenario.max_new_tokens))
-    return FleetConfig(rounds=scenario.rounds, fraction=scenario.fraction, min_devices=nodes, wait_s=300,
-                       seed=scenario.seed, measure_ar=scenario.measure_ar, newcomer_evals=scenario.newcomer_evals,
-                       fixed_k=scenario.acceptance_k, newcomer_speed=scenario.replay, server_opt=scenario.server_opt,
-                       aggregation=aggregation, release=scenario.release,
-                       secagg=SecAggConfig(enabled=scenario.secagg))
+    aggregation = replace(
+        scenario.aggregation, max_trained_tokens=float(scenario.prompts_per_round * scenario.max_new_tokens)
+    )
+    return FleetConfig(
+        rounds=scenario.rounds,
+        fraction=scenario.fraction,
+        min_devices=nodes,
+        wait_s=300,
+        seed=scenario.seed,
+        measure_ar=scenario.measure_ar,
+        newcomer_evals=scenario.newcomer_evals,
+        fixed_k=scenario.acceptance_k,
+        newcomer_speed=scenario.replay,
+        server_opt=scenario.server_opt,
+        aggregation=aggregation,
+        release=scenario.release,
+        secagg=SecAggConfig(enabled=scenario.secagg),
+    )
 
 
-def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, verbose: bool = False,
-        coordinator_hooks=()) -> list[DeviceProfile]:
+def run(
+    scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, verbose: bool = False, coordinator_hooks=()
+) -> list[DeviceProfile]:
     """Prepare the fleet under ``out`` and run it as the Flower App (``simulations.flower_app``)
     through ``flwr run`` on a private local SuperLink (``simulations.flower_runner``).
 
@@ -493,11 +530,20 @@ def run(scenario: Scenario, out: Path, on_round=None, mods=(), progress=None, ve
         from omnidraft.simulations.attacks import attack_mod
 
         mods = (*mods, attack_mod)
-    run_app(APP_DIR, flower_app.run_config(out, tuple(mods), tuple(coordinator_hooks)), len(profiles), out / "flwr",
-            cpus_per_device=scenario.cpus_per_device, ray_address=scenario.ray_address, verbose=verbose,
-            watch=follow)
+    run_app(
+        APP_DIR,
+        flower_app.run_config(out, tuple(mods), tuple(coordinator_hooks)),
+        len(profiles),
+        out / "flwr",
+        cpus_per_device=scenario.cpus_per_device,
+        ray_address=scenario.ray_address,
+        verbose=verbose,
+        watch=follow,
+    )
     outcome = out / flower_app.OUTCOME_FILE
-    result = json.loads(outcome.read_text()) if outcome.exists() else {"status": "failed", "error": "no outcome recorded"}
+    result = (
+        json.loads(outcome.read_text()) if outcome.exists() else {"status": "failed", "error": "no outcome recorded"}
+    )
     if result["status"] != "finished":
         raise FlowerRunError(f"the simulated fleet failed: {result['error']} (see {out / 'flwr' / 'flower.log'})")
     return profiles

@@ -20,6 +20,7 @@ def _profiles_in_a_temporary_dir(tmp_path_factory):
     yield
     mp.undo()
 
+
 DRAFTER = "smollm2-135m"
 QWEN = "qwen2.5-coder-0.5b"  # shares its tokenizer with qwen2.5-coder-1.5b
 GEMMA = "gemma3-270m"
@@ -95,6 +96,7 @@ def tricky_texts() -> list[str]:
 
 # ---------------------------------------------------------------- toy tokenizers (no download)
 
+
 def _wrap(tok, **specials):
     from transformers import PreTrainedTokenizerFast
 
@@ -121,8 +123,9 @@ def toy_byte_level_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
-    return _wrap(tok, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|im_end|>",
-                 unk_token="<|endoftext|>")
+    return _wrap(
+        tok, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -137,8 +140,7 @@ def toy_metaspace_tokenizer():
         vocab[f"<0x{b:02X}>"] = len(vocab)
     for s in ["▁", "▁f", "▁fo", "▁foo", "o", "f", "\n", "a"]:
         vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab, [("▁", "f"), ("▁f", "o"), ("▁fo", "o")], unk_token="<unk>",
-                               byte_fallback=True))
+    tok = Tokenizer(models.BPE(vocab, [("▁", "f"), ("▁f", "o"), ("▁fo", "o")], unk_token="<unk>", byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     markers = ["<start_of_turn>", "<end_of_turn>"]

@@ -37,8 +37,11 @@ def capture_mod(msg: Message, context, call_next) -> Message:
     reply = call_next(msg, context)
     folder = Path(os.environ["OMNIDRAFT_TEST_CAPTURE"])
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"partition": int(context.node_config["partition-id"]), "type": msg.metadata.message_type,
-              "payload": payload_bytes(reply)}
+    record = {
+        "partition": int(context.node_config["partition-id"]),
+        "type": msg.metadata.message_type,
+        "payload": payload_bytes(reply),
+    }
     (folder / f"{uuid.uuid4().hex}.pkl").write_bytes(pickle.dumps(record))
     return reply
 
@@ -52,9 +55,18 @@ def poison_mod(msg: Message, context, call_next) -> Message:
     reply = call_next(msg, context)
     if partition == 0 and msg.metadata.message_type == "train" and not reply.has_error():
         arrays = unpack(reply.content["update"][PACKED].numpy())
-        reply.content["update"] = ArrayRecord({PACKED: Array(pack(
-            {k: np.full(a.shape, np.nan, dtype=np.float32) if a.dtype == np.float32 else a
-             for k, a in arrays.items()}))})
+        reply.content["update"] = ArrayRecord(
+            {
+                PACKED: Array(
+                    pack(
+                        {
+                            k: np.full(a.shape, np.nan, dtype=np.float32) if a.dtype == np.float32 else a
+                            for k, a in arrays.items()
+                        }
+                    )
+                )
+            }
+        )
     return reply
 
 
@@ -65,10 +77,12 @@ def wire_mod(msg: Message, context, call_next) -> Message:
     folder = Path(os.environ["OMNIDRAFT_TEST_CAPTURE"])
     folder.mkdir(parents=True, exist_ok=True)
     content = None if reply.has_error() else reply.content
-    record = {"type": msg.metadata.message_type,
-              "arrays": sorted(content.array_records) if content else [],
-              "configs": sorted(content.config_records) if content else [],
-              "array-bytes": sum(r.count_bytes() for r in content.array_records.values()) if content else 0}
+    record = {
+        "type": msg.metadata.message_type,
+        "arrays": sorted(content.array_records) if content else [],
+        "configs": sorted(content.config_records) if content else [],
+        "array-bytes": sum(r.count_bytes() for r in content.array_records.values()) if content else 0,
+    }
     (folder / f"{uuid.uuid4().hex}.pkl").write_bytes(pickle.dumps(record))
     return reply
 

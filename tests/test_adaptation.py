@@ -4,10 +4,10 @@ state on disk, and that learning never changes what the target outputs (tiny mod
 from __future__ import annotations
 
 import json
-import shutil
-from dataclasses import replace
 import math
+import shutil
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,11 +20,10 @@ from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll, sequence_nll
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
-
 from omnidraft.shared.tiny_models import build_pair, corpus
 
-
 # -- the loss, against hand computations ---------------------------------------------------------
+
 
 def test_dm_reverse_kl_matches_hand_computation_when_top_k_covers_the_intersection():
     # drafter vocab of 4; ids 1, 2, 3 are shared with the target (intersection order: 1, 2, 3)
@@ -63,15 +62,18 @@ def test_ngram_nll_and_hybrid_weighting():
     top_idx, top_logp, mass = torch.tensor([[0, 1]]), torch.log(torch.tensor([[0.5, 0.5]])), torch.zeros(1)
     kl = float(dm_reverse_kl(dm_logits, inter, top_idx, top_logp, mass)[0])
     p_t = torch.log(torch.tensor([0.3, 0.3]))
-    loss, parts = hybrid_loss(dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t,
-                              LossConfig(lam=0.2))
+    loss, parts = hybrid_loss(
+        dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t, LossConfig(lam=0.2)
+    )
     assert float(loss) == pytest.approx((kl + 0.2 * float(nll.sum())) / 3, rel=1e-5)
     assert parts["dm_terms"] == 1 and parts["ngram_terms"] == 2
-    dyn, _ = hybrid_loss(dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t,
-                         LossConfig(dynamic=True))
+    dyn, _ = hybrid_loss(
+        dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t, LossConfig(dynamic=True)
+    )
     assert float(dyn) == pytest.approx((kl + 0.3 * float(nll.sum())) / 3, rel=1e-5)
-    dm_only, parts = hybrid_loss(dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t,
-                                 LossConfig(ngram=False))
+    dm_only, parts = hybrid_loss(
+        dm_logits, inter, top_idx, top_logp, mass, logits, torch.tensor([1, 2]), p_t, LossConfig(ngram=False)
+    )
     assert float(dm_only) == pytest.approx(kl, abs=1e-6) and parts["ngram_terms"] == 0
 
 
@@ -120,6 +122,7 @@ def test_replay_buffer_is_bounded():
 
 # -- tiny models ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pair_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_pair")
@@ -128,8 +131,9 @@ def pair_dir(tmp_path_factory):
 
 
 def _engine(pair_dir):
-    return Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64",
-                       drafter_weights="fp32", progress=False)
+    return Engine.load(
+        str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64", drafter_weights="fp32", progress=False
+    )
 
 
 PROMPTS = [t[:28] for t in corpus(24, seed=11)]
@@ -140,9 +144,8 @@ def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair
     engine = _engine(pair_dir)
     base = {n: p.detach().clone() for n, p in engine.drafter.model.named_parameters()}
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
-    a = DeviceSession(engine, target_name="target-a", adapters=adapters,
-                      online=OnlineConfig(interval=2, lr=1e-2))
-    b = DeviceSession(engine, target_name="target-b", adapters=adapters)
+    a = DeviceSession(engine, target_name="target-a", adapters=adapters, online=OnlineConfig(interval=2, lr=1e-2))
+    DeviceSession(engine, target_name="target-b", adapters=adapters)  # registers target-b's adapter
     b_before = adapters.state_dict("target-b")
     for prompt in PROMPTS[:4]:
         a.generate(prompt, CONFIG)
@@ -171,8 +174,12 @@ def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair
 @pytest.mark.parametrize("kind", ["seq", "hybrid"])
 def test_loss_decreases_on_a_fixed_stream(pair_dir, kind):
     engine = _engine(pair_dir)
-    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8),
-                            online=OnlineConfig(interval=100, lr=3e-3, loss=LossConfig(kind=kind)))
+    session = DeviceSession(
+        engine,
+        target_name="t",
+        lora=LoraSpec(rank=8),
+        online=OnlineConfig(interval=100, lr=3e-3, loss=LossConfig(kind=kind)),
+    )
     samples = [session.generate(p, CONFIG).training_sample for p in PROMPTS[:6]]
     assert all(s.loss_positions > 0 for s in samples)
     learner = session.learner
@@ -185,8 +192,13 @@ def test_loss_decreases_on_a_fixed_stream(pair_dir, kind):
 
 def test_epochs_repeat_the_pass_and_the_optimizer_is_configurable(pair_dir):
     engine = _engine(pair_dir)
-    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8), adaptive=False,
-                            online=OnlineConfig(interval=100, lr=3e-3, steps_per_update=2, epochs=3))
+    session = DeviceSession(
+        engine,
+        target_name="t",
+        lora=LoraSpec(rank=8),
+        adaptive=False,
+        online=OnlineConfig(interval=100, lr=3e-3, steps_per_update=2, epochs=3),
+    )
     samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:4]]
     learner = session.learner
     steps = []
@@ -196,8 +208,9 @@ def test_epochs_repeat_the_pass_and_the_optimizer_is_configurable(pair_dir):
     report = learner.update()
     assert len(steps) == 2 * 3  # two batches per pass, three passes
     assert 0 < learner.loss_on(samples) < report.loss <= 1.01 * before  # the report: the first pass's loss
-    sgd = DeviceSession(engine, target_name="u", lora=LoraSpec(rank=8), adaptive=False,
-                        online=OnlineConfig(optimizer="sgd", lr=0.5))
+    sgd = DeviceSession(
+        engine, target_name="u", lora=LoraSpec(rank=8), adaptive=False, online=OnlineConfig(optimizer="sgd", lr=0.5)
+    )
     assert isinstance(sgd.learner.optimizer, torch.optim.SGD)
     for bad, match in (({"epochs": 0}, "epochs"), ({"optimizer": "lion"}, "unknown optimizer")):
         with pytest.raises(ValueError, match=match):
@@ -244,8 +257,9 @@ def test_the_update_labels_the_acceptance_head_from_its_own_forwards(pair_dir):
     """The acceptance head's replay rows come from the update's training forwards (one row per
     labelled DM position of the samples, no forward of their own), with bf16 autocast on."""
     engine = _engine(pair_dir)
-    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=4),
-                            online=OnlineConfig(interval=100, lr=3e-3, bf16_autocast=True))
+    session = DeviceSession(
+        engine, target_name="t", lora=LoraSpec(rank=4), online=OnlineConfig(interval=100, lr=3e-3, bf16_autocast=True)
+    )
     samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:3]]
     learner = session.learner
     forwards = []
@@ -295,8 +309,12 @@ def test_teacher_forced_agreement_hand_computation():
     # the drafter's argmax after position j is (j + 1) % 3 for j < 5: a fixed "decoder" whose
     # hidden state at j is the one-hot of its prediction, and an identity LM head
     preds = [1, 2, 0, 1, 2, 0]
-    decoder = lambda input_ids: SimpleNamespace(  # noqa: E731
-        last_hidden_state=torch.nn.functional.one_hot(torch.tensor([preds[:input_ids.shape[1]]]), 3).float())
+
+    def decoder(input_ids):
+        return SimpleNamespace(
+            last_hidden_state=torch.nn.functional.one_hot(torch.tensor([preds[: input_ids.shape[1]]]), 3).float()
+        )
+
     head = torch.nn.Identity()
     # response = positions 2..5 (seq_start 2): predicted by rows 1..4 -> 2, 0, 1, 2
     ids = [0, 0, 2, 0, 0, 2]  # hits at 2, 3 and 5, a miss at 4
@@ -380,7 +398,14 @@ def test_a_replayed_learning_decode_is_the_live_one_without_the_target(pair_dir,
     assert live_updates == replayed_updates == 3
     for a, b in zip(live, replayed):
         assert a.token_ids == b.token_ids
-        for name in ("proposed_tokens", "accepted_tokens", "target_calls", "drafter_steps", "lookup_rounds", "plain_rounds"):
+        for name in (
+            "proposed_tokens",
+            "accepted_tokens",
+            "target_calls",
+            "drafter_steps",
+            "lookup_rounds",
+            "plain_rounds",
+        ):
             assert getattr(a.stats, name) == getattr(b.stats, name), name
         assert a.stats.modelled_s == b.stats.modelled_s
         sa, sb = a.training_sample, b.training_sample
@@ -431,6 +456,7 @@ def test_recording_store_keys_damage_and_misuse(pair_dir, tmp_path):
 
 
 # -- device state on disk --------------------------------------------------------------------------
+
 
 def test_state_round_trip(pair_dir, tmp_path):
     engine = _engine(pair_dir)
@@ -488,6 +514,7 @@ def test_state_dir_that_is_a_file_is_a_clear_error(tmp_path):
 
 # -- the commands ----------------------------------------------------------------------------------
 
+
 def _jsonl(path, prompts):
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return str(path)
@@ -498,10 +525,38 @@ def test_adapt_command_end_to_end(pair_dir, tmp_path, capsys):
 
     data = _jsonl(tmp_path / "p.jsonl", PROMPTS[:6])
     out, plot, state = tmp_path / "a.json", tmp_path / "a.png", tmp_path / "state"
-    pair = ["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
-            "--dtype", "fp64", "--drafter-weights", "fp32", "--max-new-tokens", "8"]
-    rc = main(["adapt", *pair, "--dataset", data, "--train-fraction", "0.67", "--interval", "2",
-               "--lr", "1e-2", "--state-dir", str(state), "--out", str(out), "--plot", str(plot)])
+    pair = [
+        "--drafter",
+        str(pair_dir / "drafter"),
+        "--target",
+        str(pair_dir / "target"),
+        "--dtype",
+        "fp64",
+        "--drafter-weights",
+        "fp32",
+        "--max-new-tokens",
+        "8",
+    ]
+    rc = main(
+        [
+            "adapt",
+            *pair,
+            "--dataset",
+            data,
+            "--train-fraction",
+            "0.67",
+            "--interval",
+            "2",
+            "--lr",
+            "1e-2",
+            "--state-dir",
+            str(state),
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     for phase in ("before", "after"):
@@ -514,14 +569,31 @@ def test_adapt_command_end_to_end(pair_dir, tmp_path, capsys):
     # the target alone ran in both passes; each speedup is over its own pass's ar
     assert report["ar_deterministic"] and report["ar_after"]["new_tokens"] == report["ar"]["new_tokens"]
     for phase, ar in (("before", "ar"), ("after", "ar_after")):
-        assert report[phase]["speedup_vs_ar"] == pytest.approx(report[phase]["tokens_per_s"] / report[ar]["tokens_per_s"])
+        assert report[phase]["speedup_vs_ar"] == pytest.approx(
+            report[phase]["tokens_per_s"] / report[ar]["tokens_per_s"]
+        )
     assert report["speed_after_over_before"] == pytest.approx(
-        report["after"]["speedup_vs_ar"] / report["before"]["speedup_vs_ar"])
+        report["after"]["speedup_vs_ar"] / report["before"]["speedup_vs_ar"]
+    )
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "after" in capsys.readouterr().out
     # the learned state is used by bench and generate
-    rc = main(["bench", *pair, "--dataset", data, "--limit", "2", "--methods", "ar,omnidraft",
-               "--state-dir", str(state), "--out", str(tmp_path / "b.json")])
+    rc = main(
+        [
+            "bench",
+            *pair,
+            "--dataset",
+            data,
+            "--limit",
+            "2",
+            "--methods",
+            "ar,omnidraft",
+            "--state-dir",
+            str(state),
+            "--out",
+            str(tmp_path / "b.json"),
+        ]
+    )
     assert rc == 0
     bench = json.loads((tmp_path / "b.json").read_text())
     assert bench["config"]["state_dir"] and bench["methods"]["omnidraft"]["identical_prompts"] == 2
@@ -532,39 +604,93 @@ def test_adapt_ablation_and_drift_commands(pair_dir, tmp_path):
     from omnidraft.cli import main
 
     data = _jsonl(tmp_path / "p.jsonl", PROMPTS[:6])
-    pair = ["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
-            "--dtype", "fp64", "--drafter-weights", "fp32", "--max-new-tokens", "8"]
+    pair = [
+        "--drafter",
+        str(pair_dir / "drafter"),
+        "--target",
+        str(pair_dir / "target"),
+        "--dtype",
+        "fp64",
+        "--drafter-weights",
+        "fp32",
+        "--max-new-tokens",
+        "8",
+    ]
     out = tmp_path / "ab.json"
-    assert main(["adapt", *pair, "--dataset", data, "--train-fraction", "0.67", "--interval", "2",
-                 "--ablation", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "adapt",
+                *pair,
+                "--dataset",
+                data,
+                "--train-fraction",
+                "0.67",
+                "--interval",
+                "2",
+                "--ablation",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
-    assert list(report["variants"]) == ["cold", "cache only", "L_DM", "L_DM + lambda L_ngram", "L_seq",
-                                       "L_seq + adaptive head"]
+    assert list(report["variants"]) == [
+        "cold",
+        "cache only",
+        "L_DM",
+        "L_DM + lambda L_ngram",
+        "L_seq",
+        "L_seq + adaptive head",
+    ]
     assert report["updates"]["cache only"] == 0 and report["updates"]["L_DM"] == 2
     assert all(v == 2 for v in report["identical_to_ar"].values())
 
     other = _jsonl(tmp_path / "q.jsonl", [t[:20] for t in corpus(6, seed=99)])
     target = str(pair_dir / "target")
     out = tmp_path / "drift.json"
-    assert main(["drift", "--drafter", str(pair_dir / "drafter"), "--stream", f"{target}:{data}:3,{target}:{other}:3",
-                 "--dtype", "fp64", "--drafter-weights", "fp32", "--max-new-tokens", "8",
-                 "--out", str(out), "--plot", str(tmp_path / "drift.png")]) == 0
+    assert (
+        main(
+            [
+                "drift",
+                "--drafter",
+                str(pair_dir / "drafter"),
+                "--stream",
+                f"{target}:{data}:3,{target}:{other}:3",
+                "--dtype",
+                "fp64",
+                "--drafter-weights",
+                "fp32",
+                "--max-new-tokens",
+                "8",
+                "--out",
+                str(out),
+                "--plot",
+                str(tmp_path / "drift.png"),
+            ]
+        )
+        == 0
+    )
     drift = json.loads(out.read_text())
     assert set(drift["runs"]) == {"with cache", "without cache"}
     assert all(len(rows) == 6 for rows in drift["runs"].values())
     assert drift["runs"]["without cache"][-1]["cache_entries"] == 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["adapt", "--dataset", "humaneval", "--train-fraction", "1.5"], "--train-fraction must be in (0, 1)"),
-    (["adapt", "--dataset", "humaneval", "--limit", "1"], "--limit must be >= 2"),
-    (["adapt", "--dataset", "humaneval", "--acceptance-k", "-1"], "--acceptance-k must be >= 0"),
-    (["adapt", "--dataset", "humaneval", "--lora-modules", "nope"], "unknown LoRA module set"),
-    (["adapt", "--dataset", "humaneval", "--interval", "0"], "interval must be >= 1"),
-    (["adapt", "--dataset", "/no/such.jsonl"], "an existing JSONL file"),
-    (["adapt", "--dataset", "humaneval", "--state-dir", __file__], "is not a directory"),
-    (["bench", "--dataset", "humaneval", "--state-dir", __file__], "is not a directory"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["adapt", "--dataset", "humaneval", "--train-fraction", "1.5"], "--train-fraction must be in (0, 1)"),
+        (["adapt", "--dataset", "humaneval", "--limit", "1"], "--limit must be >= 2"),
+        (["adapt", "--dataset", "humaneval", "--acceptance-k", "-1"], "--acceptance-k must be >= 0"),
+        (["adapt", "--dataset", "humaneval", "--lora-modules", "nope"], "unknown LoRA module set"),
+        (["adapt", "--dataset", "humaneval", "--interval", "0"], "interval must be >= 1"),
+        (["adapt", "--dataset", "/no/such.jsonl"], "an existing JSONL file"),
+        (["adapt", "--dataset", "humaneval", "--state-dir", __file__], "is not a directory"),
+        (["bench", "--dataset", "humaneval", "--state-dir", __file__], "is not a directory"),
+    ],
+)
 def test_adapt_bad_input_is_one_line_error(argv, message, capsys):
     from omnidraft.cli import main
 
@@ -589,8 +715,9 @@ def test_encrypted_state_round_trip_wrong_key_and_migration(pair_dir, tmp_path):
     from omnidraft.client.state_key import StateCipher, StateKeyError
 
     state, key = tmp_path / "state", tmp_path / "keys" / "state.key"
-    s = DeviceSession(_engine(pair_dir), target_name="t", state_dir=state, state_key=key,
-                      online=OnlineConfig(interval=2, lr=1e-2))
+    s = DeviceSession(
+        _engine(pair_dir), target_name="t", state_dir=state, state_key=key, online=OnlineConfig(interval=2, lr=1e-2)
+    )
     for prompt in PROMPTS[:2]:
         s.generate(prompt, CONFIG)
     s.save()
@@ -632,11 +759,26 @@ def test_encrypted_state_round_trip_wrong_key_and_migration(pair_dir, tmp_path):
 def test_cli_reports_a_wrong_state_key_in_one_line(pair_dir, tmp_path, capsys):
     from omnidraft.cli import main
 
-    base = ["generate", "--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
-            "--dtype", "fp64", "--drafter-weights", "fp32", "--prompt", PROMPTS[0], "--max-new-tokens", "4",
-            "--state-dir", str(tmp_path / "s")]
-    s = DeviceSession(_engine(pair_dir), target_name=str(pair_dir / "target"), state_dir=tmp_path / "s",
-                      state_key=tmp_path / "k1")
+    base = [
+        "generate",
+        "--drafter",
+        str(pair_dir / "drafter"),
+        "--target",
+        str(pair_dir / "target"),
+        "--dtype",
+        "fp64",
+        "--drafter-weights",
+        "fp32",
+        "--prompt",
+        PROMPTS[0],
+        "--max-new-tokens",
+        "4",
+        "--state-dir",
+        str(tmp_path / "s"),
+    ]
+    s = DeviceSession(
+        _engine(pair_dir), target_name=str(pair_dir / "target"), state_dir=tmp_path / "s", state_key=tmp_path / "k1"
+    )
     s.save()
     assert main(base + ["--state-key", str(tmp_path / "k1")]) == 0
     capsys.readouterr()
@@ -660,14 +802,44 @@ def test_a_learned_adapter_exports_to_a_directory_peft_loads(pair_dir, tmp_path,
     s.save()
     assert s.learner.updates == 1
     drafter = str(pair_dir / "drafter")
-    assert main(["device", "export-adapter", "--drafter", drafter, "--target", "t", "--state-dir", str(state),
-                 "--out", str(tmp_path / "peft")]) == 0
+    assert (
+        main(
+            [
+                "device",
+                "export-adapter",
+                "--drafter",
+                drafter,
+                "--target",
+                "t",
+                "--state-dir",
+                str(state),
+                "--out",
+                str(tmp_path / "peft"),
+            ]
+        )
+        == 0
+    )
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "peft").iterdir()}
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(drafter), str(tmp_path / "peft"))
     loaded = get_peft_model_state_dict(model)
     learned = s.adapters.state_dict("t")
     assert set(loaded) == set(learned) and all(torch.equal(loaded[k], learned[k]) for k in learned)
     assert any(torch.count_nonzero(v) for k, v in learned.items() if "lora_B" in k)  # it did learn
-    assert main(["device", "export-adapter", "--drafter", drafter, "--target", "other", "--state-dir", str(state),
-                 "--out", str(tmp_path / "x")]) == 2  # nothing saved for that target: one line, exit 2
+    assert (
+        main(
+            [
+                "device",
+                "export-adapter",
+                "--drafter",
+                drafter,
+                "--target",
+                "other",
+                "--state-dir",
+                str(state),
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )  # nothing saved for that target: one line, exit 2
     assert "no valid adapter" in capsys.readouterr().err

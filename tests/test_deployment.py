@@ -40,8 +40,25 @@ def mode(path: Path) -> int:
 
 def test_fleet_init_creates_a_ca_a_server_certificate_and_node_keys(tmp_path, capsys):
     root = tmp_path / "coord"
-    assert cli(["fleet", "init", "--root", str(root), "--superlink", "10.0.0.5:9092", "--nodes", "2",
-                "--node", "kiosk-7", "--san", "fleet.example"]) == 0
+    assert (
+        cli(
+            [
+                "fleet",
+                "init",
+                "--root",
+                str(root),
+                "--superlink",
+                "10.0.0.5:9092",
+                "--nodes",
+                "2",
+                "--node",
+                "kiosk-7",
+                "--san",
+                "fleet.example",
+            ]
+        )
+        == 0
+    )
     pki = deployment.Deployment(root).pki
     assert mode(pki.root) == 0o700 and mode(pki.root / "nodes") == 0o700
     for key in (pki.ca_key, pki.server_key, pki.node_key("node0"), pki.node_key("kiosk-7")):
@@ -56,8 +73,10 @@ def test_fleet_init_creates_a_ca_a_server_certificate_and_node_keys(tmp_path, ca
     public = pki.node_public_key("node0").read_bytes()
     assert public.startswith(b"ecdsa-sha2-nistp384 ")
     private = serialization.load_ssh_private_key(pki.node_key("node0").read_bytes(), password=None)
-    assert private.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                             serialization.PublicFormat.OpenSSH) == public.rsplit(b" ", 1)[0]
+    assert (
+        private.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        == public.rsplit(b" ", 1)[0]
+    )
     config = (root / "flwr" / "config.toml").read_text()  # the operator's CLI: the loopback SuperLink
     assert 'address = "127.0.0.1:9093"' in config and str(pki.ca_cert.resolve()) in config
     # again: the CA and the keys are kept, only the new node is added
@@ -109,13 +128,23 @@ def test_the_gateway_serves_the_fleet_api_and_refuses_the_control_api(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    gateway, thread = serve_gateway("127.0.0.1", port, f"https://127.0.0.1:{upstream.server_address[1]}",
-                                    ca_cert=pki.ca_cert, certfile=pki.server_cert, keyfile=pki.server_key)
+    gateway, thread = serve_gateway(
+        "127.0.0.1",
+        port,
+        f"https://127.0.0.1:{upstream.server_address[1]}",
+        ca_cert=pki.ca_cert,
+        certfile=pki.server_cert,
+        keyfile=pki.server_key,
+    )
     client = ssl.create_default_context(cafile=str(pki.ca_cert))
 
     def post(path: str, body: bytes = b"\x08\x01", method: str = "POST"):
-        req = urllib.request.Request(f"https://127.0.0.1:{port}{path}", data=body if method == "POST" else None,
-                                     method=method, headers={"X-Node-Signature": "sig", "Content-Type": "application/protobuf"})
+        req = urllib.request.Request(
+            f"https://127.0.0.1:{port}{path}",
+            data=body if method == "POST" else None,
+            method=method,
+            headers={"X-Node-Signature": "sig", "Content-Type": "application/protobuf"},
+        )
         try:
             with urllib.request.urlopen(req, context=client, timeout=10) as reply:
                 return reply.status, reply.read()
@@ -125,15 +154,27 @@ def test_the_gateway_serves_the_fleet_api_and_refuses_the_control_api(tmp_path):
     try:
         assert post("/v1/fleet/pull-messages") == (200, b"reply:\x08\x01")
         assert seen == [("/v1/fleet/pull-messages", "sig", b"\x08\x01")]
-        for path, method in (("/v1/control/start-run", "POST"), ("/v1/control/create-node-cli", "POST"),
-                             ("/v1/runtime/pull-task-input", "POST"), ("/v1/fleet/../control/start-run", "POST"),
-                             ("/v1/fleet/pull-messages", "GET"), ("/", "GET"), ("/docs", "GET")):
+        for path, method in (
+            ("/v1/control/start-run", "POST"),
+            ("/v1/control/create-node-cli", "POST"),
+            ("/v1/runtime/pull-task-input", "POST"),
+            ("/v1/fleet/../control/start-run", "POST"),
+            ("/v1/fleet/pull-messages", "GET"),
+            ("/", "GET"),
+            ("/docs", "GET"),
+        ):
             status, _ = post(path, method=method)
             assert status in (403, 404), (path, method, status)
         assert len(seen) == 1  # nothing but the Fleet API reached the SuperLink
         with pytest.raises(OSError, match="did not start"):  # the port is taken: a clear error
-            serve_gateway("127.0.0.1", port, "https://127.0.0.1:1", ca_cert=pki.ca_cert,
-                          certfile=pki.server_cert, keyfile=pki.server_key)
+            serve_gateway(
+                "127.0.0.1",
+                port,
+                "https://127.0.0.1:1",
+                ca_cert=pki.ca_cert,
+                certfile=pki.server_cert,
+                keyfile=pki.server_key,
+            )
     finally:
         gateway.should_exit = True
         thread.join(timeout=10)
@@ -163,16 +204,23 @@ def test_a_device_makes_its_own_key_and_the_coordinator_keeps_only_the_public_ha
     other = tmp_path / "other.key"
     assert cli(["device", "keygen", "--key", str(other)]) == 0
     capsys.readouterr()
-    for bad, message in ((key, "never its private key"), (other.with_suffix(".key.pub"), "already has another key"),
-                         (tmp_path / "board" / "missing.pub", "is not a file")):
+    for bad, message in (
+        (key, "never its private key"),
+        (other.with_suffix(".key.pub"), "already has another key"),
+        (tmp_path / "board" / "missing.pub", "is not a file"),
+    ):
         assert cli(["fleet", "register-node", "board-01", "--public-key", str(bad), "--root", str(root)]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     wrong_type = tmp_path / "ed25519.pub"
-    wrong_type.write_bytes(ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b" someone\n")
+    wrong_type.write_bytes(
+        ed25519.Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        + b" someone\n"
+    )
     garbage = tmp_path / "garbage.pub"
     garbage.write_text("ecdsa-sha2-nistp384 AAAA-not-base64 someone\n")
     for bad, message in ((wrong_type, "takes an ecdsa-sha2-nistp384 key"), (garbage, "is not an OpenSSH public key")):
@@ -183,21 +231,76 @@ def test_a_device_makes_its_own_key_and_the_coordinator_keeps_only_the_public_ha
     assert len(ran) == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["fleet", "init", "--superlink", "nohost"], "give host:port"),
-    (["fleet", "init", "--superlink", "h:9", "--control-port", "9"], "other than the devices'"),
-    (["fleet", "init", "--superlink", "h:1", "--node", "bad name"], "node name"),
-    (["fleet", "superlink"], "run omnidraft fleet init first"),
-    (["fleet", "run", "--secagg", "--aggregation", "median"], "use --aggregation fedavg with --secagg"),
-    (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s"],
-     "give --cert"),
-    (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s",
-      "--cert", "/nonexistent/ca.crt", "--key", "/nonexistent/k"], "is not a file"),
-    (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s",
-      "--cert", __file__, "--key", __file__], "give --fleet-key"),  # TLS without the fleet key: unsigned states
-    (["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s",
-      "--insecure", "--fleet-key", "zz"], "--fleet-key"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["fleet", "init", "--superlink", "nohost"], "give host:port"),
+        (["fleet", "init", "--superlink", "h:9", "--control-port", "9"], "other than the devices'"),
+        (["fleet", "init", "--superlink", "h:1", "--node", "bad name"], "node name"),
+        (["fleet", "superlink"], "run omnidraft fleet init first"),
+        (["fleet", "run", "--secagg", "--aggregation", "median"], "use --aggregation fedavg with --secagg"),
+        (
+            ["device", "join", "--drafter", "d", "--target", "t", "--superlink", "h:1", "--state-dir", "s"],
+            "give --cert",
+        ),
+        (
+            [
+                "device",
+                "join",
+                "--drafter",
+                "d",
+                "--target",
+                "t",
+                "--superlink",
+                "h:1",
+                "--state-dir",
+                "s",
+                "--cert",
+                "/nonexistent/ca.crt",
+                "--key",
+                "/nonexistent/k",
+            ],
+            "is not a file",
+        ),
+        (
+            [
+                "device",
+                "join",
+                "--drafter",
+                "d",
+                "--target",
+                "t",
+                "--superlink",
+                "h:1",
+                "--state-dir",
+                "s",
+                "--cert",
+                __file__,
+                "--key",
+                __file__,
+            ],
+            "give --fleet-key",
+        ),  # TLS without the fleet key: unsigned states
+        (
+            [
+                "device",
+                "join",
+                "--drafter",
+                "d",
+                "--target",
+                "t",
+                "--superlink",
+                "h:1",
+                "--state-dir",
+                "s",
+                "--insecure",
+                "--fleet-key",
+                "zz",
+            ],
+            "--fleet-key",
+        ),
+    ],
+)
 def test_deployment_commands_reject_bad_input_in_one_line(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
     assert cli(argv + (["--root", str(tmp_path / "c")] if argv[0] == "fleet" else [])) == 2
@@ -207,8 +310,10 @@ def test_deployment_commands_reject_bad_input_in_one_line(tmp_path, capsys, monk
 
 def test_run_config_of_the_deployed_server_app(tmp_path):
     (tmp_path / "coordinator.json").write_text(json.dumps({"round": 3}))
-    config = config_from_run({"fleet-dir": str(tmp_path), "rounds": 2, "fraction": 0.5, "k": 3,
-                              "clip-norm": 0.0, "aggregation": "median"}, tmp_path)
+    config = config_from_run(
+        {"fleet-dir": str(tmp_path), "rounds": 2, "fraction": 0.5, "k": 3, "clip-norm": 0.0, "aggregation": "median"},
+        tmp_path,
+    )
     assert config.rounds == 5  # two more after the three finished
     assert config.fraction == 0.5 and config.release.k == 3 and config.aggregation.clip_norm is None
     assert config.aggregation.method == "median"
@@ -259,19 +364,39 @@ def test_a_state_saved_by_another_process_is_seen_and_never_overwritten(tmp_path
 
 def test_a_service_session_adopts_the_lora_shape_a_round_saved(tmp_path):
     build_pair(tmp_path / "pair")
-    engine = Engine.load(str(tmp_path / "pair" / "drafter"), str(tmp_path / "pair" / "target"), "fp32",
-                         drafter_weights="fp32", progress=False)
-    served = DeviceSession(engine, target_name="t", state_dir=tmp_path / "s", lora=LoraSpec(rank=8),
-                           online=OnlineConfig(interval=1))
+    engine = Engine.load(
+        str(tmp_path / "pair" / "drafter"),
+        str(tmp_path / "pair" / "target"),
+        "fp32",
+        drafter_weights="fp32",
+        progress=False,
+    )
+    served = DeviceSession(
+        engine, target_name="t", state_dir=tmp_path / "s", lora=LoraSpec(rank=8), online=OnlineConfig(interval=1)
+    )
     served.save()
     # a federated round (another session on the same directory) saves a rank-2 adapter
     from omnidraft.shared.adapters import DrafterAdapters
 
-    other = DrafterAdapters(Engine.load(str(tmp_path / "pair" / "drafter"), str(tmp_path / "pair" / "target"),
-                                        "fp32", drafter_weights="fp32", progress=False).drafter.model, LoraSpec(rank=2),
-                            drafter_weights="fp32")
-    round_ = DeviceSession(engine, target_name="t", state_dir=tmp_path / "s", adapters=other,
-                           lora=LoraSpec(rank=2), online=OnlineConfig(interval=1))
+    other = DrafterAdapters(
+        Engine.load(
+            str(tmp_path / "pair" / "drafter"),
+            str(tmp_path / "pair" / "target"),
+            "fp32",
+            drafter_weights="fp32",
+            progress=False,
+        ).drafter.model,
+        LoraSpec(rank=2),
+        drafter_weights="fp32",
+    )
+    round_ = DeviceSession(
+        engine,
+        target_name="t",
+        state_dir=tmp_path / "s",
+        adapters=other,
+        lora=LoraSpec(rank=2),
+        online=OnlineConfig(interval=1),
+    )
     assert round_.problems and "starts fresh" in round_.problems[0]  # shared adapters keep their shape
     with torch.no_grad():
         for p in round_.adapters.trainable_parameters():
@@ -293,8 +418,13 @@ def test_loopback_deployment_with_tls_and_node_authentication(tmp_path):
     of the simulation's ServerApp; an unregistered device is refused."""
     env = {**os.environ, "OMNIDRAFT_TINY_DIR": str(tmp_path / "models")}
     out = tmp_path / "loop"
-    done = subprocess.run([sys.executable, str(REPO / "deploy" / "loopback.py"), "--out", str(out), "--rounds", "2"],
-                          capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "loopback.py"), "--out", str(out), "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["version-before"] == 0 and summary["version-after"] == 2
@@ -339,8 +469,16 @@ def test_resource_policy_decides_when_a_device_may_train(tmp_path):
     from omnidraft.client.resource_policy import ResourcePolicy, UplinkLedger
 
     policy = ResourcePolicy(train_when="idle+power", idle_s=60, uplink_mb_per_day=0.07, cache_mb=1.5)
-    profile = DeviceProfile(device_id="d", target="t", target_model="m", drafter="dr", prompts=["x"],
-                            heldout=[], state_dir=tmp_path / "d", policy=policy)
+    profile = DeviceProfile(
+        device_id="d",
+        target="t",
+        target_model="m",
+        drafter="dr",
+        prompts=["x"],
+        heldout=[],
+        state_dir=tmp_path / "d",
+        policy=policy,
+    )
     profile.save()
     assert DeviceProfile.load(tmp_path / "d").policy == policy  # the owner's limits survive a restart
     now = FakeConditions()

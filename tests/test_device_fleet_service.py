@@ -38,11 +38,20 @@ def tiny(tmp_path_factory):
 
 
 def _profile(tiny, state_dir, fleet_key: str, **kw) -> DeviceProfile:
-    return DeviceProfile(device_id="d", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
-                         drafter=str(tiny["tiny-drafter"]), prompts=TEXTS[:4], heldout=TEXTS[4:7],
-                         state_dir=state_dir, prompts_per_round=4,
-                         generation=GenerationConfig(max_new_tokens=12),
-                         online=OnlineConfig(interval=2, lr=1e-2), fleet_key=fleet_key, **kw)
+    return DeviceProfile(
+        device_id="d",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=TEXTS[:4],
+        heldout=TEXTS[4:7],
+        state_dir=state_dir,
+        prompts_per_round=4,
+        generation=GenerationConfig(max_new_tokens=12),
+        online=OnlineConfig(interval=2, lr=1e-2),
+        fleet_key=fleet_key,
+        **kw,
+    )
 
 
 def _session(engine: Engine, target: str, state_dir) -> DeviceSession:
@@ -65,15 +74,24 @@ def served(tiny, tmp_path):
     fleet = DeviceFleetService(service, tmp_path / "dev", token, dtype="fp32")
     server, port = serve(service, "127.0.0.1:0", fleet=fleet)
     try:
-        yield {"reg": reg, "service": service, "fleet": fleet, "port": port, "token": token,
-               "device": served_device(tmp_path / "dev", f"127.0.0.1:{port}"), "reference": reference}
+        yield {
+            "reg": reg,
+            "service": service,
+            "fleet": fleet,
+            "port": port,
+            "token": token,
+            "device": served_device(tmp_path / "dev", f"127.0.0.1:{port}"),
+            "reference": reference,
+        }
     finally:
         server.stop(grace=None).wait()
         service.close()
 
 
 def _receive(device, state) -> int:
-    return device.receive(state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature).version
+    return device.receive(
+        state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature
+    ).version
 
 
 def test_a_served_round_equals_the_round_in_process_and_loads_no_model(served, monkeypatch):
@@ -93,7 +111,9 @@ def test_a_served_round_equals_the_round_in_process_and_loads_no_model(served, m
     tensors, learned, metrics = device.at_round(1).train_round(1)
     assert sorted(tensors) == sorted(ref_tensors) and all(torch.equal(tensors[k], ref_tensors[k]) for k in tensors)
     assert learned == ref_learned
-    assert {k: v for k, v in metrics.items() if k != "update-s"} == {k: v for k, v in ref_metrics.items() if k != "update-s"}
+    assert {k: v for k, v in metrics.items() if k != "update-s"} == {
+        k: v for k, v in ref_metrics.items() if k != "update-s"
+    }
     assert isinstance(metrics["trained-tokens"], int) and metrics["trained-tokens"] > 0
     evaluated = device.evaluate(fixed_k=2, adaptive=False)
     assert {k: v for k, v in evaluated.items() if k != "eval-s"} == {k: v for k, v in ref_eval.items() if k != "eval-s"}
@@ -119,7 +139,9 @@ def test_only_the_owner_may_call_and_refusals_are_one_line(served, tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     device = served["device"]
     with pytest.raises(StateMismatch, match="checksum"):
-        device.receive(state.spec, state.manifest_blob, state.adapter_blob[:-1] + b"!", state.cache_blob, state.signature)
+        device.receive(
+            state.spec, state.manifest_blob, state.adapter_blob[:-1] + b"!", state.cache_blob, state.signature
+        )
     with pytest.raises(StateMismatch, match="holds no global state") as err:
         device.train_round(1)
     assert "\n" not in str(err.value)
@@ -161,9 +183,14 @@ def test_the_supernode_app_delegates_when_its_node_config_names_the_service(serv
     from omnidraft.client.supernode import JoinSettings
     from omnidraft.client.supernode_app import device_from_node_config
 
-    settings = JoinSettings(superlink="127.0.0.1:9092", state_dir=tmp_path / "dev", root_certificates=None,
-                            private_key=None, service=f"127.0.0.1:{served['port']}",
-                            service_token=str(tmp_path / "dev" / owner_token.TOKEN_FILE))
+    settings = JoinSettings(
+        superlink="127.0.0.1:9092",
+        state_dir=tmp_path / "dev",
+        root_certificates=None,
+        private_key=None,
+        service=f"127.0.0.1:{served['port']}",
+        service_token=str(tmp_path / "dev" / owner_token.TOKEN_FILE),
+    )
     assert 'service="127.0.0.1:' in settings.node_config()
     config = {"state-dir": str(tmp_path / "dev"), "service": settings.service, "service-token": settings.service_token}
     device = device_from_node_config(SimpleNamespace(node_config=config))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -15,6 +15,7 @@ real = pytest.mark.real_models
 
 # ------------------------------------------------------------------------- helpers
 
+
 def _complete_prefix(data: bytes) -> str:
     """Longest prefix of ``data`` that is complete UTF-8 (what ``ids`` must spell)."""
     for cut in range(len(data), max(-1, len(data) - 4), -1):
@@ -25,8 +26,9 @@ def _complete_prefix(data: bytes) -> str:
     raise AssertionError("invalid UTF-8 in the middle of the text")
 
 
-def _replay(tokenizer, draft_bytes, pieces: Sequence[bytes], rng: random.Random | None,
-            prompt: str = "", window: int = 8) -> tuple[DraftContext, list]:
+def _replay(
+    tokenizer, draft_bytes, pieces: Sequence[bytes], rng: random.Random | None, prompt: str = "", window: int = 8
+) -> tuple[DraftContext, list]:
     """Commit ``pieces`` (target token bytes) one by one, or in random chunks of 1..8 when
     ``rng`` is given, and check ``ids == encode(text)`` after every commit."""
     encode = text_encoder(tokenizer)
@@ -35,13 +37,13 @@ def _replay(tokenizer, draft_bytes, pieces: Sequence[bytes], rng: random.Random 
     candidates, i = [], 0
     while i < len(pieces):
         k = rng.randint(1, 8) if rng else 1
-        chunk = list(pieces[i:i + k])
+        chunk = list(pieces[i : i + k])
         for j, ids in ctx.commit(chunk):
             candidates.append((chunk[j], ids))
         i += k
         text = _complete_prefix(ctx.text_bytes)
         assert ctx.ids == tokenizer.encode(text, add_special_tokens=False), (text[-80:], i)
-        assert ctx.pending_bytes == ctx.text_bytes[len(text.encode()):]
+        assert ctx.pending_bytes == ctx.text_bytes[len(text.encode()) :]
     return ctx, candidates
 
 
@@ -52,6 +54,7 @@ def _check_candidates(candidates, draft_bytes) -> None:
 
 
 # ------------------------------------------------------------------------- toy encode (no download)
+
 
 def _char_encoder():
     """Character-level toy drafter: token id = code point, bytes = its UTF-8."""
@@ -88,15 +91,54 @@ def test_candidates_toy():
 
 # ------------------------------------------------------------------------- real tokenizers
 
+
 @real
 def test_safe_boundary_fuzz(drafter_tokenizer):
     """Adversarial byte streams (contractions, Unicode spaces, split multi-byte characters,
     whitespace runs) committed in random byte chunks with tiny windows."""
     table = token_bytes_table(drafter_tokenizer)
-    pieces = [" ", "  ", "\t", "\n", "\r\n", "\u00a0", "\u3000", "\x1c", "\x85", "a", "Z", "foo",
-              " bar", "'s", "'t", "'re", "'ll", "'", "1", "4567", ".", "(", "==", "->", "😀",
-              "👍🏽", "中", "文字", "é", "e\u0301", "\u200b", "\u2003", "ß", "#", "__", "'S",
-              "\x1d", "\x04", "\U00050000", "\U00090000"]  # the last four: bytes SmolLM2 drops
+    pieces = [
+        " ",
+        "  ",
+        "\t",
+        "\n",
+        "\r\n",
+        "\u00a0",
+        "\u3000",
+        "\x1c",
+        "\x85",
+        "a",
+        "Z",
+        "foo",
+        " bar",
+        "'s",
+        "'t",
+        "'re",
+        "'ll",
+        "'",
+        "1",
+        "4567",
+        ".",
+        "(",
+        "==",
+        "->",
+        "😀",
+        "👍🏽",
+        "中",
+        "文字",
+        "é",
+        "e\u0301",
+        "\u200b",
+        "\u2003",
+        "ß",
+        "#",
+        "__",
+        "'S",
+        "\x1d",
+        "\x04",
+        "\U00050000",
+        "\U00090000",
+    ]  # the last four: bytes SmolLM2 drops
     rng = random.Random(7)
     for _ in range(300):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))).encode()
@@ -106,10 +148,9 @@ def test_safe_boundary_fuzz(drafter_tokenizer):
         chunks, i = [], cut
         while i < len(text):
             k = rng.randint(1, 5)
-            chunks.append(text[i:i + k])
+            chunks.append(text[i : i + k])
             i += k
-        _replay(drafter_tokenizer, table, chunks, rng, prompt=text[:cut].decode(),
-                window=rng.choice([1, 2, 8]))
+        _replay(drafter_tokenizer, table, chunks, rng, prompt=text[:cut].decode(), window=rng.choice([1, 2, 8]))
 
 
 @real
@@ -179,8 +220,9 @@ def test_ngram_candidate_example(drafter_tokenizer, qwen_tokenizer, qwen_bridge)
     ids = qwen_tokenizer.encode("    return numbers_sorted", add_special_tokens=False)
     pieces = [qwen_bridge.target_bytes[i] for i in ids]
     cands = dict(ctx.commit(pieces))
-    multi = [i for i, p in enumerate(pieces)
-             if len(drafter_tokenizer.encode(p.decode(), add_special_tokens=False)) >= 2]
+    multi = [
+        i for i, p in enumerate(pieces) if len(drafter_tokenizer.encode(p.decode(), add_special_tokens=False)) >= 2
+    ]
     assert multi and any(i in cands for i in multi)
     for i, d_ids in cands.items():
         assert b"".join(qwen_bridge.draft_bytes[t] for t in d_ids) == pieces[i]

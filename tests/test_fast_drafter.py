@@ -21,8 +21,12 @@ VOCAB = 300
 
 # label -> (weights, native, native instruction set); the int8 fbgemm path runs everywhere, each
 # native instruction set wherever the CPU has it (an AVX-512 machine also runs the AVX2 kernels)
-KINDS = {"fp32": ("fp32", None, None), "bf16": ("bf16", None, None), "int8-fbgemm": ("int8", False, None),
-         **{f"int8-native-{isa}": ("int8", True, isa) for isa in NATIVE_ISAS}}
+KINDS = {
+    "fp32": ("fp32", None, None),
+    "bf16": ("bf16", None, None),
+    "int8-fbgemm": ("int8", False, None),
+    **{f"int8-native-{isa}": ("int8", True, isa) for isa in NATIVE_ISAS},
+}
 
 
 def kind_of(label: str) -> tuple[str, bool | None, str | None]:
@@ -34,9 +38,19 @@ def kind_of(label: str) -> tuple[str, bool | None, str | None]:
 
 def tiny_llama(tied: bool, bias: bool = False, seed: int = 0, unit_norms: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias, rope_theta=10000.0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+        mlp_bias=bias,
+        rope_theta=10000.0,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -102,8 +116,9 @@ def test_quantized_close_to_hf(model, kind):
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     scale = ref.abs().max().item()
     # random tiny models have nearly flat logits (many near-ties), hence the modest agreement floors
-    max_err, min_agree = {("bf16", None): (0.03, 0.9), ("int8", False): (0.15, 0.75),
-                          ("int8", True): (0.04, 0.85)}[kind[:2]]
+    max_err, min_agree = {("bf16", None): (0.03, 0.9), ("int8", False): (0.15, 0.75), ("int8", True): (0.04, 0.85)}[
+        kind[:2]
+    ]
     assert err <= max_err * scale, (kind, err, scale)
     assert agree >= min_agree, (kind, agree)
 
@@ -275,17 +290,16 @@ def test_limits_and_errors():
 
 @pytest.mark.real_models
 def test_smollm2_greedy_agreement():
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from omnidraft.shared import catalog
-
-    from transformers import AutoTokenizer
 
     path = catalog.resolve("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     prompt = AutoTokenizer.from_pretrained(path).encode(
-        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+    )
     hf = ModelRunner(model)
     logits = hf.forward(prompt, logits_to_keep=1)
     path = []

@@ -22,8 +22,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from omnidraft.client.device_state import slug
 from omnidraft.coordinator.aggregation import TRAIN_METRICS, AggregationConfig, aggregate_target, check_reply
-from omnidraft.coordinator.ngram_release import (
-    NgramRelease, ReleaseConfig, StatsError, decode_stats, encode_stats)
+from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats, encode_stats
 from omnidraft.coordinator.registry import RegistryError, TargetRegistry
 from omnidraft.coordinator.server_app import FleetConfig
 from omnidraft.shared.adapters import LoraSpec
@@ -43,13 +42,27 @@ def metrics_of(weight: float, **override) -> dict:
     return out
 
 
-def reply(arrays: dict[str, np.ndarray], weight: float, *, target="t", version=0, node=1, stats=b"",
-          metrics: dict | None = None) -> Message:
-    msg = Message(RecordDict({
-        "adapter": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-        "metrics": MetricRecord(metrics if metrics is not None else metrics_of(weight)),
-        "fleet": ConfigRecord({"target": target, "state-version": version, "ngram-stats": stats}),
-    }), dst_node_id=node, message_type="train")
+def reply(
+    arrays: dict[str, np.ndarray],
+    weight: float,
+    *,
+    target="t",
+    version=0,
+    node=1,
+    stats=b"",
+    metrics: dict | None = None,
+) -> Message:
+    msg = Message(
+        RecordDict(
+            {
+                "adapter": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                "metrics": MetricRecord(metrics if metrics is not None else metrics_of(weight)),
+                "fleet": ConfigRecord({"target": target, "state-version": version, "ngram-stats": stats}),
+            }
+        ),
+        dst_node_id=node,
+        message_type="train",
+    )
     return msg
 
 
@@ -58,13 +71,18 @@ GLOBAL = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.float32)}
 
 # -- aggregation ----------------------------------------------------------------------------------
 
+
 def test_weighted_fedavg_and_robust_methods():
-    ups = [({"a": np.full((2, 3), v, np.float32), "b": np.full(4, v, np.float32)}, w)
-           for v, w in ((1.0, 1), (2.0, 3), (10.0, 1))]
+    ups = [
+        ({"a": np.full((2, 3), v, np.float32), "b": np.full(4, v, np.float32)}, w)
+        for v, w in ((1.0, 1), (2.0, 3), (10.0, 1))
+    ]
     avg, metrics = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig(clip_median_factor=0))
     assert np.allclose(avg["a"], (1 + 6 + 10) / 5) and avg["a"].dtype == np.float32
     assert metrics["acceptance"] == pytest.approx(0.5)
-    med, _ = aggregate_target(1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig(method="median", clip_median_factor=0))
+    med, _ = aggregate_target(
+        1, [reply(a, w) for a, w in ups], GLOBAL, AggregationConfig(method="median", clip_median_factor=0)
+    )
     assert np.allclose(med["b"], 2.0)  # the outlier 10 does not move the median
     clipped, _ = aggregate_target(1, [reply(a, 1) for a, _ in ups], GLOBAL, AggregationConfig(clip_norm=1.0))
     # each update is clipped to norm 1 around the zero global: 10 elements of 1/sqrt(10)
@@ -82,19 +100,22 @@ def test_ffa_lora_averaging_is_exact_and_plain_lora_is_not():
     weights = [1, 2, 5]
     want = sum(w * B @ A for w, B in zip(weights, Bs)) / sum(weights)  # the average of the updates B·A
     g = {"A": np.zeros_like(A), "B": np.zeros_like(Bs[0])}
-    ffa, _ = aggregate_target(1, [reply({"A": A, "B": B}, w) for B, w in zip(Bs, weights)], g,
-                              AggregationConfig(clip_median_factor=0))
+    ffa, _ = aggregate_target(
+        1, [reply({"A": A, "B": B}, w) for B, w in zip(Bs, weights)], g, AggregationConfig(clip_median_factor=0)
+    )
     assert np.allclose(ffa["B"] @ ffa["A"], want, atol=1e-5)
     As = [rng.normal(size=(4, 8)).astype(np.float32) for _ in range(3)]
-    plain, _ = aggregate_target(1, [reply({"A": a, "B": B}, w) for a, B, w in zip(As, Bs, weights)], g,
-                                AggregationConfig())
+    plain, _ = aggregate_target(
+        1, [reply({"A": a, "B": B}, w) for a, B, w in zip(As, Bs, weights)], g, AggregationConfig()
+    )
     want_plain = sum(w * B @ a for w, B, a in zip(weights, Bs, As)) / sum(weights)
     assert not np.allclose(plain["B"] @ plain["A"], want_plain, atol=1e-2)
 
 
 def test_ffa_trains_only_b(tmp_path):
-    from omnidraft.shared.adapters import DrafterAdapters
     from transformers import AutoModelForCausalLM
+
+    from omnidraft.shared.adapters import DrafterAdapters
 
     dirs = ensure_tiny_fleet(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(dirs["tiny-drafter"])
@@ -104,13 +125,16 @@ def test_ffa_trains_only_b(tmp_path):
     assert names and all(".lora_B." in n for n in names)
 
 
-@pytest.mark.parametrize("mutate, reason", [
-    (lambda a: {**a, "a": np.full((2, 3), np.nan, np.float32)}, "NaN"),
-    (lambda a: {**a, "a": np.zeros((3, 2), np.float32)}, "expected"),
-    (lambda a: {**a, "a": np.zeros((2, 3), np.float64)}, "expected"),
-    (lambda a: {"a": a["a"]}, "keys differ"),
-    (lambda a: {**a, "x": np.zeros(1, np.float32)}, "keys differ"),
-])
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda a: {**a, "a": np.full((2, 3), np.nan, np.float32)}, "NaN"),
+        (lambda a: {**a, "a": np.zeros((3, 2), np.float32)}, "expected"),
+        (lambda a: {**a, "a": np.zeros((2, 3), np.float64)}, "expected"),
+        (lambda a: {"a": a["a"]}, "keys differ"),
+        (lambda a: {**a, "x": np.zeros(1, np.float32)}, "keys differ"),
+    ],
+)
 def test_bad_adapters_are_rejected_with_a_reason(mutate, reason):
     good = {"a": np.ones((2, 3), np.float32), "b": np.ones(4, np.float32)}
     assert check_reply(reply(good, 1), "t", 0, GLOBAL, AggregationConfig()) is None
@@ -128,15 +152,18 @@ def test_stale_unknown_oversized_and_weightless_replies_are_rejected():
     assert "trained-tokens" in check_reply(reply(good, float("inf")), "t", 0, GLOBAL, cfg)
 
 
-@pytest.mark.parametrize("metrics, reason", [
-    (metrics_of(10, extra=1.0), "unknown ['extra']"),  # an extra metric: this reply alone is dropped
-    ({k: v for k, v in metrics_of(10).items() if k != "generated-tokens"}, "missing ['generated-tokens']"),
-    (metrics_of(1e20), "trained-tokens"),  # beyond any count (it would overflow the registry's uint64)
-    (metrics_of(10, acceptance=1.5), "acceptance"),
-    (metrics_of(10, **{"update-s": float("nan")}), "non-finite"),
-    (metrics_of(10, replayed=1.5), "replayed"),
-    (metrics_of(10, **{"cache-entries": [1, 2]}), "not a number"),
-])
+@pytest.mark.parametrize(
+    "metrics, reason",
+    [
+        (metrics_of(10, extra=1.0), "unknown ['extra']"),  # an extra metric: this reply alone is dropped
+        ({k: v for k, v in metrics_of(10).items() if k != "generated-tokens"}, "missing ['generated-tokens']"),
+        (metrics_of(1e20), "trained-tokens"),  # beyond any count (it would overflow the registry's uint64)
+        (metrics_of(10, acceptance=1.5), "acceptance"),
+        (metrics_of(10, **{"update-s": float("nan")}), "non-finite"),
+        (metrics_of(10, replayed=1.5), "replayed"),
+        (metrics_of(10, **{"cache-entries": [1, 2]}), "not a number"),
+    ],
+)
 def test_metrics_outside_the_coordinators_schema_drop_that_reply_alone(metrics, reason):
     good = {"a": np.ones((2, 3), np.float32), "b": np.ones(4, np.float32)}
     cfg = AggregationConfig()
@@ -178,24 +205,37 @@ def test_private_updates_are_clipped_equally_weighted_and_noised(monkeypatch):
     cfg = AggregationConfig(clip_norm=1.0, dp_noise=1e-9)  # noise negligible: the clipped mean shows
     msgs = [reply(big, 1e6), reply(small, 1)]
     avg, _ = aggregate_target(1, msgs, GLOBAL, cfg)
-    clipped_big = 100.0 / math.sqrt(10 * 100.0 ** 2)  # each coordinate of the clipped update (norm 1)
+    clipped_big = 100.0 / math.sqrt(10 * 100.0**2)  # each coordinate of the clipped update (norm 1)
     assert np.allclose(avg["a"], (clipped_big + 0.1) / 2, atol=1e-6)  # equal weights, not 1e6 : 1
     assert np.allclose(avg["b"], clipped_big / 2, atol=1e-6)
     noisy = AggregationConfig(clip_norm=2.0, dp_noise=3.0)
     zeros = {"a": np.zeros((40, 50), np.float32), "b": np.zeros(1000, np.float32)}
-    flat = [np.concatenate([v.ravel() for v in aggregate_target(1, [reply(zeros, 1) for _ in range(4)],
-                                                                {"a": zeros["a"], "b": zeros["b"]}, noisy)[0].values()])
-            for _ in range(2)]
+    flat = [
+        np.concatenate(
+            [
+                v.ravel()
+                for v in aggregate_target(
+                    1, [reply(zeros, 1) for _ in range(4)], {"a": zeros["a"], "b": zeros["b"]}, noisy
+                )[0].values()
+            ]
+        )
+        for _ in range(2)
+    ]
     assert np.std(flat[0]) == pytest.approx(3.0 * 2.0 / 4, rel=0.05)
     assert not np.array_equal(flat[0], flat[1])  # fresh noise each round
-    for bad in (AggregationConfig(dp_noise=1.0), AggregationConfig(dp_noise=1.0, clip_norm=1.0, method="median"),
-                AggregationConfig(dp_noise=-1.0)):
+    for bad in (
+        AggregationConfig(dp_noise=1.0),
+        AggregationConfig(dp_noise=1.0, clip_norm=1.0, method="median"),
+        AggregationConfig(dp_noise=-1.0),
+    ):
         with pytest.raises(ValueError):
             bad.validate()
     with pytest.raises(ValueError, match="SecAgg"):
         from omnidraft.coordinator.secure_aggregation import SecAggConfig
 
-        FleetConfig(aggregation=AggregationConfig(dp_noise=1.0, clip_norm=1.0), secagg=SecAggConfig(enabled=True)).validate()
+        FleetConfig(
+            aggregation=AggregationConfig(dp_noise=1.0, clip_norm=1.0), secagg=SecAggConfig(enabled=True)
+        ).validate()
     # the ledger: an update round composes into the same accountant as the n-gram release
     plain = NgramRelease(ReleaseConfig())
     plain.release([np.ones(8, bool)] * 10)
@@ -207,10 +247,13 @@ def test_private_updates_are_clipped_equally_weighted_and_noised(monkeypatch):
     assert resumed.epsilon() == pytest.approx(private.epsilon())
     with pytest.raises(ValueError, match="private updates"):
         NgramRelease(ReleaseConfig(noise_multiplier=0)).account_updates(1.0)
-    assert NgramRelease(ReleaseConfig(noise_multiplier=0), private_updates=True).epsilon() == math.inf  # k-anonymous n-grams
+    assert (
+        NgramRelease(ReleaseConfig(noise_multiplier=0), private_updates=True).epsilon() == math.inf
+    )  # k-anonymous n-grams
 
 
 # -- n-gram release -------------------------------------------------------------------------------
+
 
 def test_server_optimizers():
     from omnidraft.coordinator.server_opt import ServerOptConfig, ServerOptimizer
@@ -231,7 +274,13 @@ def test_server_optimizers():
     first = adam.step(cur, agg)  # bias-corrected first step: lr in the direction of the aggregate
     assert np.allclose(first["a"], 0.1, atol=1e-5) and np.allclose(first["b"], 0.9, atol=1e-5)
     state = adam.state()
-    assert float(state["step"]) == 1 and set(state) == {"step", "a/exp_avg", "a/exp_avg_sq", "b/exp_avg", "b/exp_avg_sq"}
+    assert float(state["step"]) == 1 and set(state) == {
+        "step",
+        "a/exp_avg",
+        "a/exp_avg_sq",
+        "b/exp_avg",
+        "b/exp_avg_sq",
+    }
     resumed = ServerOptimizer(ServerOptConfig("adam", lr=0.1), state).step(first, agg)
     continued = adam.step(first, agg)
     assert all(np.array_equal(resumed[k], continued[k]) for k in cur)  # a saved state continues exactly
@@ -328,6 +377,7 @@ def test_release_noise_does_not_follow_any_seed():
 
 # -- registry -------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return ensure_tiny_fleet(tmp_path_factory.mktemp("tiny"))
@@ -395,8 +445,15 @@ def test_privacy_is_charged_once_per_committed_round_and_never_rolled_back(tmp_p
         release = NgramRelease(cfg, reg.privacy_ledger("tiny-target-a"))
         release.release(maps)
         if commit:
-            reg.commit("tiny-target-a", state.adapter, state.cache(), round_=rnd, devices=3, tokens=3,
-                       privacy_ledger=release.ledger())
+            reg.commit(
+                "tiny-target-a",
+                state.adapter,
+                state.cache(),
+                round_=rnd,
+                devices=3,
+                tokens=3,
+                privacy_ledger=release.ledger(),
+            )
 
     assert reg.privacy_ledger("tiny-target-a") is None
     one_round(1, commit=True)
@@ -426,8 +483,17 @@ def test_rollback_republishes_an_earlier_state_as_a_new_version(tmp_path, tiny):
     shas = [reg.manifest("tiny-target-a").adapter_sha256]
     for v in range(1, 4):
         adapter = {k: t + v for k, t in state.adapter.items()}
-        shas.append(reg.commit("tiny-target-a", adapter, state.cache(), round_=v, devices=1, tokens=10,
-                               server_state={"step": torch.tensor(float(v))}).adapter_sha256)
+        shas.append(
+            reg.commit(
+                "tiny-target-a",
+                adapter,
+                state.cache(),
+                round_=v,
+                devices=1,
+                tokens=10,
+                server_state={"step": torch.tensor(float(v))},
+            ).adapter_sha256
+        )
     assert float(reg.server_state("tiny-target-a")["step"]) == 3  # the server optimizer's, with version 3
     m = reg.rollback("tiny-target-a")  # to version 2
     assert (m.version, m.parent_version, m.restored_from, m.adapter_sha256) == (4, 3, 2, shas[2])
@@ -452,8 +518,9 @@ def test_a_scheduled_rollback_is_not_repeated_when_its_round_is_resumed(tmp_path
     reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
     state = reg.load("tiny-target-a")
     for v in (1, 2):
-        reg.commit("tiny-target-a", {k: t + v for k, t in state.adapter.items()}, state.cache(),
-                   round_=v, devices=1, tokens=10)
+        reg.commit(
+            "tiny-target-a", {k: t + v for k, t in state.adapter.items()}, state.cache(), round_=v, devices=1, tokens=10
+        )
     actions = operator_actions(Scenario(rollback=Rollback("tiny-target-a", 3)))
     actions(3, reg)
     rolled = reg.manifest("tiny-target-a")
@@ -485,20 +552,29 @@ def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tin
     assert v0.signature and v1.signature and v1.manifest.parent_version == 0
     key_file = tmp_path / "coord" / "keys" / "manifest-ed25519.pem"
     assert oct(key_file.stat().st_mode & 0o777) == "0o600" and oct(key_file.parent.stat().st_mode & 0o777) == "0o700"
-    profile = DeviceProfile(device_id="d", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
-                            drafter=str(tiny["tiny-drafter"]), prompts=["x"], heldout=["y"],
-                            state_dir=tmp_path / "dev", fleet_key=reg.public_key())
+    profile = DeviceProfile(
+        device_id="d",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=["x"],
+        heldout=["y"],
+        state_dir=tmp_path / "dev",
+        fleet_key=reg.public_key(),
+    )
     pool = EnginePool("fp32", "fp32")
     device = FleetDevice(profile, pool)
     assert device.receive(v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature).version == 1
     forged = fleet_pb2.StateManifest()
     forged.ParseFromString(v1.manifest_blob)
     forged.version = 9
-    bad = [((v1.spec, forged.SerializeToString(), v1.adapter_blob, v1.cache_blob, v1.signature), "signature"),
-           ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, b""), "signature"),
-           ((v1.spec, v1.manifest_blob, v1.adapter_blob[:-1] + b"!", v1.cache_blob, v1.signature), "checksum"),
-           ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob[:-1] + b"!", v1.signature), "checksum"),
-           ((v0.spec, v0.manifest_blob, v0.adapter_blob, v0.cache_blob, v0.signature), "older")]  # a replay
+    bad = [
+        ((v1.spec, forged.SerializeToString(), v1.adapter_blob, v1.cache_blob, v1.signature), "signature"),
+        ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, b""), "signature"),
+        ((v1.spec, v1.manifest_blob, v1.adapter_blob[:-1] + b"!", v1.cache_blob, v1.signature), "checksum"),
+        ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob[:-1] + b"!", v1.signature), "checksum"),
+        ((v0.spec, v0.manifest_blob, v0.adapter_blob, v0.cache_blob, v0.signature), "older"),
+    ]  # a replay
     for args, reason in bad:
         with pytest.raises(StateMismatch, match=reason):
             device.receive(*args)
@@ -510,8 +586,9 @@ def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tin
     with pytest.raises(StateMismatch, match="NaN or Inf"):
         device.receive(v2.spec, v2.manifest_blob, v2.adapter_blob, v2.cache_blob, v2.signature)
     assert device.held_manifest().version == 1
-    stranger = FleetDevice(replace(profile, fleet_key=TargetRegistry(tmp_path / "other").public_key(),
-                                   state_dir=tmp_path / "dev2"), pool)
+    stranger = FleetDevice(
+        replace(profile, fleet_key=TargetRegistry(tmp_path / "other").public_key(), state_dir=tmp_path / "dev2"), pool
+    )
     with pytest.raises(StateMismatch, match="signature"):
         stranger.receive(v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature)
     assert stranger.held_manifest() is None
@@ -533,9 +610,15 @@ def test_a_cold_first_session_then_the_global_state_in_one_process(tmp_path, tin
     reg = TargetRegistry(tmp_path / "coord")
     reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=8))
     state = reg.load("tiny-target-a")
-    profile = DeviceProfile(device_id="d", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
-                            drafter=str(tiny["tiny-drafter"]), prompts=["x"], heldout=["def f(x):"],
-                            state_dir=tmp_path / "dev")
+    profile = DeviceProfile(
+        device_id="d",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=["x"],
+        heldout=["def f(x):"],
+        state_dir=tmp_path / "dev",
+    )
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
     cold = device.evaluate(use_global=False, fixed_k=2, adaptive=False)
     device.receive(state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature)
@@ -554,10 +637,17 @@ def test_a_recording_store_that_cannot_be_written_costs_only_the_replay(tmp_path
 
     blocked = tmp_path / "recordings"
     blocked.write_text("not a folder")
-    profile = DeviceProfile(device_id="d", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
-                            drafter=str(tiny["tiny-drafter"]), prompts=["def add(a, b):", "import os\n"],
-                            heldout=["def f(x):"], state_dir=tmp_path / "dev", prompts_per_round=2,
-                            recordings=str(blocked))
+    profile = DeviceProfile(
+        device_id="d",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=["def add(a, b):", "import os\n"],
+        heldout=["def f(x):"],
+        state_dir=tmp_path / "dev",
+        prompts_per_round=2,
+        recordings=str(blocked),
+    )
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
     reg = TargetRegistry(tmp_path / "coord")
     reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=8))
@@ -582,10 +672,21 @@ def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_
     pool = EnginePool("fp32", "fp32")
 
     def probe(name: str, recordings: str) -> FleetDevice:
-        return FleetDevice(DeviceProfile(device_id=name, target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
-                                         drafter=str(tiny["tiny-drafter"]), prompts=[], heldout=heldout,
-                                         state_dir=tmp_path / name, speed_prompts=1, probe=True,
-                                         recordings=recordings), pool)
+        return FleetDevice(
+            DeviceProfile(
+                device_id=name,
+                target="tiny-target-a",
+                target_model=str(tiny["tiny-target-a"]),
+                drafter=str(tiny["tiny-drafter"]),
+                prompts=[],
+                heldout=heldout,
+                state_dir=tmp_path / name,
+                speed_prompts=1,
+                probe=True,
+                recordings=recordings,
+            ),
+            pool,
+        )
 
     runs = []
     real_alone = adapt_run.target_alone
@@ -605,27 +706,59 @@ def test_fleet_cli_register_and_status(tmp_path, tiny, capsys):
     from omnidraft.cli import main
 
     root = str(tmp_path / "c")
-    args = ["fleet", "register-target", "tiny-target-b", "--model", str(tiny["tiny-target-b"]),
-            "--drafter", str(tiny["tiny-drafter"]), "--lora-rank", "2", "--root", root]
+    args = [
+        "fleet",
+        "register-target",
+        "tiny-target-b",
+        "--model",
+        str(tiny["tiny-target-b"]),
+        "--drafter",
+        str(tiny["tiny-drafter"]),
+        "--lora-rank",
+        "2",
+        "--root",
+        root,
+    ]
     assert main(args) == 0
     assert main(args) == 2  # already registered: one-line error
     assert main(["fleet", "status", "--root", root, "--json"]) == 0
     assert main(["fleet", "register-target", "x y", "--model", "m", "--root", root]) == 2
     capsys.readouterr()
     assert main(["fleet", "public-key", "--root", root]) == 0
-    assert capsys.readouterr().out.strip() == TargetRegistry(root).public_key() and len(TargetRegistry(root).public_key()) == 64
+    assert (
+        capsys.readouterr().out.strip() == TargetRegistry(root).public_key()
+        and len(TargetRegistry(root).public_key()) == 64
+    )
     # an operator's view after two rounds, a staged rollout and a rollback
     registry = TargetRegistry(root)
     state = registry.load("tiny-target-b")
     for rnd in (1, 2):
         registry.commit("tiny-target-b", state.adapter, state.cache(), round_=rnd, devices=3, tokens=100)
-    rounds = [{"round": 0, "target": "tiny-target-b", "eval-acceptance": 0.2},
-              {"round": 1, "target": "tiny-target-b", "sampled": 3, "aggregated": 2, "devices": 7,
-               "uplink-bytes-per-device": 1000.0, "downlink-bytes-per-device": 500.0, "eval-acceptance": 0.25,
-               "cache-entries": 40},
-              {"round": 2, "target": "tiny-target-b", "sampled": 3, "aggregated": 3, "devices": 8,
-               "uplink-bytes-per-device": 1000.0, "downlink-bytes-per-device": 100.0, "eval-acceptance": 0.3,
-               "cache-entries": 44}]
+    rounds = [
+        {"round": 0, "target": "tiny-target-b", "eval-acceptance": 0.2},
+        {
+            "round": 1,
+            "target": "tiny-target-b",
+            "sampled": 3,
+            "aggregated": 2,
+            "devices": 7,
+            "uplink-bytes-per-device": 1000.0,
+            "downlink-bytes-per-device": 500.0,
+            "eval-acceptance": 0.25,
+            "cache-entries": 40,
+        },
+        {
+            "round": 2,
+            "target": "tiny-target-b",
+            "sampled": 3,
+            "aggregated": 3,
+            "devices": 8,
+            "uplink-bytes-per-device": 1000.0,
+            "downlink-bytes-per-device": 100.0,
+            "eval-acceptance": 0.3,
+            "cache-entries": 44,
+        },
+    ]
     (tmp_path / "c" / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     assert main(["fleet", "rollout", "tiny-target-b", "--fraction", "0.25", "--root", root]) == 0
     assert main(["fleet", "rollback", "tiny-target-b", "--root", root]) == 0
@@ -644,12 +777,26 @@ def test_fleet_cli_register_and_status(tmp_path, tiny, capsys):
 
 # -- end to end on Flower's Simulation Engine -------------------------------------------------------
 
+
 def _scenario(**kw):
     from omnidraft.simulations.scenario import Scenario
 
-    base = dict(models="tiny", devices=6, rounds=3, prompts_per_device=6, heldout_per_device=2,
-                prompts_per_round=3, max_new_tokens=12, late_joiners=1, lora_rank=2, lr=1e-2,
-                probes=0, newcomer_evals=0, measure_ar=False, release=ReleaseConfig(k=2))
+    base = dict(
+        models="tiny",
+        devices=6,
+        rounds=3,
+        prompts_per_device=6,
+        heldout_per_device=2,
+        prompts_per_round=3,
+        max_new_tokens=12,
+        late_joiners=1,
+        lora_rank=2,
+        lr=1e-2,
+        probes=0,
+        newcomer_evals=0,
+        measure_ar=False,
+        release=ReleaseConfig(k=2),
+    )
     base.update(kw)
     return Scenario(**base)
 
@@ -661,8 +808,11 @@ def _run_with(out: Path, tiny, scenario, mods, hooks=()) -> tuple[list, list[dic
     from omnidraft.simulations.scenario import run
 
     capture = out / "capture"
-    env = {"OMNIDRAFT_TEST_CAPTURE": str(capture), "OMNIDRAFT_HOME": str(tiny["tiny-drafter"].parents[2]),
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        "OMNIDRAFT_TEST_CAPTURE": str(capture),
+        "OMNIDRAFT_HOME": str(tiny["tiny-drafter"].parents[2]),
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     records = []
@@ -691,7 +841,8 @@ def federation(tmp_path_factory, tiny):
 def test_federation_rounds_versions_and_bad_updates(federation):
     out, profiles, records, _ = federation
     assert sorted({(r["round"], r["target"]) for r in records}) == [
-        (rnd, t) for rnd in (1, 2, 3) for t in ("tiny-target-a", "tiny-target-b")]
+        (rnd, t) for rnd in (1, 2, 3) for t in ("tiny-target-a", "tiny-target-b")
+    ]
     reasons = " | ".join(x for r in records for x in r["rejected"])
     assert "NaN" in reasons and "device error" in reasons  # poisoned and crashed devices
     assert all(r["aggregated"] >= 1 for r in records)  # every round completed with the rest
@@ -721,24 +872,32 @@ def test_privacy_audit_no_local_text_or_token_runs_in_any_payload(federation):
     texts = []
     for p in profiles:
         texts += p.prompts + p.heldout
-        texts += [h["output"] for h in json.loads("[" + ",".join(
-            (Path(p.state_dir) / "history.jsonl").read_text().splitlines()) + "]")] \
-            if (Path(p.state_dir) / "history.jsonl").exists() else []
+        texts += (
+            [
+                h["output"]
+                for h in json.loads(
+                    "[" + ",".join((Path(p.state_dir) / "history.jsonl").read_text().splitlines()) + "]"
+                )
+            ]
+            if (Path(p.state_dir) / "history.jsonl").exists()
+            else []
+        )
     assert any(len(t) >= 8 for t in texts)
-    grams = {t[i:i + 8].encode() for t in texts for i in range(len(t) - 7)}
+    grams = {t[i : i + 8].encode() for t in texts for i in range(len(t) - 7)}
     leaked = [g for g in grams if g in blob]
     assert not leaked, leaked[:3]
     planted = blob + texts[0][:8].encode()  # the check itself catches a planted leak
     assert any(g in planted for g in grams)
     # no run of 4 consecutive local token ids (drafter or target tokenization), in any integer encoding
     toks = [AutoTokenizer.from_pretrained(profiles[0].drafter)] + [
-        AutoTokenizer.from_pretrained(m) for m in {p.target_model for p in profiles}]
+        AutoTokenizer.from_pretrained(m) for m in {p.target_model for p in profiles}
+    ]
     runs = set()
     for tok in toks:
         for t in texts:
             ids = tok.encode(t, add_special_tokens=False)
             for i in range(len(ids) - 3):
-                run = ids[i:i + 4]
+                run = ids[i : i + 4]
                 if len(set(run)) > 1:  # a repeated id (e.g. spaces) is not a run of text
                     for dt in ("<u2", "<i4", "<i8", "<f4"):
                         runs.add(np.array(run, dtype=dt).tobytes())
@@ -778,11 +937,17 @@ def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
         "             server_opt=ServerOptConfig('adam', lr=1e-2))\n"
         "def on_round(r):\n"
         "    with open(out / 'rounds.jsonl', 'a') as f: f.write(json.dumps([r['round'], r['target'], r['version']]) + '\\n')\n"
-        "run(s, out / 'run', on_round)\n")
+        "run(s, out / 'run', on_round)\n"
+    )
     env = {**os.environ, "OMNIDRAFT_HOME": str(tiny["tiny-drafter"].parents[2])}
     state = tmp_path / "run" / "coordinator" / "coordinator.json"
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
@@ -796,10 +961,11 @@ def test_restart_resumes_after_the_last_finished_round(tmp_path, tiny):
     assert 1 <= killed_after < 3, "the coordinator was not killed between rounds"
     recorded = tmp_path / "rounds.jsonl"  # what on_round saw before the kill (it follows the coordinator)
     seen = [json.loads(line) for line in recorded.read_text().splitlines()] if recorded.exists() else []
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    after = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()][len(seen):]
+    after = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()][len(seen) :]
     assert sorted({r for r, _, _ in after}) == list(range(killed_after + 1, 4))  # finished rounds not rerun
     reg = TargetRegistry(tmp_path / "run" / "coordinator")
     assert all(reg.manifest(t).version == 3 for t in reg.names())
@@ -813,11 +979,19 @@ def test_a_coordinator_stopped_anywhere_in_a_round_resumes_without_losing_or_rep
     on the same directory: every target ends at one version per round, each committed round is
     charged to the privacy ledger once, and each round is recorded once."""
     import fleet_mods
+
     from omnidraft.coordinator.server_app import ROUNDS_FILE
     from omnidraft.simulations.flower_runner import FlowerRunError
 
-    scenario = _scenario(devices=4, rounds=2, late_joiners=0, prompts_per_device=3, prompts_per_round=3,
-                         max_new_tokens=8, release=ReleaseConfig(k=1))
+    scenario = _scenario(
+        devices=4,
+        rounds=2,
+        late_joiners=0,
+        prompts_per_device=3,
+        prompts_per_round=3,
+        max_new_tokens=8,
+        release=ReleaseConfig(k=1),
+    )
     os.environ["OMNIDRAFT_TEST_CRASH"] = f"{point}@2"
     try:
         with pytest.raises(FlowerRunError):
@@ -829,7 +1003,8 @@ def test_a_coordinator_stopped_anywhere_in_a_round_resumes_without_losing_or_rep
     reg = TargetRegistry(coord)
     records = [json.loads(line) for line in (coord / ROUNDS_FILE).read_text().splitlines()]
     assert sorted((r["round"], r["target"]) for r in records) == [
-        (rnd, t) for rnd in (1, 2) for t in ("tiny-target-a", "tiny-target-b")]  # each round once
+        (rnd, t) for rnd in (1, 2) for t in ("tiny-target-a", "tiny-target-b")
+    ]  # each round once
     for t in ("tiny-target-a", "tiny-target-b"):
         m = reg.manifest(t)
         assert (m.version, m.round) == (2, 2) and reg.versions(t) == [0, 1, 2], (point, t)
@@ -846,10 +1021,15 @@ def test_secagg_sums_adapters_without_the_coordinator_seeing_one(tmp_path, tiny)
 
     kw = dict(rounds=1, late_joiners=0, newcomer_evals=0)
     # float32 updates in the clear: the reference is the same updates' exact FedAvg
-    _, plain, _ = _run_with(tmp_path / "plain", tiny, _scenario(aggregation=AggregationConfig(update_bits=32), **kw), [])
+    _, plain, _ = _run_with(
+        tmp_path / "plain", tiny, _scenario(aggregation=AggregationConfig(update_bits=32), **kw), []
+    )
     _, secure, wire = _run_with(tmp_path / "secure", tiny, _scenario(secagg=True, **kw), [fleet_mods.wire_mod])
-    assert [(r["target"], r["aggregated"], r["rejected"]) for r in secure] == \
-        [(r["target"], r["aggregated"], []) for r in plain] == [("tiny-target-a", 3, []), ("tiny-target-b", 3, [])]
+    assert (
+        [(r["target"], r["aggregated"], r["rejected"]) for r in secure]
+        == [(r["target"], r["aggregated"], []) for r in plain]
+        == [("tiny-target-a", 3, []), ("tiny-target-b", 3, [])]
+    )
     trains = [w for w in wire if w["type"] == "train"]
     assert trains and not any({"adapter", "update"} & set(w["arrays"]) for w in trains)  # nothing in the clear
     masked = [w for w in trains if "secaggplus_configs" in w["configs"]]
@@ -888,9 +1068,17 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
 
     heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
-    profile = DeviceProfile(device_id="p", target="tiny-target-a", target_model=str(tiny["tiny-target-a"]),
-                            drafter=str(tiny["tiny-drafter"]), prompts=[], heldout=heldout,
-                            state_dir=tmp_path / "probe", speed_prompts=1, probe=True)
+    profile = DeviceProfile(
+        device_id="p",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=[],
+        heldout=heldout,
+        state_dir=tmp_path / "probe",
+        speed_prompts=1,
+        probe=True,
+    )
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
     runs = []
     real_alone = adapt_run.target_alone

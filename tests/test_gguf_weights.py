@@ -31,11 +31,18 @@ QUANTIZED = ("q_proj", "gate_proj", "down_proj", "embed_tokens", "lm_head")  # s
 
 def tiny(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  tie_word_embeddings=kind == "llama-tied", rope_theta=10000.0)
-    model = (Qwen2ForCausalLM(Qwen2Config(**common)) if kind == "qwen2"
-             else LlamaForCausalLM(LlamaConfig(**common)))
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=kind == "llama-tied",
+        rope_theta=10000.0,
+    )
+    model = Qwen2ForCausalLM(Qwen2Config(**common)) if kind == "qwen2" else LlamaForCausalLM(LlamaConfig(**common))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -112,7 +119,9 @@ def test_load_gives_exactly_the_values_the_gguf_holds(tmp_path, kind):
         assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
     # float32 tensors are stored as they are: those equal the original model's exactly
     original = model.state_dict()
-    assert torch.equal(state["model.layers.0.self_attn.k_proj.weight"], original["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(
+        state["model.layers.0.self_attn.k_proj.weight"], original["model.layers.0.self_attn.k_proj.weight"]
+    )
     assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())
 
 
@@ -156,8 +165,9 @@ def test_int8_runner_packed_layer_by_layer_is_bit_identical(tmp_path, monkeypatc
     assert all(p.is_meta for p in streamed.model.model.layers.parameters())
     assert streamed.model.model.embed_tokens.weight.is_meta
     if native:  # the same bytes (the head's last tensor is its pointer table)
-        for x, y in zip(a._packing.native_tensors + a._head_tensors[:-1],
-                        b._packing.native_tensors + b._head_tensors[:-1]):
+        for x, y in zip(
+            a._packing.native_tensors + a._head_tensors[:-1], b._packing.native_tensors + b._head_tensors[:-1]
+        ):
             assert torch.equal(x, y)
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     for chunk in (ids[:20], ids[20:21], ids[21:25], ids[25:26]):
@@ -188,8 +198,9 @@ def test_engine_over_gguf_dirs_decodes_as_over_safetensors(tmp_path):
         if i == 0:
             assert engine.target.checkpoint is not None
             assert all(p.is_meta for p in engine.target.model.model.layers.parameters())
-        outputs.append([engine.generate("def alpha(beta, gamma):\n", config, method=m).token_ids
-                        for m in ("omnidraft", "ar")])
+        outputs.append(
+            [engine.generate("def alpha(beta, gamma):\n", config, method=m).token_ids for m in ("omnidraft", "ar")]
+        )
     assert outputs[0] == outputs[1]
     assert outputs[0][0] == outputs[0][1]  # lossless: speculation decodes what the target alone does
 

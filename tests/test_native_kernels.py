@@ -29,8 +29,11 @@ def build(tmp_path: Path, isa: str, cc: str, extra: list[str]) -> Path:
     source.write_text(native_source(isa) + "\n" + CHECK.read_text())
     exe = tmp_path / f"fd_check_{isa}"
     for openmp in (["-fopenmp"], []):
-        proc = subprocess.run([cc, "-O2", *NATIVE_ISAS[isa][0], *openmp, *extra, str(source), "-o", str(exe), "-lm"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [cc, "-O2", *NATIVE_ISAS[isa][0], *openmp, *extra, str(source), "-o", str(exe), "-lm"],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode == 0:
             return exe
     pytest.fail(f"{cc} could not build the {isa} kernels: {proc.stderr[-800:]}")

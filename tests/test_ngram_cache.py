@@ -131,9 +131,7 @@ def test_bad_add_raises_value_error(args: tuple) -> None:
     assert len(c) == 0
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"policy": "fifo"}, {"policy": "LRU"}, {"max_entries": 0}, {"max_bytes": 1}]
-)
+@pytest.mark.parametrize("kwargs", [{"policy": "fifo"}, {"policy": "LRU"}, {"max_entries": 0}, {"max_bytes": 1}])
 def test_bad_constructor_raises_value_error(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         NgramCache(**kwargs)
@@ -197,9 +195,7 @@ class _Reference:
             self.d[key][1] = self.clock
             return
         if len(self.d) == self.max_entries:
-            rank = (
-                (lambda k: self.d[k][1]) if self.policy == "lru" else (lambda k: tuple(self.d[k]))
-            )
+            rank = (lambda k: self.d[k][1]) if self.policy == "lru" else (lambda k: tuple(self.d[k]))
             del self.d[min(self.d, key=rank)]
         self.d[key] = [0, self.clock]
 
@@ -362,10 +358,7 @@ def test_seed_from_tokenizers_toy_vocab() -> None:
     assert c.match([9, 3, 4, 2], 1) == (3, 0)
 
     c2 = NgramCache()
-    assert (
-        seed_from_tokenizers(c2, target, lambda _: pytest.fail("batch preferred"), direct, batch)
-        == 4
-    )
+    assert seed_from_tokenizers(c2, target, lambda _: pytest.fail("batch preferred"), direct, batch) == 4
     assert calls == [["flake", " a", "la la", "éa"]]
     assert list(c2.entries()) == list(c.entries())
 
@@ -395,6 +388,7 @@ def test_merge_adds_every_entry_as_add_would() -> None:
     for e in [*ours.entries(), *theirs.entries()]:
         expected.add(e.draft_ids, e.target_id, e.count)
     assert ours.merge(theirs) == 2
-    assert [(e.draft_ids, e.target_id, e.count) for e in ours.entries()] == \
-        [(e.draft_ids, e.target_id, e.count) for e in expected.entries()]
+    assert [(e.draft_ids, e.target_id, e.count) for e in ours.entries()] == [
+        (e.draft_ids, e.target_id, e.count) for e in expected.entries()
+    ]
     assert ours.nbytes == len(ours.to_bytes())

@@ -12,9 +12,7 @@ SCRIPT = REPO / "proto" / "generate.py"
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
 
 
 def test_committed_modules_are_up_to_date() -> None:
@@ -28,8 +26,7 @@ def test_generate_services_imports_and_check(tmp_path: Path, monkeypatch) -> Non
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "common.proto").write_text(
-        'syntax = "proto3";\npackage t.v1;\n// service NotReally {}\n'
-        "message Ping { string note = 1; }\n"
+        'syntax = "proto3";\npackage t.v1;\n// service NotReally {}\nmessage Ping { string note = 1; }\n'
     )
     (pkg / "api.proto").write_text(
         'syntax = "proto3";\npackage t.v1;\nimport "common.proto";\n'
@@ -48,10 +45,7 @@ def test_generate_services_imports_and_check(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.syspath_prepend(str(tmp_path))
     api_grpc = importlib.import_module("fakeproto.api_pb2_grpc")
     assert hasattr(api_grpc, "ApiStub")
-    assert (
-        importlib.import_module("fakeproto.api_pb2").DESCRIPTOR.dependencies[0].name
-        == "common.proto"
-    )
+    assert importlib.import_module("fakeproto.api_pb2").DESCRIPTOR.dependencies[0].name == "common.proto"
 
     with (pkg / "common_pb2.py").open("a") as f:
         f.write("# hand edit\n")

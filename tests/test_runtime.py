@@ -19,7 +19,7 @@ from omnidraft.shared.fast_drafter import NATIVE_ISAS, FastLlamaRunner, native_e
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.model_runner import ModelRunner
 from omnidraft.shared.ngram_cache import NgramCache
-from omnidraft.shared.precision import build_target_runner, precision_name, quantize_linear_int8, runner_backend
+from omnidraft.shared.precision import build_target_runner, precision_name, quantize_linear_int8
 from omnidraft.shared.profiling import CostProfile
 from omnidraft.shared.tiny_models import build_pair
 from omnidraft.shared.vocab_bridge import VocabBridge
@@ -30,11 +30,13 @@ HAS_NATIVE = native_library() is not None
 def needs_isa(isa: str) -> None:
     if native_library(isa) is None:
         pytest.skip(f"native {isa} kernels unavailable: {native_error(isa)}")
+
+
 PROMPTS = [
     "def alpha_3(beta, gamma):\n",
     "def items_9(count, result):\n    items = count // result\n",
     "\n\ndef",
-    "def delta_0(total, items):\n    \"\"\"Return total * items.\"\"\"\n    delta = total",
+    'def delta_0(total, items):\n    """Return total * items."""\n    delta = total',
 ]
 
 
@@ -45,15 +47,24 @@ def pair():
 
 @pytest.fixture(scope="module")
 def bridge(pair):
-    return VocabBridge.from_tokenizers(pair.draft_tokenizer, pair.target_tokenizer,
-                                       pair.drafter.config.vocab_size, pair.target.config.vocab_size)
+    return VocabBridge.from_tokenizers(
+        pair.draft_tokenizer, pair.target_tokenizer, pair.drafter.config.vocab_size, pair.target.config.vocab_size
+    )
 
 
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, rope_theta=1_000_000.0)
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    )
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -99,9 +110,9 @@ def test_native_int8_block_verification_is_bit_identical_to_single_steps(make, b
     runner.forward(ids[:40])
     for block in (2, 3, 5, 8, 16):
         runner.crop(40)
-        together = runner.forward(ids[40:40 + block])
+        together = runner.forward(ids[40 : 40 + block])
         runner.crop(40)
-        alone = torch.cat([runner.forward([t]) for t in ids[40:40 + block]])
+        alone = torch.cat([runner.forward([t]) for t in ids[40 : 40 + block]])
         assert torch.equal(together, alone), block
 
 
@@ -114,8 +125,9 @@ def test_native_int8_activation_modes_stay_close_to_fp32(bits, tol, isa):
     ref = ModelRunner(model)
     ref.reset()
     expected = ref.forward(ids)
-    runner = FastLlamaRunner(model, weights="int8", prefill_weights=None, activation_bits=bits, max_positions=128,
-                             native_isa=isa)
+    runner = FastLlamaRunner(
+        model, weights="int8", prefill_weights=None, activation_bits=bits, max_positions=128, native_isa=isa
+    )
     runner.reset()
     got = torch.cat([runner.forward(ids[:40]), runner.forward(ids[40:])])
     assert (got - expected).abs().max() < tol
@@ -125,9 +137,17 @@ def test_native_int8_activation_modes_stay_close_to_fp32(bits, tol, isa):
 
 
 def _decoders(pair, bridge, runner, rule=None, translate="text"):
-    spd = CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, runner, bridge, NgramCache(),
-                            expand_map=build_expand_map(bridge, pair.target_tokenizer), translate=translate,
-                            target_tokenizer=pair.target_tokenizer, rule=rule)
+    spd = CrossVocabDecoder(
+        pair.drafter,
+        pair.draft_tokenizer,
+        runner,
+        bridge,
+        NgramCache(),
+        expand_map=build_expand_map(bridge, pair.target_tokenizer),
+        translate=translate,
+        target_tokenizer=pair.target_tokenizer,
+        rule=rule,
+    )
     return spd, TargetOnlyDecoder(runner, bridge)
 
 
@@ -277,8 +297,10 @@ def test_engine_int8_end_to_end_with_cached_profile(tmp_path, monkeypatch):
         hf = engine.hf_target_model()  # transformers' own generate gets a float copy loaded again
         ids = torch.tensor([engine.prompt_ids(PROMPTS[0])[1]])
         assert not any(p.is_meta for p in hf.parameters()) and hf(ids).logits.isfinite().all()
-        assert engine.generate(PROMPTS[0], config, method="ar").token_ids == \
-            engine.generate(PROMPTS[0], config, method="omnidraft").token_ids
+        assert (
+            engine.generate(PROMPTS[0], config, method="ar").token_ids
+            == engine.generate(PROMPTS[0], config, method="omnidraft").token_ids
+        )
 
 
 def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path, monkeypatch):
@@ -286,8 +308,13 @@ def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path
 
     monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
     build_pair(tmp_path / "pair")
-    engine = Engine.load(str(tmp_path / "pair" / "drafter"), str(tmp_path / "pair" / "target"), "fp64",
-                         drafter_weights="fp32", progress=False)
+    engine = Engine.load(
+        str(tmp_path / "pair" / "drafter"),
+        str(tmp_path / "pair" / "target"),
+        "fp64",
+        drafter_weights="fp32",
+        progress=False,
+    )
     session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
     for prompt in PROMPTS:
         session.generate(prompt, GenerationConfig(max_new_tokens=16), learn=False)
@@ -313,12 +340,18 @@ def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch):
     without it, so the session's rule keeps deciding with the one profile measured (no second
     drafter measurement), and the profile check compares the adapter's steps with it."""
     import torch
+
     from omnidraft.client.session import DeviceSession
 
     monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
     build_pair(tmp_path / "pair")
-    engine = Engine.load(str(tmp_path / "pair" / "drafter"), str(tmp_path / "pair" / "target"), "fp64",
-                         drafter_weights="fp32", progress=False)
+    engine = Engine.load(
+        str(tmp_path / "pair" / "drafter"),
+        str(tmp_path / "pair" / "target"),
+        "fp64",
+        drafter_weights="fp32",
+        progress=False,
+    )
     session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
     session.decoder()
     base = session.rule.profile
@@ -334,8 +367,9 @@ def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch):
     runner = session.adapters.runner()
     assert runner.lora_rank > 0 and runner._packing is not runner._base_packing  # merged
     assert session.rule.profile is base and engine.cost_profile() is base
-    drafter_entries = [p for p in (tmp_path / "profiles").glob("*.json")
-                       if json.loads(p.read_text())["key"]["role"] == "drafter"]
+    drafter_entries = [
+        p for p in (tmp_path / "profiles").glob("*.json") if json.loads(p.read_text())["key"]["role"] == "drafter"
+    ]
     assert len(drafter_entries) == 1  # measured once, for every adapter
     assert engine.check_profile()["steps"]  # the adapter's steps are checked against it
 

@@ -8,8 +8,8 @@ import json
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.service import GenerationService, ServiceLimits, serve
@@ -33,12 +33,18 @@ def pair_dir(tmp_path_factory):
 @pytest.fixture
 def running(pair_dir, tmp_path):
     """A service on an ephemeral loopback port; yields (service, stub, port)."""
-    engine = Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64",
-                         drafter_weights="fp32", progress=False)
-    session = DeviceSession(engine, target_name="t", state_dir=tmp_path / "state",
-                            online=OnlineConfig(interval=2, lr=1e-2))
-    service = GenerationService(session, ServiceLimits(max_prompt_tokens=64, max_new_tokens=200, max_queue=2),
-                                base=GenerationConfig(draft_stop="confidence"), precision="fp64")
+    engine = Engine.load(
+        str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64", drafter_weights="fp32", progress=False
+    )
+    session = DeviceSession(
+        engine, target_name="t", state_dir=tmp_path / "state", online=OnlineConfig(interval=2, lr=1e-2)
+    )
+    service = GenerationService(
+        session,
+        ServiceLimits(max_prompt_tokens=64, max_new_tokens=200, max_queue=2),
+        base=GenerationConfig(draft_stop="confidence"),
+        precision="fp64",
+    )
     server, port = serve(service, "127.0.0.1:0")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -64,17 +70,20 @@ def test_generate_equals_the_target_alone_and_stream_matches(running):
         assert "".join(c.text for c in chunks) == reply.text and len(chunks) > 2
 
 
-@pytest.mark.parametrize("request_kw, reason", [
-    ({"prompt": ""}, "empty"),
-    ({"prompt": "def f(x):", "max_new_tokens": 500}, "limit of 200"),
-    ({"prompt": "def f(x):", "temperature": -1.0}, "temperature"),
-    ({"prompt": "def f(x):", "temperature": float("nan")}, "temperature"),
-    ({"prompt": "def f(x):", "temperature": float("inf")}, "temperature"),
-    ({"prompt": "def f(x):", "stop": ["x"] * 17}, "at most 16 stop strings"),
-    ({"prompt": "def f(x):", "stop": ["x" * 257]}, "at most 16 stop strings"),
-    ({"prompt": "def f(x):", "top_p": 2.0}, "top_p"),
-    ({"prompt": "def alpha(beta, gamma): " * 20}, "at most 64"),
-])
+@pytest.mark.parametrize(
+    "request_kw, reason",
+    [
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "def f(x):", "max_new_tokens": 500}, "limit of 200"),
+        ({"prompt": "def f(x):", "temperature": -1.0}, "temperature"),
+        ({"prompt": "def f(x):", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "def f(x):", "temperature": float("inf")}, "temperature"),
+        ({"prompt": "def f(x):", "stop": ["x"] * 17}, "at most 16 stop strings"),
+        ({"prompt": "def f(x):", "stop": ["x" * 257]}, "at most 16 stop strings"),
+        ({"prompt": "def f(x):", "top_p": 2.0}, "top_p"),
+        ({"prompt": "def alpha(beta, gamma): " * 20}, "at most 64"),
+    ],
+)
 def test_bad_requests_are_invalid_argument(running, request_kw, reason):
     _, stub, _ = running
     for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
@@ -109,6 +118,7 @@ def test_cancelled_stream_frees_the_engine(running, monkeypatch):
             seen.append(len(ids))
             time.sleep(0.05)
             on_tokens(ids)
+
         return generate(*args, on_tokens=slow, **kw)
 
     monkeypatch.setattr(session, "generate", slow_generate)
@@ -145,7 +155,9 @@ def test_cli_ask_and_health_against_a_running_service(running, capsys):
     assert main(["device", "ask", PROMPTS[0], "--server", f"127.0.0.1:{port}", "--max-new-tokens", "12", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["new_tokens"] == 12 and out["text"]
-    assert main(["device", "ask", PROMPTS[0], "--server", f"127.0.0.1:{port}", "--max-new-tokens", "12", "--stream"]) == 0
+    assert (
+        main(["device", "ask", PROMPTS[0], "--server", f"127.0.0.1:{port}", "--max-new-tokens", "12", "--stream"]) == 0
+    )
     streamed = capsys.readouterr().out.rstrip("\n")
     assert streamed == out["text"]
     assert main(["device", "health", "--server", f"127.0.0.1:{port}", "--json"]) == 0
@@ -153,7 +165,10 @@ def test_cli_ask_and_health_against_a_running_service(running, capsys):
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # the standard grpc.health.v1 check
         check = health_pb2_grpc.HealthStub(channel).Check
         for name in ("", "omnidraft.v1.Generation"):
-            assert check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         with pytest.raises(grpc.RpcError) as unknown:
             check(health_pb2.HealthCheckRequest(service="omnidraft.v1.Nothing"), timeout=5)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
@@ -173,10 +188,12 @@ def test_only_the_owner_teaches_the_device(pair_dir, tmp_path, capsys):
     from omnidraft.client import owner_token
     from omnidraft.client.request_log import RequestLog
 
-    engine = Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64",
-                         drafter_weights="fp32", progress=False)
-    session = DeviceSession(engine, target_name="t", state_dir=tmp_path / "state",
-                            online=OnlineConfig(interval=100, lr=1e-2))
+    engine = Engine.load(
+        str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64", drafter_weights="fp32", progress=False
+    )
+    session = DeviceSession(
+        engine, target_name="t", state_dir=tmp_path / "state", online=OnlineConfig(interval=100, lr=1e-2)
+    )
     token_file = tmp_path / "state" / owner_token.TOKEN_FILE
     token = owner_token.load_or_create(token_file)
     assert token_file.stat().st_mode & 0o777 == 0o600 and owner_token.load_or_create(token_file) == token
@@ -186,11 +203,26 @@ def test_only_the_owner_teaches_the_device(pair_dir, tmp_path, capsys):
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     try:
         stranger = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=8), timeout=60)
-        forged = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=8), timeout=60,
-                               metadata=owner_token.metadata("0" * 64))
+        forged = stub.Generate(
+            pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=8), timeout=60, metadata=owner_token.metadata("0" * 64)
+        )
         assert stranger.text and forged.text  # served
-        assert main(["device", "ask", PROMPTS[2], "--server", f"127.0.0.1:{port}", "--max-new-tokens", "8",
-                     "--owner-token", str(token_file)]) == 0
+        assert (
+            main(
+                [
+                    "device",
+                    "ask",
+                    PROMPTS[2],
+                    "--server",
+                    f"127.0.0.1:{port}",
+                    "--max-new-tokens",
+                    "8",
+                    "--owner-token",
+                    str(token_file),
+                ]
+            )
+            == 0
+        )
         assert service.wait_learned(timeout=60)
         assert [p for _, p in log.since(0)] == [PROMPTS[2]]  # only the owner's prompt teaches
         assert session.learner.prompts_seen == 1
@@ -206,8 +238,10 @@ def test_only_the_owner_teaches_the_device(pair_dir, tmp_path, capsys):
     server, port = serve(closed, "127.0.0.1:0")
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     try:
-        for call in (lambda **kw: stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=4), timeout=60, **kw),
-                     lambda **kw: stub.Health(pb.HealthRequest(), timeout=10, **kw)):
+        for call in (
+            lambda **kw: stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=4), timeout=60, **kw),
+            lambda **kw: stub.Health(pb.HealthRequest(), timeout=10, **kw),
+        ):
             with pytest.raises(grpc.RpcError) as refused:
                 call()
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -229,12 +263,16 @@ def test_serve_refuses_bad_settings(tmp_path, capsys):
 
     assert main(["device", "serve", "--drafter", "x", "--target", "y"]) == 2
     assert "--state-dir is required" in capsys.readouterr().err
-    assert main(["device", "serve", "--drafter", "x", "--target", "y", "--state-dir", str(tmp_path),
-                 "--max-queue", "0"]) == 2
+    assert (
+        main(["device", "serve", "--drafter", "x", "--target", "y", "--state-dir", str(tmp_path), "--max-queue", "0"])
+        == 2
+    )
     assert "--max-queue" in capsys.readouterr().err
-    for extra, message in ((["--listen", "0.0.0.0:50051"], "is not loopback: give --tls-cert"),
-                           (["--tls-cert", "c.pem"], "give both --tls-cert and --tls-key"),
-                           (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "k.pem"], "No such file")):
+    for extra, message in (
+        (["--listen", "0.0.0.0:50051"], "is not loopback: give --tls-cert"),
+        (["--tls-cert", "c.pem"], "give both --tls-cert and --tls-key"),
+        (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "k.pem"], "No such file"),
+    ):
         assert main(["device", "serve", "--drafter", "x", "--target", "y", "--state-dir", str(tmp_path), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
@@ -245,7 +283,23 @@ def test_service_bench_reports_overhead_with_identical_texts(pair_dir, tmp_path,
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
-    assert service_bench.main(["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target"),
-                               "--dtype", "fp64", "--dataset", str(data), "--max-new-tokens", "12", "--json"]) == 0
+    assert (
+        service_bench.main(
+            [
+                "--drafter",
+                str(pair_dir / "drafter"),
+                "--target",
+                str(pair_dir / "target"),
+                "--dtype",
+                "fp64",
+                "--dataset",
+                str(data),
+                "--max-new-tokens",
+                "12",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["texts_equal"] and report["prompts"] == 2 and report["grpc-unary-mean-s"] > 0

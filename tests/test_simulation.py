@@ -23,8 +23,9 @@ RUN = REPO / "simulations" / "run.py"
 
 def _run(*args: str, home: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMNIDRAFT_HOME": str(home)}
-    return subprocess.run([sys.executable, str(RUN), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(RUN), *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +42,17 @@ def tiny(tmp_path_factory):
 
 # -- data ------------------------------------------------------------------------------------------
 
+
 def test_sources_are_real_text_with_labels():
     corpus = data.load_corpus(None)
     counts = Counter(corpus.labels)
     assert counts["humaneval"] == 164 and counts["stdlib"] > 1000 and counts["pydoc"] > 500
     i = corpus.labels.index("stdlib")
-    assert corpus.prompts[i].startswith(("def ", "async def ")) and '"""' in corpus.prompts[i] or "'''" in corpus.prompts[i]
+    assert (
+        corpus.prompts[i].startswith(("def ", "async def "))
+        and '"""' in corpus.prompts[i]
+        or "'''" in corpus.prompts[i]
+    )
     assert all(len(p) <= data.MAX_CHARS + 2 for p, lab in zip(corpus.prompts, corpus.labels) if lab == "pydoc")
 
 
@@ -107,8 +113,9 @@ def test_codebase_projects_split_by_popularity_with_unseen_newcomer():
         assert {labels[i] for i in part} == {project} and part == list(range(part[0], part[0] + 5))
         assert (part[0] - labels.index(project)) % 5 == 0  # one of the project's own stretches
     assert projects[59] not in set(projects[:59])  # the unseen project stays unseen
-    assert data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers, share=True) == \
-        data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers)  # room enough: sharing changes nothing
+    assert data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers, share=True) == data.split_projects(
+        corpus, 30, 5, seed=1, newcomers=newcomers
+    )  # room enough: sharing changes nothing
 
 
 def test_codebase_sources_are_real_projects():
@@ -122,20 +129,27 @@ def test_codebase_sources_are_real_projects():
 
 # -- scenarios -------------------------------------------------------------------------------------
 
+
 def test_toml_scenario_and_events(tmp_path):
     path = tmp_path / "s.toml"
-    path.write_text('models = "tiny"\ndevices = 20\nrounds = 4\ntargets = "tiny-target-a:1"\n'
-                    'rollout = {target = "tiny-target-b", round = 3, share = 0.25}\n'
-                    'drift = "pydoc@4"\n[privacy]\nk = 3\nnoise = 0.5\n[aggregation]\nmethod = "median"\n')
+    path.write_text(
+        'models = "tiny"\ndevices = 20\nrounds = 4\ntargets = "tiny-target-a:1"\n'
+        'rollout = {target = "tiny-target-b", round = 3, share = 0.25}\n'
+        'drift = "pydoc@4"\n[privacy]\nk = 3\nnoise = 0.5\n[aggregation]\nmethod = "median"\n'
+    )
     s = Scenario.from_toml(path)
     s.validate()
     assert s.devices == 20 and s.targets == {"tiny-target-a": 1.0}
     assert s.rollout == Rollout("tiny-target-b", 3, 0.25) and s.drift == Drift("pydoc", 4)
     assert s.release.k == 3 and s.release.noise_multiplier == 0.5 and s.aggregation.method == "median"
-    for text, match in (("devices = 0\n", "devices"), ("bogus = 1\n", "unknown key 'bogus'"),
-                        ("gamma = 0.7\n", "unknown key 'gamma'"),
-                        ("probe_speed_prompts = 30\n", "speed prompts"),
-                        ("rollout = 'x@9:0.5'\nrounds = 3\n", "rollout round"), ("devices = [\n", "s.toml")):
+    for text, match in (
+        ("devices = 0\n", "devices"),
+        ("bogus = 1\n", "unknown key 'bogus'"),
+        ("gamma = 0.7\n", "unknown key 'gamma'"),
+        ("probe_speed_prompts = 30\n", "speed prompts"),
+        ("rollout = 'x@9:0.5'\nrounds = 3\n", "rollout round"),
+        ("devices = [\n", "s.toml"),
+    ):
         path.write_text(text)
         with pytest.raises(ValueError, match=match):
             Scenario.from_toml(path).validate()
@@ -162,17 +176,35 @@ def test_shipped_scenarios_are_valid():
     # the runs BENCHMARKS.md records keep their configuration whatever default.toml becomes
     old = scenario_from_args(build_parser().parse_args(["--scenario", str(SCENARIOS / "two-targets.toml")]))
     assert set(old.target_shares()) == {"qwen2.5-coder-0.5b", "gemma3-270m"}
-    assert (old.rounds, old.fraction, old.prompts_per_round, old.probe_heldout, old.probe_speed_prompts) == (4, 0.1, 3, 3, 0)
+    assert (old.rounds, old.fraction, old.prompts_per_round, old.probe_heldout, old.probe_speed_prompts) == (
+        4,
+        0.1,
+        3,
+        3,
+        0,
+    )
     learn = scenario_from_args(build_parser().parse_args(["--scenario", str(SCENARIOS / "learning.toml")]))
-    assert (learn.rounds, learn.fraction, learn.prompts_per_round, learn.heldout_per_device, learn.probe_heldout,
-            learn.measure_ar) == (4, 0.3, 4, 3, 3, False)
+    assert (
+        learn.rounds,
+        learn.fraction,
+        learn.prompts_per_round,
+        learn.heldout_per_device,
+        learn.probe_heldout,
+        learn.measure_ar,
+    ) == (4, 0.3, 4, 3, 3, False)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, home):
     bad = tmp_path / "bad.toml"
     bad.write_text("rounds = 'three'\n")
-    for args in (["--devices", "0"], ["--scenario", str(bad)], ["--scenario", str(tmp_path / "none.toml")],
-                 ["--rollout", "nonsense"], ["--models", "tiny", "--targets", "nope:1"], ["--draft-stop", "fast"]):
+    for args in (
+        ["--devices", "0"],
+        ["--scenario", str(bad)],
+        ["--scenario", str(tmp_path / "none.toml")],
+        ["--rollout", "nonsense"],
+        ["--models", "tiny", "--targets", "nope:1"],
+        ["--draft-stop", "fast"],
+    ):
         res = _run(*args, "--out", str(tmp_path / "o"), home=home, timeout=120)
         assert res.returncode == 2, (args, res.stderr[-500:])
         assert "Traceback" not in res.stderr and res.stderr.strip().startswith("error:"), res.stderr[-500:]
@@ -183,13 +215,23 @@ def test_profiles_apply_rollout_and_drift(tmp_path, home, monkeypatch):
     from omnidraft.client.fleet_device import DeviceProfile
     from omnidraft.simulations.scenario import prepare
 
-    s = Scenario(models="tiny", devices=8, rounds=4, targets={"tiny-target-a": 1.0}, probes=1,
-                 prompts_per_device=3, heldout_per_device=1, rollout=Rollout("tiny-target-b", 3, 0.5),
-                 drift=Drift("tiny", 4), late_joiners=2)
+    s = Scenario(
+        models="tiny",
+        devices=8,
+        rounds=4,
+        targets={"tiny-target-a": 1.0},
+        probes=1,
+        prompts_per_device=3,
+        heldout_per_device=1,
+        rollout=Rollout("tiny-target-b", 3, 0.5),
+        drift=Drift("tiny", 4),
+        late_joiners=2,
+    )
     profiles = prepare(s, tmp_path / "run")
     members = [p for p in profiles if not p.probe]
-    assert len(members) == 8 and all(p.offers == {"tiny-target-b": p2.target_model}
-                                     for p in members for p2 in profiles[-1:])  # all can run the new target
+    assert len(members) == 8 and all(
+        p.offers == {"tiny-target-b": p2.target_model} for p in members for p2 in profiles[-1:]
+    )  # all can run the new target
     assert [p.target for p in profiles if p.probe] == ["tiny-target-a", "tiny-target-b"]
     assert [p.joins_at_round for p in members][-2:] == [4, 4]
     p = members[0]
@@ -213,9 +255,17 @@ def test_profiles_on_personal_codebases(tmp_path, home, monkeypatch):
     from omnidraft.client.fleet_device import DeviceProfile
     from omnidraft.simulations.scenario import prepare
 
-    s = Scenario(models="tiny", devices=12, rounds=2, targets={"tiny-target-a": 1.0}, probes=1,
-                 data="codebase:click,codebase:flwr,codebase:peft", prompts_per_device=4, heldout_per_device=2,
-                 late_joiners=2)
+    s = Scenario(
+        models="tiny",
+        devices=12,
+        rounds=2,
+        targets={"tiny-target-a": 1.0},
+        probes=1,
+        data="codebase:click,codebase:flwr,codebase:peft",
+        prompts_per_device=4,
+        heldout_per_device=2,
+        late_joiners=2,
+    )
     profiles = prepare(s, tmp_path / "run")
     corpus = data.load_corpus(s.data)
     source = dict(zip(corpus.prompts, corpus.labels))
@@ -228,6 +278,7 @@ def test_profiles_on_personal_codebases(tmp_path, home, monkeypatch):
 
 
 # -- the smoke run ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory, home):
@@ -252,11 +303,19 @@ def test_smoke_run_writes_every_output(smoke):
     # newcomers and veterans: the fixed-k acceptance that compares states, and an adaptive decode that
     # replays the target's recorded output, so their speed is modelled only (no live tok/s)
     newcomers = [r for r in records if r.get("new-warm-devices")]
-    assert newcomers and all(0 <= r[f"{who}-fixed-k-acceptance"] <= 1 and 0 <= r[f"{who}-acceptance"] <= 1
-                             and r[f"{who}-modelled-tokens-per-s"] > 0 and r[f"{who}-modelled-speedup"] > 0
-                             for r in newcomers for who in ("new-warm", "new-cold"))
-    assert not any(f"{who}-tokens-per-s" in r or f"{who}-speedup" in r
-                   for r in records for who in ("new-warm", "new-cold", "veteran"))
+    assert newcomers and all(
+        0 <= r[f"{who}-fixed-k-acceptance"] <= 1
+        and 0 <= r[f"{who}-acceptance"] <= 1
+        and r[f"{who}-modelled-tokens-per-s"] > 0
+        and r[f"{who}-modelled-speedup"] > 0
+        for r in newcomers
+        for who in ("new-warm", "new-cold")
+    )
+    assert not any(
+        f"{who}-tokens-per-s" in r or f"{who}-speedup" in r
+        for r in records
+        for who in ("new-warm", "new-cold", "veteran")
+    )
     assert any("veteran-fixed-k-acceptance" in r and "veteran-modelled-speedup" in r for r in records)
     trained_rounds = [r for r in records if r["round"]]
     assert all(0 <= r["train-replayed"] <= 1 and r["train-modelled-speedup"] > 0 for r in trained_rounds)
@@ -291,8 +350,17 @@ def test_same_seed_same_learning(smoke, tmp_path, home):
     again = tmp_path / "again"
     res = _run("--models", "tiny", "--devices", "50", "--rounds", "3", "--seed", "7", "--out", str(again), home=home)
     assert res.returncode == 0, res.stderr[-3000:]
-    keys = ("round", "target", "aggregated", "eval-acceptance", "eval-tokens-per-call", "trained-tokens",
-            "new-warm-fixed-k-acceptance", "new-cold-fixed-k-acceptance", "cache-entries")
+    keys = (
+        "round",
+        "target",
+        "aggregated",
+        "eval-acceptance",
+        "eval-tokens-per-call",
+        "trained-tokens",
+        "new-warm-fixed-k-acceptance",
+        "new-cold-fixed-k-acceptance",
+        "cache-entries",
+    )
 
     def learned(run):
         return [{k: r.get(k) for k in keys} for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
@@ -325,10 +393,32 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     from omnidraft.coordinator.registry import TargetRegistry, rollout_rank
 
     out = tmp_path / "run"
-    res = _run("--models", "tiny", "--devices", "12", "--rounds", "3", "--fraction", "1",
-               "--targets", "tiny-target-a:1", "--rollout", "tiny-target-b@2:0.5", "--drift", "tiny@3",
-               "--rollback", "tiny-target-b@3",
-               "--probes", "1", "--late-joiners", "0", "--no-ar", "--out", str(out), home=home)
+    res = _run(
+        "--models",
+        "tiny",
+        "--devices",
+        "12",
+        "--rounds",
+        "3",
+        "--fraction",
+        "1",
+        "--targets",
+        "tiny-target-a:1",
+        "--rollout",
+        "tiny-target-b@2:0.5",
+        "--drift",
+        "tiny@3",
+        "--rollback",
+        "tiny-target-b@3",
+        "--probes",
+        "1",
+        "--late-joiners",
+        "0",
+        "--no-ar",
+        "--out",
+        str(out),
+        home=home,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     b = {r["round"]: r for r in rows if r["target"] == "tiny-target-b"}
@@ -337,8 +427,11 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     assert a[1]["aggregated"] == 12 and a[2]["aggregated"] == b[2]["aggregated"] == 6
     assert b[2]["switched"] == 6 and b[2]["devices"] == a[2]["devices"] == 6 and b[3]["switched"] == 0
     # exactly the half first in the rollout order moved, and only they
-    profiles = {d.name: json.loads((d / "profile.json").read_text()) for d in (out / "devices").iterdir()
-                if not json.loads((d / "profile.json").read_text())["probe"]}
+    profiles = {
+        d.name: json.loads((d / "profile.json").read_text())
+        for d in (out / "devices").iterdir()
+        if not json.loads((d / "profile.json").read_text())["probe"]
+    }
     order = sorted(profiles, key=lambda n: rollout_rank("tiny-target-b", n))
     assert {n for n, p in profiles.items() if p["target"] == "tiny-target-b"} == set(order[:6])
     # round 2 published v1; the rollback published v2 = v0's state; round 3 trained v3 from it
@@ -350,9 +443,13 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     assert re.search(r"\| – \(\d+\.\d\dx\) → – \(\d+\.\d\dx\) \|", text), text[:2000]
     assert b[3]["started-from"] == {"version": 2, "restores": 0} and "started-from" not in b[2]
     restored = fleet_manifest(out / "coordinator", "tiny-target-b", 2)
-    assert restored.restored_from == 0 and restored.parent_version == 1 and registry.manifest("tiny-target-b").version == 3
+    assert (
+        restored.restored_from == 0 and restored.parent_version == 1 and registry.manifest("tiny-target-b").version == 3
+    )
     profile = json.loads((out / "devices" / "device-0000" / "profile.json").read_text())
-    history = [json.loads(line) for line in (out / "devices" / "device-0000" / "history.jsonl").read_text().splitlines()]
+    history = [
+        json.loads(line) for line in (out / "devices" / "device-0000" / "history.jsonl").read_text().splitlines()
+    ]
     assert {h["round"] for h in history} == {1, 2, 3}
     assert all(h["prompt"] in profile["drift_prompts"] for h in history if h["round"] == 3)
     assert all(h["prompt"] in profile["prompts"] for h in history if h["round"] < 3)
@@ -373,8 +470,9 @@ def test_a_device_on_a_ray_cluster_started_elsewhere_gets_its_thread_count(tmp_p
     monkeypatch.setattr(flower_app, "cached_profile", lambda path: path)
     monkeypatch.setattr(flower_app, "FleetDevice", lambda profile, pool: (profile, pool))
     monkeypatch.setattr(flower_app, "shared_pool", lambda dtype, weights: (dtype, weights))
-    context = Context(run_id=1, node_id=1, node_config={"partition-id": 4}, state=RecordDict(),
-                      run_config={"run-dir": str(out)})
+    context = Context(
+        run_id=1, node_id=1, node_config={"partition-id": 4}, state=RecordDict(), run_config={"run-dir": str(out)}
+    )
     profile, pool = flower_app.device_for(context)
     assert os.environ["OMNIDRAFT_THREADS"] == "3" and pool == ("fp32", "int8")
     assert profile == out / "devices" / "device-0004"
@@ -403,15 +501,34 @@ def test_flwr_run_of_the_repository_runs_a_scenario(tmp_path, home):
     from omnidraft.simulations.flower_runner import _free_ports
 
     http, control = _free_ports(2)
-    env = {**os.environ, "OMNIDRAFT_HOME": str(home), "FLWR_HOME": str(tmp_path / "flwr"),
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
-           "FLWR_LOCAL_CONTROL_API_PORT": str(control),
-           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])}
+    env = {
+        **os.environ,
+        "OMNIDRAFT_HOME": str(home),
+        "FLWR_HOME": str(tmp_path / "flwr"),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(control),
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+    }
     out = tmp_path / "run"
     try:
-        res = subprocess.run(["flwr", "run", ".", "--stream", "--run-config", f'scenario="tiny" run-dir="{out}"',
-                              "--federation-config", "num-supernodes=9"],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [
+                "flwr",
+                "run",
+                ".",
+                "--stream",
+                "--run-config",
+                f'scenario="tiny" run-dir="{out}"',
+                "--federation-config",
+                "num-supernodes=9",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:  # flwr leaves the SuperLink it started running
         for p in psutil.process_iter(["cmdline"]):
             if "flower-superlink" in " ".join(p.info["cmdline"] or []) and str(http) in (p.info["cmdline"] or []):
@@ -437,8 +554,15 @@ def test_flwr_run_of_the_repository_runs_a_scenario(tmp_path, home):
 
 def test_the_verdict_says_whether_learning_paid_in_speed():
     def summary(first, last, **kw):
-        base = {"speedup-first": first, "speedup-last": last, "first-round": 0, "last-round": 3,
-                "acceptance-k-first": 0.39, "acceptance-k-last": 0.44, "new-devices": 0}
+        base = {
+            "speedup-first": first,
+            "speedup-last": last,
+            "first-round": 0,
+            "last-round": 3,
+            "acceptance-k-first": 0.39,
+            "acceptance-k-last": 0.44,
+            "new-devices": 0,
+        }
         return {**base, **kw}
 
     assert "learning paid: 1.20x → 1.35x" in report.verdict({"q": summary(1.2, 1.35)})
@@ -446,14 +570,21 @@ def test_the_verdict_says_whether_learning_paid_in_speed():
     assert "slower than the target alone" in report.verdict({"q": summary(0.97, 0.88)})
     assert "unchanged within 5%" in report.verdict({"q": summary(1.2, 1.22)})
     assert "not measured" in report.verdict({"q": summary(None, None)})
-    text = report.verdict({"q": summary(1.2, 1.35, **{"new-devices": 3, "new-warm-acceptance-k": 0.43,
-                                                      "new-cold-acceptance-k": 0.38})})
+    text = report.verdict(
+        {"q": summary(1.2, 1.35, **{"new-devices": 3, "new-warm-acceptance-k": 0.43, "new-cold-acceptance-k": 0.38})}
+    )
     assert "0.390 → 0.440" in text and "0.430 with the fleet's state vs 0.380 without" in text
-    drift = report.verdict({"q": summary(1.17, 0.86, **{"modelled-speedup-first": 1.41, "modelled-speedup-last": 1.52})})
-    assert "slower than the target alone (1.17x → 0.86x)" in drift and "cost profile, decoding only: 1.41x → 1.52x" in drift
+    drift = report.verdict(
+        {"q": summary(1.17, 0.86, **{"modelled-speedup-first": 1.41, "modelled-speedup-last": 1.52})}
+    )
+    assert (
+        "slower than the target alone (1.17x → 0.86x)" in drift
+        and "cost profile, decoding only: 1.41x → 1.52x" in drift
+    )
 
 
 # -- the hostile fleet ------------------------------------------------------------------------------
+
 
 def test_attack_flag_is_checked():
     from omnidraft.simulations.attacks import KINDS, assign, parse_attacks
@@ -478,15 +609,40 @@ def test_hostile_devices_of_every_kind_cannot_stop_or_take_over_a_round(tmp_path
     from omnidraft.coordinator.registry import TargetRegistry
 
     out = tmp_path / "run"
-    res = _run("--models", "tiny", "--devices", "30", "--late-joiners", "2", "--rounds", "2", "--fraction", "1",
-               "--targets", "tiny-target-a:1", "--attack", "all:0.03", "--no-ar", "--out", str(out), home=home)
+    res = _run(
+        "--models",
+        "tiny",
+        "--devices",
+        "30",
+        "--late-joiners",
+        "2",
+        "--rounds",
+        "2",
+        "--fraction",
+        "1",
+        "--targets",
+        "tiny-target-a:1",
+        "--attack",
+        "all:0.03",
+        "--no-ar",
+        "--out",
+        str(out),
+        home=home,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if r["round"]]
     assert [r["round"] for r in trained] == [1, 2]
     reasons = " | ".join(x for r in trained for x in r["rejected"] + r.get("skipped", []))
-    for expected in ("holds NaN or Inf", "device error", "metrics outside the schema", "metric trained-tokens",
-                     "update ", "stale state", "status field"):
+    for expected in (
+        "holds NaN or Inf",
+        "device error",
+        "metrics outside the schema",
+        "metric trained-tokens",
+        "update ",
+        "stale state",
+        "status field",
+    ):
         assert expected in reasons, (expected, reasons)
     # 28 veterans, 11 attackers: the 17 honest ones, the huge-norm, huge-weight and sign-flip ones
     # are aggregated in round 1 (the replayer's first reply is honest), whatever order replies came in

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from sampling_checks import assert_follows
 
 from omnidraft.shared import decoding
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
@@ -20,7 +21,6 @@ from omnidraft.shared.profiling import CostProfile
 from omnidraft.shared.sampling import warp
 from omnidraft.shared.tiny_models import build_pair
 from omnidraft.shared.vocab_bridge import VocabBridge
-from sampling_checks import assert_follows
 
 FLAT = CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=1.0)  # blocks cost what one token does
 
@@ -175,10 +175,16 @@ def test_calibration_round_trips_and_rejects_what_does_not_fit():
     again.load_calibration(saved)
     assert again.calibration() == rule.calibration()
     assert again.drafter_rate() == pytest.approx(rule.drafter_rate())
-    older = {k: v for k, v in saved.items() if k != "next_tables"} | {"version": 2}  # saved before the next-token tables
+    older = {k: v for k, v in saved.items() if k != "next_tables"} | {
+        "version": 2
+    }  # saved before the next-token tables
     ThroughputRule(FLAT).load_calibration(older)
-    for bad in ({}, {"version": 1}, {**saved, "tables": {"confidence": {"accepted": [1], "seen": [1]}}},
-                {**saved, "rate": "fast"}):
+    for bad in (
+        {},
+        {"version": 1},
+        {**saved, "tables": {"confidence": {"accepted": [1], "seen": [1]}}},
+        {**saved, "rate": "fast"},
+    ):
         with pytest.raises(ValueError, match="does not fit"):
             ThroughputRule(FLAT).load_calibration(bad)
 
@@ -227,7 +233,7 @@ def test_lookup_drafter_prefers_this_generation_and_keeps_a_bounded_history():
 
 # -- decoding with the rule and lookups (tiny models) ---------------------------------------------
 REPETITIVE = [
-    "def alpha_3(beta, gamma):\n    \"\"\"Return beta + gamma.\"\"\"\n    alpha = beta + gamma\n    return alpha\n\n"
+    'def alpha_3(beta, gamma):\n    """Return beta + gamma."""\n    alpha = beta + gamma\n    return alpha\n\n'
     "def alpha_4(beta, gamma):\n",
     "def total_1(index, value):\n    total = index * value\n    return total\n\ndef total_2(index, value):\n",
     "x = 1\n",
@@ -244,21 +250,32 @@ def pair():
 
 @pytest.fixture(scope="module")
 def bridge(pair):
-    return VocabBridge.from_tokenizers(pair.draft_tokenizer, pair.target_tokenizer,
-                                       pair.drafter.config.vocab_size, pair.target.config.vocab_size)
+    return VocabBridge.from_tokenizers(
+        pair.draft_tokenizer, pair.target_tokenizer, pair.drafter.config.vocab_size, pair.target.config.vocab_size
+    )
 
 
 def spd(pair, bridge, profile: CostProfile, lookup: LookupDrafter | None = None) -> CrossVocabDecoder:
-    return CrossVocabDecoder(pair.drafter, pair.draft_tokenizer, pair.target, bridge, NgramCache(),
-                             expand_map=build_expand_map(bridge, pair.target_tokenizer),
-                             target_tokenizer=pair.target_tokenizer, rule=ThroughputRule(profile),
-                             lookup=lookup if lookup is not None else LookupDrafter())
+    return CrossVocabDecoder(
+        pair.drafter,
+        pair.draft_tokenizer,
+        pair.target,
+        bridge,
+        NgramCache(),
+        expand_map=build_expand_map(bridge, pair.target_tokenizer),
+        target_tokenizer=pair.target_tokenizer,
+        rule=ThroughputRule(profile),
+        lookup=lookup if lookup is not None else LookupDrafter(),
+    )
 
 
-@pytest.mark.parametrize("profile", [
-    CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0),  # speculation pays: drafter and lookups
-    CostProfile({1: 10.0, 2: 20.0, 16: 160.0}, 30.0),  # it never pays: plain steps
-])
+@pytest.mark.parametrize(
+    "profile",
+    [
+        CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0),  # speculation pays: drafter and lookups
+        CostProfile({1: 10.0, 2: 20.0, 16: 160.0}, 30.0),  # it never pays: plain steps
+    ],
+)
 def test_greedy_output_identical_with_lookups_and_plain_steps(pair, bridge, profile):
     decoder = spd(pair, bridge, profile)
     ar = TargetOnlyDecoder(pair.target, bridge)
@@ -272,8 +289,9 @@ def test_greedy_output_identical_with_lookups_and_plain_steps(pair, bridge, prof
             assert got.token_ids == expected.token_ids, prompt
             assert got.finish_reason == expected.finish_reason
             s = got.stats
-            kinds.update(lookup=s.lookup_rounds, plain=s.plain_rounds,
-                         drafter=s.target_calls - s.lookup_rounds - s.plain_rounds)
+            kinds.update(
+                lookup=s.lookup_rounds, plain=s.plain_rounds, drafter=s.target_calls - s.lookup_rounds - s.plain_rounds
+            )
     if profile.target_cost(2) < 2 * profile.target_cost(1):
         assert kinds["lookup"] > 0 and kinds["drafter"] > 0
     else:
@@ -309,8 +327,9 @@ def test_sampling_with_lookup_drafts_follows_the_target_distribution(pair, bridg
     ids = pair.target_tokenizer.encode(prompt)
     with torch.inference_mode():
         logits = pair.target(input_ids=torch.tensor([ids])).logits[0, -1:].float()
-    exact = warp(logits.masked_fill(bridge.target_invalid_mask[: logits.shape[-1]], float("-inf")),
-                 temperature, top_p)[0]
+    exact = warp(logits.masked_fill(bridge.target_invalid_mask[: logits.shape[-1]], float("-inf")), temperature, top_p)[
+        0
+    ]
     # verifying blocks is free and the drafter is slow: lookups are worth proposing
     profile = CostProfile({1: 10.0, 16: 10.5}, drafter_ms_per_token=50.0)
     decoder = spd(pair, bridge, profile, LookupDrafter(capacity=0))

@@ -67,11 +67,17 @@ def test_error_feedback_sends_the_sum_of_the_updates(tmp_path):
 
 
 def _reply(arrays: dict[str, np.ndarray], record: ArrayRecord | None = None) -> Message:
-    return Message(RecordDict({
-        "update": record if record is not None else ArrayRecord({PACKED: Array(pack(arrays))}),
-        "metrics": MetricRecord({**{k: lo for k, (lo, _) in TRAIN_METRICS.items()}, "trained-tokens": 10.0}),
-        "fleet": ConfigRecord({"target": "t", "state-version": 0, "ngram-stats": b""}),
-    }), dst_node_id=1, message_type="train")
+    return Message(
+        RecordDict(
+            {
+                "update": record if record is not None else ArrayRecord({PACKED: Array(pack(arrays))}),
+                "metrics": MetricRecord({**{k: lo for k, (lo, _) in TRAIN_METRICS.items()}, "trained-tokens": 10.0}),
+                "fleet": ConfigRecord({"target": "t", "state-version": 0, "ngram-stats": b""}),
+            }
+        ),
+        dst_node_id=1,
+        message_type="train",
+    )
 
 
 GLOBAL = {k: (RNG.standard_normal(s) * 0.01).astype(np.float32) for k, s in SHAPES.items()}
@@ -87,15 +93,18 @@ def test_the_coordinator_expands_an_update_into_the_adapter_it_stands_for():
         assert np.allclose(adapter[k].numpy(), g + delta[k], atol=np.abs(delta[k]).max() / 127)
 
 
-@pytest.mark.parametrize("mutate, reason", [
-    (lambda a: {**a, "other::q": a["bias::q"]}, "not in the adapter"),
-    (lambda a: {**a, "bias::junk": a["bias::q"]}, "not in the adapter"),
-    (lambda a: {**a, "bias::q": a["bias::q"][:, :3]}, "fit no bit width"),
-    (lambda a: {**a, "bias::q": a["bias::q"].astype(np.int16)}, "fit no bit width"),
-    (lambda a: {**a, "bias::scale": a["bias::scale"].astype(np.float64)}, "scales"),
-    (lambda a: {**a, "layer.lora_B.weight::scale": a["layer.lora_B.weight::scale"][:2]}, "scales"),
-    (lambda a: {**a, "layer.lora_B.weight::q": np.zeros((72, 64), np.float32)}, "fit no bit width"),
-])
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda a: {**a, "other::q": a["bias::q"]}, "not in the adapter"),
+        (lambda a: {**a, "bias::junk": a["bias::q"]}, "not in the adapter"),
+        (lambda a: {**a, "bias::q": a["bias::q"][:, :3]}, "fit no bit width"),
+        (lambda a: {**a, "bias::q": a["bias::q"].astype(np.int16)}, "fit no bit width"),
+        (lambda a: {**a, "bias::scale": a["bias::scale"].astype(np.float64)}, "scales"),
+        (lambda a: {**a, "layer.lora_B.weight::scale": a["layer.lora_B.weight::scale"][:2]}, "scales"),
+        (lambda a: {**a, "layer.lora_B.weight::q": np.zeros((72, 64), np.float32)}, "fit no bit width"),
+    ],
+)
 def test_updates_built_to_break_the_decoder_are_rejected_with_a_reason(mutate, reason):
     why = expand_update(_reply(mutate(encode(_delta(), 8))), GLOBAL)
     assert why is not None and reason in why
@@ -123,14 +132,24 @@ def test_an_update_travels_as_one_array_whatever_the_adapter_holds():
     assert 0 < header < 160 * len(arrays)  # the file's names and shapes
 
 
-@pytest.mark.parametrize("record, reason", [
-    (ArrayRecord({PACKED: Array(np.zeros(64, np.uint8))}), "not a safetensors file"),
-    (ArrayRecord({PACKED: Array(np.frombuffer((10**9).to_bytes(8, "little") + b"{}", np.uint8))}), "not a safetensors file"),
-    (ArrayRecord({PACKED: Array(np.zeros(64, np.float32))}), "expected uint8"),
-    (ArrayRecord({"bias::q": Array(np.zeros((1, 64), np.int8))}), "expected one array"),
-    (ArrayRecord({PACKED: Array(pack({"bias::q": np.zeros((1, 64), np.int8)})), "more": Array(np.zeros(1, np.uint8))}),
-     "expected one array"),
-])
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        (ArrayRecord({PACKED: Array(np.zeros(64, np.uint8))}), "not a safetensors file"),
+        (
+            ArrayRecord({PACKED: Array(np.frombuffer((10**9).to_bytes(8, "little") + b"{}", np.uint8))}),
+            "not a safetensors file",
+        ),
+        (ArrayRecord({PACKED: Array(np.zeros(64, np.float32))}), "expected uint8"),
+        (ArrayRecord({"bias::q": Array(np.zeros((1, 64), np.int8))}), "expected one array"),
+        (
+            ArrayRecord(
+                {PACKED: Array(pack({"bias::q": np.zeros((1, 64), np.int8)})), "more": Array(np.zeros(1, np.uint8))}
+            ),
+            "expected one array",
+        ),
+    ],
+)
 def test_update_records_that_are_not_one_packed_file_are_rejected(record, reason):
     why = expand_update(_reply({}, record), GLOBAL)
     assert why is not None and reason in why

@@ -46,6 +46,7 @@ def _check_bridge_invariants(b: VocabBridge) -> None:
 
 # ------------------------------------------------------------------------- toy tokenizers
 
+
 def test_toy_schemes_and_roles(toy_byte_level_tokenizer, toy_metaspace_tokenizer):
     assert detect_scheme(toy_byte_level_tokenizer) == TokenScheme("byte_level", False)
     assert detect_scheme(toy_metaspace_tokenizer) == TokenScheme("metaspace", True)
@@ -53,8 +54,13 @@ def test_toy_schemes_and_roles(toy_byte_level_tokenizer, toy_metaspace_tokenizer
     assert special_roles(toy_byte_level_tokenizer) == {"eos": 0, "turn_start": 1, "turn_end": 2}
     roles = special_roles(toy_metaspace_tokenizer)
     assert {r: toy_metaspace_tokenizer.convert_ids_to_tokens(i) for r, i in roles.items()} == {
-        "pad": "<pad>", "eos": "<eos>", "bos": "<bos>", "unk": "<unk>",
-        "turn_start": "<start_of_turn>", "turn_end": "<end_of_turn>"}
+        "pad": "<pad>",
+        "eos": "<eos>",
+        "bos": "<bos>",
+        "unk": "<unk>",
+        "turn_start": "<start_of_turn>",
+        "turn_end": "<end_of_turn>",
+    }
 
 
 def test_toy_bytes_table(toy_byte_level_tokenizer, toy_metaspace_tokenizer):
@@ -86,12 +92,13 @@ def test_toy_bridge(toy_byte_level_tokenizer, toy_metaspace_tokenizer):
     n = len(t_tok)
     assert b.target_vocab_size == n - 2
     assert b.target_invalid_mask.nonzero().flatten().tolist() == list(range(n - 2, rows))
-    assert (b.target_to_draft[n - 2:] == -1).all()
+    assert (b.target_to_draft[n - 2 :] == -1).all()
     assert b.target_text_bytes(t_tok.encode(" foo\né", add_special_tokens=False)) == " foo\né".encode()
     assert b.target_text_bytes(torch.tensor([t("<bos>"), t("▁foo")])) == b" foo"
 
 
 # ------------------------------------------------------------------------- real tokenizers
+
 
 @real
 def test_detect_scheme(drafter_tokenizer, qwen_tokenizer, gemma_tokenizer):
@@ -126,8 +133,7 @@ def test_bytes_table_reproduces_decode(name, request, tricky_texts, humaneval_te
     real_ids = [i for i, b in enumerate(table) if b is not None]
     rng = random.Random(1234)
     for _ in range(300):  # random real ids (may be invalid UTF-8) mixed with specials
-        ids = [rng.choice(real_ids) if rng.random() > 0.05 else rng.choice(specials)
-               for _ in range(rng.randint(1, 30))]
+        ids = [rng.choice(real_ids) if rng.random() > 0.05 else rng.choice(specials) for _ in range(rng.randint(1, 30))]
         joined = b"".join(table[i] or b"" for i in ids)
         assert joined.decode("utf-8", "replace") == tok.decode(ids, skip_special_tokens=True)
 
@@ -152,8 +158,9 @@ def test_gemma_byte_fallback_tokens(gemma_tokenizer, gemma_bridge, drafter_token
     c_newline = drafter_tokenizer.convert_tokens_to_ids("Ċ")
     assert gemma_bridge.target_to_draft[newline_byte] == c_newline
     assert gemma_bridge.d2t[c_newline] == gemma_tokenizer.convert_tokens_to_ids("\n")  # canonical
-    assert gemma_bridge.d2t[drafter_tokenizer.convert_tokens_to_ids("Ġfoo")] == \
-        gemma_tokenizer.convert_tokens_to_ids("▁foo")
+    assert gemma_bridge.d2t[drafter_tokenizer.convert_tokens_to_ids("Ġfoo")] == gemma_tokenizer.convert_tokens_to_ids(
+        "▁foo"
+    )
 
 
 @real
@@ -190,15 +197,16 @@ def test_gemma_bridge(drafter_tokenizer, gemma_tokenizer, gemma_bridge):
     # SmolLM2's eos_token is <|im_end|> (role turn_end) -> Gemma <end_of_turn>;
     # SmolLM2 <|endoftext|> (role eos) -> Gemma <eos>.
     assert b.special_draft_to_target == {
-        d("<|endoftext|>"): g("<eos>"), d("<|im_start|>"): g("<start_of_turn>"),
-        d("<|im_end|>"): g("<end_of_turn>")}
+        d("<|endoftext|>"): g("<eos>"),
+        d("<|im_start|>"): g("<start_of_turn>"),
+        d("<|im_end|>"): g("<end_of_turn>"),
+    }
     assert b.special_draft_to_target[drafter_tokenizer.eos_token_id] == g("<end_of_turn>")
     assert b.target_stop_ids == frozenset({g("<eos>"), g("<end_of_turn>")})
 
 
 @real
-def test_humaneval_direct_map_share(qwen_tokenizer, qwen_bridge, gemma_tokenizer, gemma_bridge,
-                                    humaneval_texts):
+def test_humaneval_direct_map_share(qwen_tokenizer, qwen_bridge, gemma_tokenizer, gemma_bridge, humaneval_texts):
     """Share of target tokens (target tokenization of HumanEval prompt+solution) that are
     directly mapped to one drafter token. Measured: Qwen 85.8 %, Gemma 98.1 %."""
     for tok, bridge in ((qwen_tokenizer, qwen_bridge), (gemma_tokenizer, gemma_bridge)):
