@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import flwr.compat.common.recorddict_compat as compat
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
@@ -47,7 +47,7 @@ from omnidraft.client.secure_update import keep_update, take_update, update_delt
 from omnidraft.client.update_residual import ErrorFeedback
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.fleet_wire import encode_stats
-from omnidraft.shared.update_codec import PACKED, pack
+from omnidraft.shared.update_codec import to_record
 
 
 def receive_state(device: FleetDevice, fleet: ConfigRecord) -> fleet_pb2.StateManifest:
@@ -112,7 +112,7 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         else:  # the update, compressed as the coordinator asks (error feedback kept on the device)
             delta = {k: d.float().numpy() for k, d in update_delta(tensors, device.global_adapter()).items()}
             arrays = ErrorFeedback(device.dir, device.profile.target).compress(delta, int(fleet.get("update-bits", 32)))
-            content["update"] = ArrayRecord({PACKED: Array(pack(arrays))})
+            content["update"] = to_record(arrays)
             metrics["uplink-bytes"] = content["update"].count_bytes() + len(stats)
         device.record_uplink(int(metrics["uplink-bytes"]))
         content["metrics"] = MetricRecord(metrics)

@@ -26,7 +26,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg
 
-from omnidraft.shared.update_codec import BITS, PACKED, UpdateCodecError, decode, unpack
+from omnidraft.shared.update_codec import BITS, UpdateCodecError, decode, from_record
 
 WEIGHT_KEY = "trained-tokens"
 ADAPTER_KEY = "adapter"
@@ -120,10 +120,8 @@ def expand_update(msg: Message, global_adapter: dict[str, np.ndarray]) -> str | 
     if msg.has_error() or UPDATE_KEY not in msg.content.array_records:
         return None
     record = msg.content.array_records[UPDATE_KEY]
-    if list(record) != [PACKED]:
-        return f"update record holds {sorted(record)[:3]}, expected one array {PACKED!r}"
     try:
-        delta = decode(unpack(record[PACKED].numpy()), {k: v.shape for k, v in global_adapter.items()})
+        delta = decode(from_record(record), {k: v.shape for k, v in global_adapter.items()})
     except UpdateCodecError as exc:
         return str(exc)
     except Exception as exc:  # an Array that does not deserialize

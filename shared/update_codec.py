@@ -21,6 +21,7 @@ Sizes for SmolLM2-135M with rank-8 LoRA on every projection (2.44 M parameters):
 from __future__ import annotations
 
 import numpy as np
+from flwr.app import Array, ArrayRecord
 from safetensors import SafetensorError
 from safetensors.numpy import load, save
 
@@ -103,6 +104,18 @@ def unpack(packed: np.ndarray) -> dict[str, np.ndarray]:
         return load(packed.tobytes())
     except (SafetensorError, ValueError, TypeError) as exc:
         raise UpdateCodecError(f"packed update is not a safetensors file ({str(exc).splitlines()[0][:80]})") from None
+
+
+def to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """``encode``'s arrays as the ``update`` record of a reply: one array, ``pack``'s file."""
+    return ArrayRecord({PACKED: Array(pack(arrays))})
+
+
+def from_record(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """The arrays of an ``update`` record; ``UpdateCodecError`` unless it is exactly one packed file."""
+    if list(record) != [PACKED]:
+        raise UpdateCodecError(f"update record holds {sorted(record)[:3]}, expected one array {PACKED!r}")
+    return unpack(record[PACKED].numpy())
 
 
 def _blocks(d: np.ndarray) -> np.ndarray:

@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message
+from flwr.app import Context, Message
 
-from omnidraft.shared.update_codec import PACKED, pack, unpack
+from omnidraft.shared.update_codec import from_record, to_record
 
 # kind -> what the device sends
 KINDS: dict[str, str] = {
@@ -75,11 +75,11 @@ def assign(attacks: dict[str, float], veterans: int, seed: int) -> dict[int, str
 
 def _update_arrays(reply: Message) -> dict[str, np.ndarray]:
     """The arrays packed in the reply's compressed update (``shared.update_codec``)."""
-    return unpack(reply.content["update"][PACKED].numpy())
+    return from_record(reply.content["update"])
 
 
 def _set_update(reply: Message, arrays: dict[str, np.ndarray]) -> None:
-    reply.content["update"] = ArrayRecord({PACKED: Array(pack(arrays))})
+    reply.content["update"] = to_record(arrays)
 
 
 def _scale_update(reply: Message, factor: float | None = None, fill: float | None = None) -> None:

@@ -10,9 +10,9 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import Message
 
-from omnidraft.shared.update_codec import PACKED, pack, unpack
+from omnidraft.shared.update_codec import from_record, to_record
 
 
 def payload_bytes(msg: Message) -> list[bytes]:
@@ -54,18 +54,9 @@ def poison_mod(msg: Message, context, call_next) -> Message:
         raise RuntimeError("simulated device crash")
     reply = call_next(msg, context)
     if partition == 0 and msg.metadata.message_type == "train" and not reply.has_error():
-        arrays = unpack(reply.content["update"][PACKED].numpy())
-        reply.content["update"] = ArrayRecord(
-            {
-                PACKED: Array(
-                    pack(
-                        {
-                            k: np.full(a.shape, np.nan, dtype=np.float32) if a.dtype == np.float32 else a
-                            for k, a in arrays.items()
-                        }
-                    )
-                )
-            }
+        arrays = from_record(reply.content["update"])
+        reply.content["update"] = to_record(
+            {k: np.full(a.shape, np.nan, dtype=np.float32) if a.dtype == np.float32 else a for k, a in arrays.items()}
         )
     return reply
 

@@ -10,7 +10,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from omnidraft.client.update_residual import ErrorFeedback
 from omnidraft.coordinator.aggregation import TRAIN_METRICS, AggregationConfig, check_reply, expand_update
-from omnidraft.shared.update_codec import BLOCK, PACKED, decode, encode, pack, unpack
+from omnidraft.shared.update_codec import BLOCK, PACKED, decode, encode, pack, to_record, unpack
 
 pytestmark = pytest.mark.usefixtures("flower_task")  # hand-made Messages need a task identity
 RNG = np.random.default_rng(0)
@@ -70,7 +70,7 @@ def _reply(arrays: dict[str, np.ndarray], record: ArrayRecord | None = None) -> 
     return Message(
         RecordDict(
             {
-                "update": record if record is not None else ArrayRecord({PACKED: Array(pack(arrays))}),
+                "update": record if record is not None else to_record(arrays),
                 "metrics": MetricRecord({**{k: lo for k, (lo, _) in TRAIN_METRICS.items()}, "trained-tokens": 10.0}),
                 "fleet": ConfigRecord({"target": "t", "state-version": 0, "ngram-stats": b""}),
             }

@@ -23,7 +23,7 @@ import sys
 from omnidraft.cli import device_commands, engine_commands, fleet_commands
 from omnidraft.cli.common import Parser, UsageError, version_string
 
-GROUPS = {
+HANDLERS = {
     "models": engine_commands.models,
     "generate": engine_commands.generate,
     "bench": engine_commands.bench,
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        handler = GROUPS[args.command]
+        handler = HANDLERS[args.command]
         return handler(args)
     except (UsageError, CatalogError, ValueError) as exc:
         # ValueError: input the engine rejects (e.g. a prompt with no drafter token)
