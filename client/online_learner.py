@@ -24,7 +24,7 @@ import torch
 from omnidraft.shared.acceptance_head import AcceptanceHead, ReplayBuffer, soft_labels
 from omnidraft.shared.adapters import DrafterAdapters
 from omnidraft.shared.distill import LossConfig, hybrid_loss, sequence_nll
-from omnidraft.shared.fast_drafter import cpu_has_native_bf16
+from omnidraft.shared.native_kernels import cpu_has_native_bf16
 from omnidraft.shared.training_signal import Intersection, TrainingSample
 
 OPTIMIZERS = ("adamw", "sgd")

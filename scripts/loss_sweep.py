@@ -19,8 +19,12 @@ teacher-forced agreement with the target:
 
 Variants: ``base`` (no training); ``seq`` / ``hybrid`` (the project's losses); ``hybrid-lam1``
 (λ = 1); ``hybrid-span`` (hybrid + NLL on the drafter tokens that straddle a target-token
-boundary); ``hybrid-fkl`` (L_DM as forward KL(p ‖ q') on the same coarsened support); a
-``-lrX`` suffix sets the learning rate (default 1e-4; ``hybrid-fkl`` defaults to 1e-3).
+boundary); ``hybrid-fkl`` (L_DM as forward KL(p ‖ q') on the same coarsened support). Suffixes set the
+schedule: ``-lrX`` the learning rate (default 1e-4; ``hybrid-fkl`` defaults to 1e-3), ``-eN``
+passes over each update's samples (default 1), ``-sN`` optimizer steps per pass (default 8),
+``-rN`` past samples of the stream trained on again in each update (rehearsal; default 0).
+``collect --dataset codebase:<package>`` decodes a personal codebase instead of HumanEval
+(``--train`` then sets its training part, e.g. 48 of 60).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
+import re
 import time
 
 import torch
@@ -51,7 +57,7 @@ def collect(args) -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     samples = []
     t0 = time.perf_counter()
-    for i, prompt in enumerate(bench.load_prompts("humaneval", args.limit)):
+    for i, prompt in enumerate(bench.load_prompts(args.dataset, args.limit)):
         samples.append(session.generate(prompt, config, learn=True, observe=False).training_sample)
         print(f"{i + 1} prompts, {time.perf_counter() - t0:.0f} s", flush=True)
     torch.save(samples, args.out)
@@ -61,6 +67,16 @@ class VariantLearner(OnlineLearner):
     """``OnlineLearner`` with the experimental losses (``hybrid-span``, ``hybrid-fkl``)."""
 
     variant = ""
+    rehearse = 0  # past samples trained on again in each update
+
+    def update(self):
+        if not self.rehearse:
+            return super().update()
+        past = getattr(self, "past", [])
+        fresh = list(self.buffer)
+        self.buffer = fresh + random.Random(self.updates).sample(past, min(self.rehearse, len(past)))
+        self.past = past + fresh
+        return super().update()
 
     def _sample_loss(self, s, grad):
         if self.variant not in ("span", "fkl"):
@@ -108,8 +124,12 @@ def agreement(adapters: DrafterAdapters, name: str, samples) -> dict:
     return teacher_forced_agreement(*adapters.decoder_and_head(), samples)
 
 
-def parse_variant(name: str) -> tuple[str, LossConfig, float]:
-    base, _, lr = name.partition("-lr")
+def parse_variant(name: str) -> tuple[str, LossConfig, dict]:
+    """``(variant, loss, schedule)`` of a name ``LOSS[-lrX][-eN][-sN][-rN]``: learning rate,
+    epochs per update, optimizer steps per update, past samples rehearsed per update."""
+    base, *opts = re.split(r"-(?=[a-z])", name)
+    if opts and opts[0] in ("lam1", "span", "fkl"):
+        base = f"{base}-{opts.pop(0)}"
     kinds = {
         "seq": ("", LossConfig(kind="seq")),
         "hybrid": ("", LossConfig(kind="hybrid")),
@@ -120,7 +140,18 @@ def parse_variant(name: str) -> tuple[str, LossConfig, float]:
     if base not in kinds:
         raise SystemExit(f"loss_sweep: unknown variant {name!r}")
     variant, loss = kinds[base]
-    return variant, loss, float(lr) if lr else (1e-3 if variant == "fkl" else 1e-4)
+    schedule = {"lr": 1e-3 if variant == "fkl" else 1e-4, "epochs": 1, "steps": 8, "rehearse": 0}
+    keys = {"lr": ("lr", float), "e": ("epochs", int), "s": ("steps", int), "r": ("rehearse", int)}
+    for opt in opts:
+        prefix = "lr" if opt.startswith("lr") else opt[:1]
+        if prefix not in keys:
+            raise SystemExit(f"loss_sweep: unknown option {opt!r} in {name!r}")
+        key, kind = keys[prefix]
+        try:
+            schedule[key] = kind(opt[len(prefix) :])
+        except ValueError:
+            raise SystemExit(f"loss_sweep: bad option {opt!r} in {name!r}") from None
+    return variant, loss, schedule
 
 
 def sweep(args) -> None:
@@ -138,15 +169,19 @@ def sweep(args) -> None:
         adapters.add(f"v{i}")
         row = {"variant": name}
         if name != "base":
-            variant, loss, lr = parse_variant(name)
-            learner = VariantLearner(adapters, f"v{i}", inter, None, OnlineConfig(lr=lr, loss=loss, head=False))
+            variant, loss, sched = parse_variant(name)
+            config = OnlineConfig(
+                lr=sched["lr"], epochs=sched["epochs"], steps_per_update=sched["steps"], loss=loss, head=False
+            )
+            learner = VariantLearner(adapters, f"v{i}", inter, None, config)
             learner.variant = variant
+            learner.rehearse = sched["rehearse"]
             t0 = time.perf_counter()
             for s in train:
                 learner.observe(s)
             if learner.buffer:
                 learner.update()
-            row.update(lr=lr, train_s=round(time.perf_counter() - t0, 1))
+            row.update(**sched, train_s=round(time.perf_counter() - t0, 1))
         row.update(agreement(adapters, f"v{i}", test))
         print(json.dumps(row), flush=True)
 
@@ -159,6 +194,7 @@ def main() -> None:
     c.add_argument("--out", required=True)
     c.add_argument("--max-new-tokens", type=int, default=128)
     c.add_argument("--limit", type=int)
+    c.add_argument("--dataset", default="humaneval", help="humaneval, codebase:<package> or a JSONL file")
     c.add_argument("--dtype", default="int8")
     s = sub.add_parser("sweep")
     s.add_argument("--target", required=True)

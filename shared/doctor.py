@@ -15,13 +15,15 @@ import shutil
 import torch
 
 from omnidraft.shared import catalog
-from omnidraft.shared.fast_drafter import (
+from omnidraft.shared.native_kernels import (
     FALLBACK_COST,
     NATIVE_MACHINES,
     cpu_flags,
     cpu_has_native_bf16,
     cpu_machine,
     default_native_isa,
+    installed_library,
+    library_origin,
     native_error,
 )
 from omnidraft.shared.profiling import cpu_name
@@ -51,8 +53,12 @@ def diagnose() -> dict:
     elif not usable:
         why = native_error(default) if default else "no instruction set of this CPU has native kernels"
         missing.append(f"no native int8 kernels ({why}): {FALLBACK_COST}")
-    if not shutil.which(os.environ.get("CC", "gcc")):
-        missing.append(f"no C compiler ({os.environ.get('CC', 'gcc')}): kernels not built yet cannot be built")
+    not_installed = [isa for isa in isas if installed_library(isa) is None]
+    if not_installed and not shutil.which(os.environ.get("CC", "gcc")):
+        missing.append(
+            f"no C compiler ({os.environ.get('CC', 'gcc')}) and no installed build of {', '.join(not_installed)}: "
+            "those kernels cannot be built"
+        )
     if machine == "x86_64" and not bf16:
         missing.append("no native bf16 (AVX512-BF16/AMX): training runs in float32, about 2x slower")
     if not models:
@@ -70,7 +76,7 @@ def diagnose() -> dict:
         },
         "cpu_features": {f: f in flags for f in FEATURES.get(machine, ())},
         "native_kernels": isas,
-        "int8_backend": f"native-{default}" if usable else "fbgemm (no native kernels)",
+        "int8_backend": f"native-{default} ({library_origin(default)})" if usable else "fbgemm (no native kernels)",
         "native_bf16": bf16,
         "home": str(home),
         "models_bytes": models,

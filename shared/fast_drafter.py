@@ -22,8 +22,8 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   AMX where the CPU has it; on CPUs oneDNN cannot prepack bf16 for, such as AVX2-only ones,
   ``F.linear`` on bf16 weights, emulated and slow); residual stream, norms, RoPE and attention
   stay float32.
-* ``"int8"``: on x86-64 a native C kernel (``shared/native/``, built once with gcc at first use,
-  cached under ``$OMNIDRAFT_HOME/fast_drafter``) runs the whole step in one call: int8 weights
+* ``"int8"``: a native C kernel (``shared/native/``, built by ``pip install`` per instruction set,
+  or at first use where the install did not: ``native_kernels``) runs the whole step in one call: int8 weights
   with a float scale per (output row, 64 inputs), 16-bit per-token activations (split into two
   int8 halves so that the int8 dot products give exact int32 group sums), float16 KV cache, fused
   RMSNorm/RoPE/softmax/SiLU. It is memory-bound (~140 MB of weights per token for SmolLM2) and
@@ -54,245 +54,27 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import subprocess
-import sys
-import tempfile
-import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from omnidraft.shared.heap import release_freed_memory
+from omnidraft.shared.native_kernels import (
+    cpu_has_native_bf16,
+    default_native_isa,
+    native_error,
+    native_library,
+    onednn_bf16_linear,
+    warn_no_kernels,
+)
 
 WEIGHT_KINDS = ("fp32", "bf16", "int8")
 # Llama and Qwen2 share the decoder (Qwen2 adds biases to q/k/v, which the runner folds in)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-
-_NATIVE_DIR = Path(__file__).with_name("native")
-
-
-# AArch64 hardware capabilities (Linux AT_HWCAP bits) -> the /proc/cpuinfo feature names
-_AARCH64_HWCAPS = {1: "asimd", 20: "asimddp"}
-
-
-def _aarch64_hwcaps() -> set[str]:
-    """The CPU features the kernel reports to this process (``getauxval(AT_HWCAP)``): what the
-    CPU runs, also where /proc/cpuinfo is unreadable (Android) or not the emulated CPU's (qemu-user)."""
-    try:
-        getauxval = ctypes.CDLL(None).getauxval
-    except (OSError, AttributeError):
-        return set()
-    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
-    hwcap = getauxval(16)  # AT_HWCAP
-    return {name for bit, name in _AARCH64_HWCAPS.items() if hwcap >> bit & 1}
-
-
-def cpu_machine() -> str:
-    """This machine's architecture as the native builds name it (``x86_64``, ``aarch64``, ...)."""
-    return {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux names them (``/proc/cpuinfo`` on x86-64, ``AT_HWCAP`` on
-    AArch64); empty where neither can be read."""
-    if cpu_machine() == "aarch64":
-        return _aarch64_hwcaps()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-# oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) under which its bf16 kernels still run natively
-_ONEDNN_BF16_ISAS = {
-    "ALL",
-    "AVX512_CORE_BF16",
-    "AVX512_CORE_FP16",
-    "AVX10_1_512",
-    "AVX512_CORE_AMX",
-    "AVX10_1_512_AMX",
-    "AVX512_CORE_AMX_FP16",
-    "AVX10_1_512_AMX_FP16",
-}
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16 (Linux only; False elsewhere) and
-    ``ONEDNN_MAX_CPU_ISA``, if set, still lets oneDNN use them."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
-    if cap and cap not in _ONEDNN_BF16_ISAS:
-        return False
-    flags = cpu_flags()
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-@functools.cache
-def onednn_bf16_linear() -> bool:
-    """True when oneDNN can prepack bf16 Linear weights on this CPU (it needs AVX512 BW/VL/DQ or
-    AVX-NE-CONVERT; AVX2-only CPUs cannot)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-# instruction set -> (gcc flags, /proc/cpuinfo flags it needs), best first
-_AVX512 = (
-    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
-    {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"},
-)
-NATIVE_ISAS: dict[str, tuple[list[str], set[str]]] = {
-    # AVX-512 VNNI for one-token steps, AMX-INT8 tiles for calls of 2+ tokens (Intel Sapphire Rapids and later)
-    "amx": (_AVX512[0] + ["-mamx-tile", "-mamx-int8"], _AVX512[1] | {"amx_tile", "amx_int8"}),
-    "avx512": _AVX512,
-    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
-    # AArch64 (edge boards, phones): SDOT with the dot-product extension (Armv8.2+), plain NEON otherwise
-    "neon-dotprod": (["-march=armv8.2-a+dotprod"], {"asimd", "asimddp"}),
-    "neon": (["-march=armv8-a"], {"asimd"}),
-}
-_NATIVE_SOURCES = {
-    "amx": ["fd_avx512.h", "fd_amx.h"],
-    "avx512": ["fd_avx512.h"],
-    "avx2": ["fd_avx2.h"],
-    "neon-dotprod": ["fd_neon.h"],
-    "neon": ["fd_neon.h"],
-}
-NATIVE_MACHINES = {
-    "amx": "x86_64",
-    "avx512": "x86_64",
-    "avx2": "x86_64",
-    "neon-dotprod": "aarch64",
-    "neon": "aarch64",
-}  # the machine each instruction set's build runs on
-_native_lock = threading.Lock()
-_native_state: dict[str, tuple] = {}  # instruction set -> (library or None, why not or None)
-
-
-def default_native_isa() -> str | None:
-    """The instruction set the native kernels use on this machine: ``$OMNIDRAFT_NATIVE_ISA``
-    when set (a key of ``NATIVE_ISAS``), else the best one the CPU has that builds and runs;
-    None when none fits."""
-    forced = os.environ.get("OMNIDRAFT_NATIVE_ISA")
-    if forced:
-        return forced
-    flags = cpu_flags()
-    fits = [isa for isa, (_, needs) in NATIVE_ISAS.items() if needs <= flags]
-    # the best one that also builds and runs here (AMX needs a gcc that knows it and the
-    # kernel's permission for the tile state); else the best one, whose error says why not
-    return next((isa for isa in fits if native_library(isa) is not None), fits[0] if fits else None)
-
-
-def _native(isa: str | None) -> tuple:
-    """(library or None, why not or None) for ``isa`` (default: ``default_native_isa()``),
-    built on first use."""
-    isa = isa or default_native_isa() or "avx512"
-    with _native_lock:
-        if isa not in _native_state:
-            try:
-                _native_state[isa] = (_build_native(isa), None)
-            except Exception as exc:  # no compiler, unsupported CPU, ...: fall back to torch kernels
-                _native_state[isa] = (None, f"{type(exc).__name__}: {exc}")
-        return _native_state[isa]
-
-
-def native_library(isa: str | None = None):
-    """The compiled native int8 kernel library (ctypes) for ``isa`` (default: ``default_native_isa()``),
-    or None where it cannot be used (the reason is ``native_error(isa)``).
-
-    Needs Linux on x86-64 (AMX-INT8, AVX-512 VNNI or AVX2 + FMA + F16C) or AArch64 (NEON, with or
-    without the dot-product extension) and a C compiler (``$CC``, default
-    ``gcc``). The shared object is built once (~1-3 s) from ``shared/native/`` into
-    ``$OMNIDRAFT_HOME/fast_drafter/`` and reused. ``OMNIDRAFT_NATIVE=0`` disables it.
-    """
-    return _native(isa)[0]
-
-
-def native_error(isa: str | None = None) -> str | None:
-    """Why ``native_library(isa)`` is None (None when it is available)."""
-    return _native(isa)[1]
-
-
-# what running int8 weights without the native kernels costs (warnings, omnidraft doctor)
-FALLBACK_COST = (
-    "int8 runs on fbgemm: slower, and verification blocks are not bit-identical to single "
-    "steps (greedy output may differ from the target alone's)"
-)
-_warned: set[str] = set()
-
-
-def _warn_no_kernels(reason: str | None) -> None:
-    """One line on stderr, once per process and reason, when int8 weights fall back to fbgemm
-    (not when ``OMNIDRAFT_NATIVE=0`` asked for it)."""
-    if reason is None or "OMNIDRAFT_NATIVE=0" in reason or reason in _warned:
-        return
-    _warned.add(reason)
-    print(f"warning: no native int8 kernels ({reason}); {FALLBACK_COST}; see omnidraft doctor", file=sys.stderr)
-
-
-def native_source(isa: str) -> str:
-    """The C translation unit for ``isa``: shared header, the instruction set's kernels, driver."""
-    parts = ["fd_common.h", *_NATIVE_SOURCES[isa], "fd_driver.c"]
-    return "\n".join((_NATIVE_DIR / name).read_text() for name in parts)
-
-
-def _build_native(isa: str):
-    if os.environ.get("OMNIDRAFT_NATIVE", "1") == "0":
-        raise RuntimeError("disabled by OMNIDRAFT_NATIVE=0")
-    if isa not in NATIVE_ISAS:
-        raise RuntimeError(f"unknown instruction set {isa!r} (choose {', '.join(NATIVE_ISAS)})")
-    if platform.system() != "Linux" or cpu_machine() != NATIVE_MACHINES[isa]:
-        raise RuntimeError(f"the {isa} kernels need {NATIVE_MACHINES[isa]} Linux")
-    isa_flags, cpu_needs = NATIVE_ISAS[isa]
-    missing = cpu_needs - cpu_flags()
-    if missing:
-        raise RuntimeError(f"CPU lacks {sorted(missing)}")
-    from omnidraft.shared import catalog
-
-    cc = os.environ.get("CC", "gcc")
-    flags = ["-O3", *isa_flags, "-shared", "-fPIC"]
-    source = native_source(isa)
-    key = hashlib.sha256((source + " ".join(flags) + cc).encode()).hexdigest()[:16]
-    out_dir = catalog.omnidraft_home() / "fast_drafter"
-    so = out_dir / f"fd_{isa}_{key}.so"
-    if not so.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            c_file = Path(tmp) / "fd.c"
-            c_file.write_text(source)
-            tmp_so = Path(tmp) / "fd.so"
-            for extra in (["-fopenmp"], []):  # OpenMP only for 2+ threads; build without it if absent
-                proc = subprocess.run(
-                    [cc, *flags, *extra, str(c_file), "-o", str(tmp_so), "-lm"], capture_output=True, text=True
-                )
-                if proc.returncode == 0:
-                    break
-            else:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-            os.replace(tmp_so, so)  # atomic: concurrent builders agree on the result
-    lib = ctypes.CDLL(str(so))
-    lib.fd_forward.restype = ctypes.c_int
-    lib.fd_forward.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
-    if isa == "amx" and lib.fd_amx_init() != 0:
-        raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
-    return lib
 
 
 class _FdModel(ctypes.Structure):
@@ -509,7 +291,7 @@ class FastLlamaRunner:
                 reason = native_error(native_isa) if dims_ok else "hidden/intermediate sizes must be multiples of 64"
                 raise RuntimeError(f"native int8 kernels unavailable: {reason}")
             if lib is None and dims_ok:
-                _warn_no_kernels(native_error(native_isa))
+                warn_no_kernels(native_error(native_isa))
         prefill_activation_bits = prefill_activation_bits or activation_bits
         if activation_bits not in (8, 16) or prefill_activation_bits not in (8, 16):
             raise ValueError("activation_bits must be 8 or 16")

@@ -360,7 +360,7 @@ def choose_precision(
     (a device's footprint) runs int8 only: a float copy of it is what that format avoids.
     """
     from omnidraft.shared import gguf_weights, model_runner
-    from omnidraft.shared.fast_drafter import cpu_has_native_bf16
+    from omnidraft.shared.native_kernels import cpu_has_native_bf16
     from omnidraft.shared.precision import build_target_runner, load_dtype, runner_backend
 
     path = catalog.resolve(target, progress=progress)

@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from omnidraft.shared.fast_drafter import NATIVE_ISAS, FastLlamaRunner, native_error, native_library
+from omnidraft.shared.fast_drafter import FastLlamaRunner
 from omnidraft.shared.model_runner import ModelRunner
+from omnidraft.shared.native_kernels import NATIVE_ISAS, native_error, native_library
 
 VOCAB = 300
 

@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from omnidraft.shared import fast_drafter, gguf_weights, model_runner
 from omnidraft.shared.catalog import GGUF_FILE
-from omnidraft.shared.fast_drafter import FastLlamaRunner, native_error, native_library
+from omnidraft.shared.fast_drafter import FastLlamaRunner
+from omnidraft.shared.native_kernels import native_error, native_library
 from omnidraft.shared.tiny_models import corpus, train_tokenizer
 
 VOCAB = 300

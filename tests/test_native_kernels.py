@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omnidraft.shared.fast_drafter import NATIVE_ISAS, cpu_flags, native_source
+from omnidraft.shared.native_kernels import NATIVE_DIR, NATIVE_ISAS, UNIT, compile_flags, cpu_flags
 
 CHECK = Path(__file__).with_name("native") / "fd_check.c"
 X86 = [isa for isa in ("amx", "avx512", "avx2") if NATIVE_ISAS[isa][1] <= cpu_flags()]
@@ -26,11 +26,11 @@ AARCH64 = {"neon-dotprod": "max", "neon": "cortex-a53"}
 
 def build(tmp_path: Path, isa: str, cc: str, extra: list[str]) -> Path:
     source = tmp_path / f"fd_check_{isa}.c"
-    source.write_text(native_source(isa) + "\n" + CHECK.read_text())
+    source.write_text(f'#include "{UNIT}"\n' + CHECK.read_text())  # the unit every build compiles
     exe = tmp_path / f"fd_check_{isa}"
     for openmp in (["-fopenmp"], []):
         proc = subprocess.run(
-            [cc, "-O2", *NATIVE_ISAS[isa][0], *openmp, *extra, str(source), "-o", str(exe), "-lm"],
+            [cc, *compile_flags(isa), f"-I{NATIVE_DIR}", *openmp, *extra, str(source), "-o", str(exe), "-lm"],
             capture_output=True,
             text=True,
         )

@@ -11,13 +11,14 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from omnidraft.shared import fast_drafter, profiling
+from omnidraft.shared import native_kernels, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.draft_policy import ThroughputRule
 from omnidraft.shared.engine import Engine
-from omnidraft.shared.fast_drafter import NATIVE_ISAS, FastLlamaRunner, native_error, native_library
+from omnidraft.shared.fast_drafter import FastLlamaRunner
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.model_runner import ModelRunner
+from omnidraft.shared.native_kernels import NATIVE_ISAS, native_error, native_library
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.precision import build_target_runner, precision_name, quantize_linear_int8
 from omnidraft.shared.profiling import CostProfile
@@ -238,15 +239,44 @@ def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, m
     assert costs() == {"1": 3.0}
 
 
+def test_native_kernels_come_from_the_install_and_a_stale_build_is_not_used(monkeypatch, tmp_path):
+    """``pip install`` (setup.py) built this CPU's kernels, and the runtime loads that build; an
+    installed build of other sources (an edited checkout) is ignored and the set is built at
+    first use under ``$OMNIDRAFT_HOME``; with neither a build nor a compiler the reason says so."""
+    isa = native_kernels.default_native_isa()
+    if isa is None or native_error(isa) is not None:
+        pytest.skip(f"no native kernels on this machine: {native_error(isa) if isa else 'no instruction set'}")
+    assert native_kernels.installed_library(isa) is not None, (
+        f"no up-to-date installed build of the {isa} kernels: run `pip install -e .` (setup.py builds them)"
+    )
+    monkeypatch.setattr(native_kernels, "_native_state", {})
+    assert native_kernels.library_origin(isa) == "installed"
+
+    real_key = native_kernels.source_key
+    monkeypatch.setattr(native_kernels, "source_key", lambda name: "0" * 16 if name == isa else real_key(name))
+    assert native_kernels.installed_library(isa) is None  # built from other sources: not used
+    monkeypatch.setattr(native_kernels, "source_key", real_key)
+    monkeypatch.setattr(native_kernels, "installed_library", lambda name: None)
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    monkeypatch.setattr(native_kernels, "_native_state", {})
+    assert native_kernels.library_origin(isa) == "built at first use"
+    assert len(list((tmp_path / "fast_drafter").glob(f"fd_{isa}_*.so"))) == 1
+
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "empty"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(native_kernels, "_native_state", {})
+    assert native_library(isa) is None and "cannot run" in native_error(isa)
+
+
 def test_native_kernels_build_once_for_a_stream_of_prompts(pair, bridge, monkeypatch):
-    """The native step is compiled once (a shared object cached on disk) and then serves every
-    shape: no rebuild or recompilation across prompts of different lengths."""
+    """The native library is loaded once (the installed build, or one compiled at first use) and
+    then serves every shape: no rebuild or recompilation across prompts of different lengths."""
     if not HAS_NATIVE:
         pytest.skip(f"native int8 kernels unavailable: {native_error()}")
     builds = []
-    real_build = fast_drafter._build_native
-    monkeypatch.setattr(fast_drafter, "_native_state", {})
-    monkeypatch.setattr(fast_drafter, "_build_native", lambda isa: builds.append(isa) or real_build(isa))
+    real_build = native_kernels._build_native
+    monkeypatch.setattr(native_kernels, "_native_state", {})
+    monkeypatch.setattr(native_kernels, "_build_native", lambda isa: builds.append(isa) or real_build(isa))
     runner = build_target_runner(copy.deepcopy(pair.target), "int8")
     spd, ar = _decoders(pair, bridge, runner)
     tt = pair.target_tokenizer
@@ -378,13 +408,13 @@ def test_instruction_set_overrides(monkeypatch):
     """``OMNIDRAFT_NATIVE_ISA`` picks the native kernels' instruction set and an unknown one is
     refused with its reason; ``ONEDNN_MAX_CPU_ISA`` below bf16 turns the bf16 paths off."""
     monkeypatch.setenv("OMNIDRAFT_NATIVE_ISA", "avx2")
-    assert fast_drafter.default_native_isa() == "avx2"
+    assert native_kernels.default_native_isa() == "avx2"
     monkeypatch.setenv("OMNIDRAFT_NATIVE_ISA", "sse2")
     assert native_library() is None and "unknown instruction set 'sse2'" in native_error()
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         FastLlamaRunner(tiny_qwen2(), weights="int8", native=True, max_positions=32)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert not fast_drafter.cpu_has_native_bf16()
+    assert not native_kernels.cpu_has_native_bf16()
     assert FastLlamaRunner(tiny_qwen2(), weights="int8", native=False, max_positions=32).prefill_weights is None
 
 
@@ -395,6 +425,6 @@ def test_prompt_prefill_kernels_follow_the_instruction_set(isa):
     faster and the drafter keeps one copy of its weights)."""
     needs_isa(isa)
     runner = FastLlamaRunner(tiny_qwen2(), weights="int8", native=True, native_isa=isa, max_positions=32)
-    bf16 = fast_drafter.cpu_has_native_bf16() and isa != "amx"
+    bf16 = native_kernels.cpu_has_native_bf16() and isa != "amx"
     assert runner.prefill_weights == ("bf16" if bf16 else None)
     assert ("bf16" in runner._packing.torch_layers) == bf16

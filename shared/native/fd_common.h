@@ -1,8 +1,8 @@
 // Native decode step for FastLlamaRunner's int8 weights: what every instruction set shares.
 // Weights: int8 with one float scale per 64 inputs (group) and output row, stored as
 // uint8 (q + 128) in [N/16][K/4][16][4] order (16 output rows x 4 inputs per 64 bytes).
-// The build concatenates this file, the instruction set's kernels (fd_avx512.h [+ fd_amx.h],
-// fd_avx2.h or fd_neon.h) and fd_driver.c into one translation unit.
+// fd_unit.c includes this file, the instruction set's kernels (fd_avx512.h [+ fd_amx.h],
+// fd_avx2.h or fd_neon.h) and fd_driver.c: one translation unit per instruction set.
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #elif defined(__aarch64__)

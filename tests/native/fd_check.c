@@ -1,6 +1,6 @@
 // Kernel check without Python: a random model in the native layout, run by the native kernels of
-// whatever instruction set this file is compiled with (the build prepends fd_common.h, the
-// instruction set's kernels and fd_driver.c; see tests/test_native_kernels.py). It checks that a
+// whatever instruction set this file is compiled with (the test includes shared/native/fd_unit.c
+// before it, with that set's flags; see tests/test_native_kernels.py). It checks that a
 // block of tokens gives the logits of single steps bit for bit (both activation modes), and
 // writes the logits of a fixed sequence (float32, little-endian) to argv[1] so that another
 // build's can be compared with them. Exit status 0 when every check holds.
