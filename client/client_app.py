@@ -46,17 +46,21 @@ from omnidraft.client.fleet_device import FleetDevice
 from omnidraft.client.secure_update import keep_update, take_update, update_delta
 from omnidraft.client.update_residual import ErrorFeedback
 from omnidraft.proto import fleet_pb2
-from omnidraft.shared.fleet_wire import encode_stats
 from omnidraft.shared.update_codec import to_record
+from omnidraft.shared.wire import FleetKey, MetricKey, Record, encode_stats
 
 
 def receive_state(device: FleetDevice, fleet: ConfigRecord) -> fleet_pb2.StateManifest:
     """Check and store the global state carried by a train/evaluate message (``FleetDevice.receive``);
     returns its manifest."""
     spec = fleet_pb2.TargetSpec()
-    spec.ParseFromString(fleet["spec"])
+    spec.ParseFromString(fleet[FleetKey.SPEC])
     return device.receive(
-        spec, fleet["manifest"], fleet.get("adapter"), fleet.get("cache"), fleet.get("manifest-sig", b"")
+        spec,
+        fleet[FleetKey.MANIFEST],
+        fleet.get(FleetKey.ADAPTER),
+        fleet.get(FleetKey.CACHE),
+        fleet.get(FleetKey.MANIFEST_SIG, b""),
     )
 
 
@@ -73,51 +77,57 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
     app = ClientApp(mods=[*mods, secagg_when_asked])  # innermost: outer mods see what leaves the device
 
     def device_at(msg: Message, context: Context) -> FleetDevice:
-        config = msg.content.config_records.get("fleet") or msg.content.config_records.get("query")
-        rnd = int(config.get("round", 1)) if config is not None else 1
+        config = msg.content.config_records.get(Record.FLEET) or msg.content.config_records.get(Record.QUERY)
+        rnd = int(config.get(FleetKey.ROUND, 1)) if config is not None else 1
         return device_for(context).at_round(rnd)
 
     @app.query("status")
     def status(msg: Message, context: Context) -> Message:
-        return Message(RecordDict({"status": ConfigRecord(device_at(msg, context).status())}), reply_to=msg)
+        return Message(RecordDict({Record.STATUS: ConfigRecord(device_at(msg, context).status())}), reply_to=msg)
 
     @app.query("switch")
     def switch(msg: Message, context: Context) -> Message:
-        device = device_at(msg, context).switch(str(msg.content["query"]["target"]))
-        return Message(RecordDict({"status": ConfigRecord(device.status())}), reply_to=msg)
+        device = device_at(msg, context).switch(str(msg.content[Record.QUERY][FleetKey.TARGET]))
+        return Message(RecordDict({Record.STATUS: ConfigRecord(device.status())}), reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         if "fitins.config" in msg.content.config_records:  # SecAgg+: the masked-vector stage
             return masked_update(msg, context)
         device = device_at(msg, context)
-        fleet = msg.content["fleet"]
+        fleet = msg.content[Record.FLEET]
         manifest = receive_state(device, fleet)
-        tensors, learned, metrics = device.train_round(int(fleet["round"]))
+        tensors, learned, metrics = device.train_round(int(fleet[FleetKey.ROUND]))
         stats = encode_stats(device.profile.target, learned, device.target_vocab_size, manifest.version)
         content = RecordDict()
-        if fleet.get("secagg", False):  # the update leaves the device only masked, in the next messages
-            clip = float(fleet.get("clip-norm", 0.0)) or None
+        if fleet.get(FleetKey.SECAGG, False):  # the update leaves the device only masked, in the next messages
+            clip = float(fleet.get(FleetKey.CLIP_NORM, 0.0)) or None
             keep_update(
                 device.dir,
                 tensors,
                 device.global_adapter(),
                 target=device.profile.target,
-                round_=int(fleet["round"]),
+                round_=int(fleet[FleetKey.ROUND]),
                 version=int(manifest.version),
-                tokens=int(metrics["trained-tokens"]),
+                tokens=int(metrics[MetricKey.TRAINED_TOKENS]),
                 clip_norm=clip,
             )
-            metrics["uplink-bytes"] = len(stats)  # + the masked vector, counted by the coordinator
+            metrics[MetricKey.UPLINK_BYTES] = len(stats)  # + the masked vector, counted by the coordinator
         else:  # the update, compressed as the coordinator asks (error feedback kept on the device)
             delta = {k: d.float().numpy() for k, d in update_delta(tensors, device.global_adapter()).items()}
-            arrays = ErrorFeedback(device.dir, device.profile.target).compress(delta, int(fleet.get("update-bits", 32)))
-            content["update"] = to_record(arrays)
-            metrics["uplink-bytes"] = content["update"].count_bytes() + len(stats)
-        device.record_uplink(int(metrics["uplink-bytes"]))
-        content["metrics"] = MetricRecord(metrics)
-        content["fleet"] = ConfigRecord(
-            {"target": device.profile.target, "state-version": int(manifest.version), "ngram-stats": stats}
+            arrays = ErrorFeedback(device.dir, device.profile.target).compress(
+                delta, int(fleet.get(FleetKey.UPDATE_BITS, 32))
+            )
+            content[Record.UPDATE] = to_record(arrays)
+            metrics[MetricKey.UPLINK_BYTES] = content[Record.UPDATE].count_bytes() + len(stats)
+        device.record_uplink(int(metrics[MetricKey.UPLINK_BYTES]))
+        content[Record.METRICS] = MetricRecord(metrics)
+        content[Record.FLEET] = ConfigRecord(
+            {
+                FleetKey.TARGET: device.profile.target,
+                FleetKey.STATE_VERSION: int(manifest.version),
+                FleetKey.NGRAM_STATS: stats,
+            }
         )
         return Message(content, reply_to=msg)
 
@@ -126,7 +136,10 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
         config = compat.recorddict_to_fitins(msg.content, keep_input=True).config
         device = device_for(context)
         arrays, tokens = take_update(
-            device.dir, target=str(config["target"]), round_=int(config["round"]), version=int(config["state-version"])
+            device.dir,
+            target=str(config[FleetKey.TARGET]),
+            round_=int(config[FleetKey.ROUND]),
+            version=int(config[FleetKey.STATE_VERSION]),
         )
         device.record_uplink(sum(a.nbytes for a in arrays))
         fitres = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(arrays), tokens, {})
@@ -135,16 +148,16 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         device = device_at(msg, context)
-        fleet = msg.content["fleet"]
-        use_global = bool(fleet.get("use-global", True))
+        fleet = msg.content[Record.FLEET]
+        use_global = bool(fleet.get(FleetKey.USE_GLOBAL, True))
         if use_global:
             receive_state(device, fleet)
         metrics = device.evaluate(
             use_global=use_global,
-            measure_ar=bool(fleet.get("measure-ar", False)),
-            fixed_k=int(fleet.get("fixed-k", 0)),
-            adaptive=bool(fleet.get("adaptive", True)),
+            measure_ar=bool(fleet.get(FleetKey.MEASURE_AR, False)),
+            fixed_k=int(fleet.get(FleetKey.FIXED_K, 0)),
+            adaptive=bool(fleet.get(FleetKey.ADAPTIVE, True)),
         )
-        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+        return Message(RecordDict({Record.METRICS: MetricRecord(metrics)}), reply_to=msg)
 
     return app

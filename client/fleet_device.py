@@ -56,6 +56,7 @@ from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.recordings import Recording, RecordingStore
+from omnidraft.shared.wire import MetricKey, StatusKey, lora_spec, tokenizer_digest
 
 log = logging.getLogger("omnidraft.device")
 GLOBAL_DIR = "global"
@@ -112,8 +113,6 @@ class EnginePool:
 
     def tokenizer_digest(self, drafter: str, target: str) -> str:
         """The target vocabulary's digest (``registry.tokenizer_digest``), computed once."""
-        from omnidraft.shared.fleet_wire import tokenizer_digest
-
         if (drafter, target) not in self._digests:
             self._digests[(drafter, target)] = tokenizer_digest(self.engine(drafter, target).bridge)
         return self._digests[(drafter, target)]
@@ -315,17 +314,17 @@ class FleetDevice:
         """What the coordinator needs to decide what to send (no local text)."""
         m = self.held_manifest()
         return {
-            "device": self.profile.device_id,
-            "target": self.profile.target,
-            "can-serve": ",".join(sorted(self.profile.offers)),
-            "busy": self.busy(),
-            "joins-at": self.profile.joins_at_round,
-            "probe": self.profile.probe,
-            "trained": self.profile.target in self._fleet_meta().get("trained", []),
-            "state-version": int(m.version) if m else -1,
-            "adapter-sha256": m.adapter_sha256 if m else "",
-            "cache-sha256": m.cache_sha256 if m else "",
-            "tokenizer-sha256": self._tokenizer_digest,
+            StatusKey.DEVICE: self.profile.device_id,
+            StatusKey.TARGET: self.profile.target,
+            StatusKey.CAN_SERVE: ",".join(sorted(self.profile.offers)),
+            StatusKey.BUSY: self.busy(),
+            StatusKey.JOINS_AT: self.profile.joins_at_round,
+            StatusKey.PROBE: self.profile.probe,
+            StatusKey.TRAINED: self.profile.target in self._fleet_meta().get("trained", []),
+            StatusKey.STATE_VERSION: int(m.version) if m else -1,
+            StatusKey.ADAPTER_SHA256: m.adapter_sha256 if m else "",
+            StatusKey.CACHE_SHA256: m.cache_sha256 if m else "",
+            StatusKey.TOKENIZER_SHA256: self._tokenizer_digest,
         }
 
     @property
@@ -427,8 +426,6 @@ class FleetDevice:
         manifest = self.held_manifest() if use_global else None
         if use_global and manifest is None:
             raise StateMismatch("this device holds no global state yet")
-        from omnidraft.shared.fleet_wire import lora_spec
-
         lora = lora_spec(self._spec()) if manifest is not None else None
         engine = self.engine
         adapters = self.pool.adapters(self.profile.drafter, lora)
@@ -513,16 +510,16 @@ class FleetDevice:
         )
         f, w = first.summary(), whole.summary()
         metrics = {
-            "trained-tokens": trained_tokens,
-            "acceptance-first": f["acceptance_rate"],
-            "tokens-per-call-first": f["tokens_per_target_call"],
-            "acceptance": w["acceptance_rate"],
-            "tokens-per-call": w["tokens_per_target_call"],
-            "modelled-speedup": w["modelled_speedup_vs_ar"] or 0.0,
-            "replayed": replayed / len(prompts) if prompts else 0.0,
-            "generated-tokens": w["new_tokens"],
-            "update-s": update_s,
-            "cache-entries": len(session.cache),
+            MetricKey.TRAINED_TOKENS: trained_tokens,
+            MetricKey.ACCEPTANCE_FIRST: f["acceptance_rate"],
+            MetricKey.TOKENS_PER_CALL_FIRST: f["tokens_per_target_call"],
+            MetricKey.ACCEPTANCE: w["acceptance_rate"],
+            MetricKey.TOKENS_PER_CALL: w["tokens_per_target_call"],
+            MetricKey.MODELLED_SPEEDUP: w["modelled_speedup_vs_ar"] or 0.0,
+            MetricKey.REPLAYED: replayed / len(prompts) if prompts else 0.0,
+            MetricKey.GENERATED_TOKENS: w["new_tokens"],
+            MetricKey.UPDATE_S: update_s,
+            MetricKey.CACHE_ENTRIES: len(session.cache),
         }
         return session.adapters.state_dict(p.target_model), learned, metrics
 
@@ -594,12 +591,12 @@ class FleetDevice:
             fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k, recordings=recordings)
             metrics.update(
                 {
-                    "fixed-k-acceptance": fixed["acceptance_rate"],
-                    "fixed-k-tokens-per-call": fixed["tokens_per_target_call"],
+                    MetricKey.FIXED_K_ACCEPTANCE: fixed["acceptance_rate"],
+                    MetricKey.FIXED_K_TOKENS_PER_CALL: fixed["tokens_per_target_call"],
                 }
             )
-            metrics.setdefault("generated-tokens", fixed["new_tokens"])
-        return {**metrics, "eval-s": time.perf_counter() - t0}
+            metrics.setdefault(MetricKey.GENERATED_TOKENS, fixed["new_tokens"])
+        return {**metrics, MetricKey.EVAL_S: time.perf_counter() - t0}
 
     def _target_alone(self, session: DeviceSession, p: DeviceProfile, timed: bool = True) -> list[dict]:
         """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
@@ -664,12 +661,14 @@ class FleetDevice:
         out = phase.summary(ar_tps)
         st = phase.stats
         metrics = {
-            "acceptance": out["acceptance_rate"],
-            "tokens-per-call": out["tokens_per_target_call"],
-            "modelled-speedup": out["modelled_speedup_vs_ar"] or 0.0,
-            "modelled-tokens-per-s": st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
-            "generated-tokens": out["new_tokens"],
+            MetricKey.ACCEPTANCE: out["acceptance_rate"],
+            MetricKey.TOKENS_PER_CALL: out["tokens_per_target_call"],
+            MetricKey.MODELLED_SPEEDUP: out["modelled_speedup_vs_ar"] or 0.0,
+            MetricKey.MODELLED_TOKENS_PER_S: st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
+            MetricKey.GENERATED_TOKENS: out["new_tokens"],
         }
         if replay is None:
-            metrics.update({"tokens-per-s": out["tokens_per_s"], "speedup": out["speedup_vs_ar"] or 0.0})
+            metrics.update(
+                {MetricKey.TOKENS_PER_S: out["tokens_per_s"], MetricKey.SPEEDUP: out["speedup_vs_ar"] or 0.0}
+            )
         return metrics

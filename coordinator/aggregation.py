@@ -27,12 +27,10 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg
 
 from omnidraft.shared.update_codec import BITS, UpdateCodecError, decode, from_record
+from omnidraft.shared.wire import FleetKey, MetricKey, Record
 
-WEIGHT_KEY = "trained-tokens"
-ADAPTER_KEY = "adapter"
-UPDATE_KEY = "update"  # what a device sends: its compressed update (shared.update_codec)
-METRICS_KEY = "metrics"
-FLEET_KEY = "fleet"
+WEIGHT_KEY = MetricKey.TRAINED_TOKENS  # the FedAvg weight
+ADAPTER_KEY = "adapter"  # the ArrayRecord a device's update becomes once expanded (what the strategies read)
 METHODS = ("fedavg", "median", "trimmed")
 CLIP_MEDIAN_FACTOR = 2.0  # default clipping bound: this many times the round's median update norm
 MAX_TOKENS = float(1 << 40)  # any token count beyond this is not a count (target tokens)
@@ -42,16 +40,16 @@ MAX_TOKENS = float(1 << 40)  # any token count beyond this is not a count (targe
 # is dropped alone.
 TRAIN_METRICS: dict[str, tuple[float, float]] = {
     WEIGHT_KEY: (1.0, MAX_TOKENS),
-    "generated-tokens": (0.0, MAX_TOKENS),
-    "acceptance": (0.0, 1.0),
-    "acceptance-first": (0.0, 1.0),
-    "tokens-per-call": (0.0, 4096.0),
-    "tokens-per-call-first": (0.0, 4096.0),
-    "replayed": (0.0, 1.0),
-    "modelled-speedup": (0.0, 4096.0),
-    "update-s": (0.0, 1e7),
-    "cache-entries": (0.0, 1e9),
-    "uplink-bytes": (0.0, float(1 << 40)),
+    MetricKey.GENERATED_TOKENS: (0.0, MAX_TOKENS),
+    MetricKey.ACCEPTANCE: (0.0, 1.0),
+    MetricKey.ACCEPTANCE_FIRST: (0.0, 1.0),
+    MetricKey.TOKENS_PER_CALL: (0.0, 4096.0),
+    MetricKey.TOKENS_PER_CALL_FIRST: (0.0, 4096.0),
+    MetricKey.REPLAYED: (0.0, 1.0),
+    MetricKey.MODELLED_SPEEDUP: (0.0, 4096.0),
+    MetricKey.UPDATE_S: (0.0, 1e7),
+    MetricKey.CACHE_ENTRIES: (0.0, 1e9),
+    MetricKey.UPLINK_BYTES: (0.0, float(1 << 40)),
 }
 
 
@@ -117,16 +115,16 @@ def expand_update(msg: Message, global_adapter: dict[str, np.ndarray]) -> str | 
     """Replace the reply's compressed ``update`` record by the ``adapter`` it stands for (global
     plus update, in the global adapter's dtype) so the checks and Flower's strategies see
     adapters; returns why it cannot (None: done, or the reply has no update)."""
-    if msg.has_error() or UPDATE_KEY not in msg.content.array_records:
+    if msg.has_error() or Record.UPDATE not in msg.content.array_records:
         return None
-    record = msg.content.array_records[UPDATE_KEY]
+    record = msg.content.array_records[Record.UPDATE]
     try:
         delta = decode(from_record(record), {k: v.shape for k, v in global_adapter.items()})
     except UpdateCodecError as exc:
         return str(exc)
     except Exception as exc:  # an Array that does not deserialize
         return f"update does not decode: {type(exc).__name__}"
-    del msg.content[UPDATE_KEY]
+    del msg.content[Record.UPDATE]
     msg.content[ADAPTER_KEY] = ArrayRecord(
         {k: Array((v + delta[k]).astype(v.dtype)) for k, v in global_adapter.items()}
     )
@@ -165,19 +163,19 @@ def check_reply(
         return f"device error: {msg.error.reason}"
     content = msg.content
     arrays_expected = {ADAPTER_KEY} if expect_adapter else set()
-    if set(content.array_records) != arrays_expected or set(content.metric_records) != {METRICS_KEY}:
+    if set(content.array_records) != arrays_expected or set(content.metric_records) != {Record.METRICS}:
         return "unexpected records"
-    if FLEET_KEY not in content.config_records:
+    if Record.FLEET not in content.config_records:
         return "no fleet record"
-    fleet = content.config_records[FLEET_KEY]
-    if fleet.get("target") != target:
+    fleet = content.config_records[Record.FLEET]
+    if fleet.get(FleetKey.TARGET) != target:
         return f"reply for target {fleet.get('target')!r}, expected {target!r}"
-    if fleet.get("state-version") != version:
+    if fleet.get(FleetKey.STATE_VERSION) != version:
         return f"stale state: trained from version {fleet.get('state-version')}, current is {version}"
     size = payload_bytes(msg)
     if size > config.max_payload_bytes:
         return f"payload of {size} bytes exceeds {config.max_payload_bytes}"
-    metrics = content.metric_records[METRICS_KEY]
+    metrics = content.metric_records[Record.METRICS]
     reason = check_metrics(metrics, TRAIN_METRICS)
     if reason is not None:
         return reason
@@ -249,7 +247,7 @@ def aggregate_target(
                 scale_update(msg, global_adapter, bound / norm)
     if config.dp_noise > 0:
         for msg in replies:
-            msg.content[METRICS_KEY][WEIGHT_KEY] = 1.0
+            msg.content[Record.METRICS][WEIGHT_KEY] = 1.0
     arrays, metrics = config.strategy().aggregate_train(server_round, replies)
     out = [v.numpy().astype(global_adapter[k].dtype) for k, v in arrays.items()]
     if config.dp_noise > 0:

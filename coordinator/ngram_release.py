@@ -36,7 +36,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from omnidraft.shared.fleet_wire import StatsError, decode_stats, encode_stats  # noqa: F401 (re-exported)
+from omnidraft.shared.wire import StatsError, decode_stats, encode_stats  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

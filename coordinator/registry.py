@@ -46,9 +46,9 @@ from omnidraft.shared import catalog
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
 from omnidraft.shared.engine import seed_cache_from_bridge
-from omnidraft.shared.fleet_wire import lora_spec, tokenizer_digest  # noqa: F401 (re-exported)
 from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
 from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.wire import lora_spec, tokenizer_digest  # noqa: F401 (re-exported)
 
 SPEC_FILE = "spec.pb"
 MANIFEST_FILE = "manifest.pb"

@@ -40,6 +40,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
 from omnidraft.coordinator.aggregation import payload_bytes
+from omnidraft.shared.wire import FleetKey
 
 log = logging.getLogger("omnidraft.coordinator")
 
@@ -122,7 +123,7 @@ def secure_mean_update(
 
     ``shapes``: the adapter's tensors, in the order the devices flatten them (sorted keys)."""
     nodes = sorted(weights)
-    fit_config = {"round": rnd, "target": target, "state-version": version}
+    fit_config = {FleetKey.ROUND: rnd, FleetKey.TARGET: target, FleetKey.STATE_VERSION: version}
     legacy = LegacyContext(context, ServerConfig(num_rounds=1), _NamedNodes(nodes, fit_config))
     state = legacy.state  # the ServerApp's own: the workflow's records are removed afterwards
     state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})

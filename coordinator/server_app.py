@@ -48,8 +48,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from omnidraft.coordinator.aggregation import (
-    FLEET_KEY,
-    METRICS_KEY,
     AggregationConfig,
     aggregate_target,
     check_reply,
@@ -61,19 +59,20 @@ from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_
 from omnidraft.coordinator.secure_aggregation import SecAggConfig, secure_mean_update
 from omnidraft.coordinator.server_opt import ServerOptConfig, ServerOptimizer
 from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.wire import FleetKey, MetricKey, Record, StatusKey
 
 log = logging.getLogger("omnidraft.coordinator")
 STATE_FILE = "coordinator.json"
 POLL_S = (0.05, 1.0)  # first and longest pause between polls for replies (seconds)
 EVAL_KEYS = (
-    "acceptance",
-    "tokens-per-call",
-    "tokens-per-s",
-    "speedup",  # averaged over a panel
-    "modelled-speedup",
-    "modelled-tokens-per-s",
-    "fixed-k-acceptance",
-    "fixed-k-tokens-per-call",
+    MetricKey.ACCEPTANCE,
+    MetricKey.TOKENS_PER_CALL,
+    MetricKey.TOKENS_PER_S,
+    MetricKey.SPEEDUP,  # averaged over a panel
+    MetricKey.MODELLED_SPEEDUP,
+    MetricKey.MODELLED_TOKENS_PER_S,
+    MetricKey.FIXED_K_ACCEPTANCE,
+    MetricKey.FIXED_K_TOKENS_PER_CALL,
 )
 ROUNDS_FILE = "rounds.jsonl"  # one line per finished round and target (``fleet status`` reads it)
 
@@ -137,16 +136,16 @@ def round_history(root: Path) -> list[dict]:
 
 # what a device's status must hold, by type (the coordinator never trusts a field it did not check)
 STATUS_FIELDS: dict[str, tuple[type, ...]] = {
-    "target": (str,),
-    "tokenizer-sha256": (str,),
-    "device": (str,),
-    "joins-at": (int,),
-    "probe": (bool,),
-    "trained": (bool,),
-    "busy": (str, bool),
-    "can-serve": (str,),
+    StatusKey.TARGET: (str,),
+    StatusKey.TOKENIZER_SHA256: (str,),
+    StatusKey.DEVICE: (str,),
+    StatusKey.JOINS_AT: (int,),
+    StatusKey.PROBE: (bool,),
+    StatusKey.TRAINED: (bool,),
+    StatusKey.BUSY: (str, bool),
+    StatusKey.CAN_SERVE: (str,),
 }
-REQUIRED_STATUS = ("target", "tokenizer-sha256")
+REQUIRED_STATUS = (StatusKey.TARGET, StatusKey.TOKENIZER_SHA256)
 
 
 def status_problem(status: ConfigRecord) -> str | None:
@@ -161,7 +160,7 @@ def status_problem(status: ConfigRecord) -> str | None:
             continue
         if not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
             return f"status field {key!r} is not a {types[0].__name__}"
-    if not 0 <= status.get("joins-at", 1) < 1 << 31:
+    if not 0 <= status.get(StatusKey.JOINS_AT, 1) < 1 << 31:
         return "status field 'joins-at' out of range"
     return None
 
@@ -173,7 +172,7 @@ def eval_metrics_usable(metrics) -> bool:
     def number(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-    weight = metrics.get("generated-tokens")
+    weight = metrics.get(MetricKey.GENERATED_TOKENS)
     return number(weight) and 0 <= weight < 1 << 40 and all(number(metrics[k]) for k in EVAL_KEYS if k in metrics)
 
 
@@ -204,17 +203,17 @@ def state_record(state: GlobalState, status: ConfigRecord | None, round_: int, *
     cache bytes only when the device does not hold them."""
     record = ConfigRecord(
         {
-            "round": round_,
-            "spec": state.spec.SerializeToString(),
-            "manifest": state.manifest_blob or state.manifest.SerializeToString(),
-            "manifest-sig": state.signature,
+            FleetKey.ROUND: round_,
+            FleetKey.SPEC: state.spec.SerializeToString(),
+            FleetKey.MANIFEST: state.manifest_blob or state.manifest.SerializeToString(),
+            FleetKey.MANIFEST_SIG: state.signature,
             **extra,
         }
     )
-    if status is None or status.get("adapter-sha256") != state.manifest.adapter_sha256:
-        record["adapter"] = state.adapter_blob
-    if status is None or status.get("cache-sha256") != state.manifest.cache_sha256:
-        record["cache"] = state.cache_blob
+    if status is None or status.get(StatusKey.ADAPTER_SHA256) != state.manifest.adapter_sha256:
+        record[FleetKey.ADAPTER] = state.adapter_blob
+    if status is None or status.get(StatusKey.CACHE_SHA256) != state.manifest.cache_sha256:
+        record[FleetKey.CACHE] = state.cache_blob
     return record
 
 
@@ -304,7 +303,7 @@ class Coordinator:
         # sampled in the order of the devices' own ids (Flower's node ids change between runs)
         eligible = sorted(
             (node for group in members.values() for node in group),
-            key=lambda n: str(next(g[n] for g in members.values() if n in g).get("device", n)),
+            key=lambda n: str(next(g[n] for g in members.values() if n in g).get(StatusKey.DEVICE, n)),
         )
         size = max(1, round(len(eligible) * cfg.fraction)) if eligible else 0
         sampled = set(random.Random(cfg.seed * 100_003 + rnd).sample(eligible, size))
@@ -318,16 +317,17 @@ class Coordinator:
         newcomers = self._first_sessions(grid, rnd, states, by_target)
         phases.lap("newcomers")
 
-        secure = {"update-bits": cfg.aggregation.update_bits}
+        secure = {FleetKey.UPDATE_BITS: cfg.aggregation.update_bits}
         if cfg.secagg.enabled:  # devices keep their update for the secure aggregation
-            secure = {"secagg": True, "clip-norm": float(cfg.aggregation.clip_norm or 0.0)}
+            secure = {FleetKey.SECAGG: True, FleetKey.CLIP_NORM: float(cfg.aggregation.clip_norm or 0.0)}
         messages = {
-            node: RecordDict({FLEET_KEY: state_record(states[t], status, rnd, **secure)})
+            node: RecordDict({Record.FLEET: state_record(states[t], status, rnd, **secure)})
             for t, group in by_target.items()
             for node, status in group.items()
         }
         downlink = {
-            node: sum(len(v) for v in rec[FLEET_KEY].values() if isinstance(v, bytes)) for node, rec in messages.items()
+            node: sum(len(v) for v in rec[Record.FLEET].values() if isinstance(v, bytes))
+            for node, rec in messages.items()
         }
         replies = self._send(grid, list(messages), MessageType.TRAIN, messages.__getitem__, rnd)
         phases.lap("train")
@@ -404,7 +404,11 @@ class Coordinator:
         devices that may train this round and probe devices, both as {target: {node: status}},
         reasons for the devices left out, and the global state of each target in use."""
         statuses = self._send(
-            grid, nodes, "query.status", lambda node: RecordDict({"query": ConfigRecord({"round": rnd})}), rnd
+            grid,
+            nodes,
+            "query.status",
+            lambda node: RecordDict({Record.QUERY: ConfigRecord({FleetKey.ROUND: rnd})}),
+            rnd,
         )
         members: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
         probes: dict[str, dict[int, ConfigRecord]] = defaultdict(dict)
@@ -415,33 +419,33 @@ class Coordinator:
             """By the device's own id: aggregation sums and the release's random draws then
             run in the same order every run (Flower's node ids change between runs)."""
             reply = item[1]
-            ok = not reply.has_error() and "status" in reply.content.config_records
-            return (str(reply.content.config_records["status"].get("device", "")) if ok else "", item[0])
+            ok = not reply.has_error() and Record.STATUS in reply.content.config_records
+            return (str(reply.content.config_records[Record.STATUS].get(StatusKey.DEVICE, "")) if ok else "", item[0])
 
         for node, reply in sorted(statuses.items(), key=device_order):
-            if reply.has_error() or "status" not in reply.content.config_records:
+            if reply.has_error() or Record.STATUS not in reply.content.config_records:
                 skipped.append(f"node {node}: no status ({reply.error.reason if reply.has_error() else 'empty reply'})")
                 continue
-            status = reply.content.config_records["status"]
+            status = reply.content.config_records[Record.STATUS]
             problem = status_problem(status)
             if problem is not None:
                 skipped.append(f"node {node}: {problem}")
                 continue
-            target = status["target"]
-            if int(status.get("joins-at", 1)) > rnd and not status.get("probe"):
+            target = status[StatusKey.TARGET]
+            if int(status.get(StatusKey.JOINS_AT, 1)) > rnd and not status.get(StatusKey.PROBE):
                 continue  # a device that joins the fleet later
             if target not in self.registry:
                 skipped.append(f"node {node}: unknown target {target!r}")
                 continue
             if target not in states:
                 states[target] = self.registry.load(target)
-            if status.get("tokenizer-sha256") != states[target].spec.tokenizer_sha256:
+            if status.get(StatusKey.TOKENIZER_SHA256) != states[target].spec.tokenizer_sha256:
                 skipped.append(f"node {node}: tokenizer of {target!r} differs from the registered one")
                 continue
-            if status.get("busy") and not status.get("probe"):
+            if status.get(StatusKey.BUSY) and not status.get(StatusKey.PROBE):
                 skipped.append(f"node {node} ({target}): busy: {status['busy']}")
                 continue
-            (probes if status.get("probe") else members)[target][node] = status
+            (probes if status.get(StatusKey.PROBE) else members)[target][node] = status
         for reason in skipped:
             log.warning("round %d: %s", rnd, reason)
         return members, probes, skipped, states
@@ -464,11 +468,14 @@ class Coordinator:
                 (node, status)
                 for group in members.values()
                 for node, status in group.items()
-                if status.get("target") == target or target in str(status.get("can-serve", "")).split(",")
+                if status.get(StatusKey.TARGET) == target
+                or target in str(status.get(StatusKey.CAN_SERVE, "")).split(",")
             ]
-            capable.sort(key=lambda item: rollout_rank(target, str(item[1].get("device", item[0]))))
+            capable.sort(key=lambda item: rollout_rank(target, str(item[1].get(StatusKey.DEVICE, item[0]))))
             chosen = [
-                node for node, status in capable[: round(fraction * len(capable))] if status.get("target") != target
+                node
+                for node, status in capable[: round(fraction * len(capable))]
+                if status.get(StatusKey.TARGET) != target
             ]
             if not chosen:
                 continue
@@ -476,20 +483,22 @@ class Coordinator:
                 grid,
                 chosen,
                 "query.switch",
-                lambda node, target=target: RecordDict({"query": ConfigRecord({"round": rnd, "target": target})}),
+                lambda node, target=target: RecordDict(
+                    {Record.QUERY: ConfigRecord({FleetKey.ROUND: rnd, FleetKey.TARGET: target})}
+                ),
                 rnd,
             )
             if target not in states:
                 states[target] = self.registry.load(target)
             for node in chosen:
                 reply = replies.get(node)
-                if reply is None or reply.has_error() or "status" not in reply.content.config_records:
+                if reply is None or reply.has_error() or Record.STATUS not in reply.content.config_records:
                     skipped.append(f"node {node}: did not switch to {target!r}")
                     continue
-                status = reply.content.config_records["status"]
+                status = reply.content.config_records[Record.STATUS]
                 for group in members.values():
                     group.pop(node, None)
-                if status.get("tokenizer-sha256") != states[target].spec.tokenizer_sha256:
+                if status.get(StatusKey.TOKENIZER_SHA256) != states[target].spec.tokenizer_sha256:
                     skipped.append(f"node {node}: tokenizer of {target!r} differs from the registered one")
                     continue
                 members[target][node] = status
@@ -518,13 +527,13 @@ class Coordinator:
         adaptive, timed = not self.config.fixed_k or self.config.newcomer_speed, not self.config.fixed_k
         cold, warm = {}, {}
         for target, group in by_target.items():
-            order = sorted(group, key=lambda node: str(group[node].get("device", node)))
-            new = [node for node in order if not group[node].get("trained")][: n or None]
+            order = sorted(group, key=lambda node: str(group[node].get(StatusKey.DEVICE, node)))
+            new = [node for node in order if not group[node].get(StatusKey.TRAINED)][: n or None]
             if not new or states[target].manifest.version == 0:
                 continue
             cold[target, "cold"] = Panel(new, None, None, "new-cold-", adaptive, timed)
             warm[target, "warm"] = Panel(new, states[target], group, "new-warm-", adaptive, timed)
-            veterans = [node for node in order if group[node].get("trained")][: n or None]
+            veterans = [node for node in order if group[node].get(StatusKey.TRAINED)][: n or None]
             if veterans:
                 warm[target, "veteran"] = Panel(veterans, states[target], group, "veteran-", adaptive, timed)
         if not cold:
@@ -601,7 +610,9 @@ class Coordinator:
             )
             if reason is None:
                 try:
-                    bits = decode_stats(msg.content[FLEET_KEY]["ngram-stats"], target, state.spec.target_vocab_size)
+                    bits = decode_stats(
+                        msg.content[Record.FLEET][FleetKey.NGRAM_STATS], target, state.spec.target_vocab_size
+                    )
                 except (StatsError, KeyError) as exc:
                     reason = str(exc)
             if reason is not None:
@@ -628,7 +639,7 @@ class Coordinator:
             return record
         msgs = [m for m, _ in good]
         uplink = [received[id(m)] for m in msgs]
-        tokens = int(sum(m.content[METRICS_KEY]["trained-tokens"] for m in msgs))
+        tokens = int(sum(m.content[Record.METRICS][MetricKey.TRAINED_TOKENS] for m in msgs))
         if secure:
             adapter, metrics, up, down = self._secure_aggregate(grid, rnd, target, version, msgs, global_adapter)
             if adapter is None:
@@ -694,12 +705,12 @@ class Coordinator:
     ):
         """SecAgg+ over the devices of ``msgs``: (new adapter or None, metrics, bytes each node sent
         and received in the protocol)."""
-        weights = {m.metadata.src_node_id: float(m.content[METRICS_KEY]["trained-tokens"]) for m in msgs}
+        weights = {m.metadata.src_node_id: float(m.content[Record.METRICS][MetricKey.TRAINED_TOKENS]) for m in msgs}
         shapes = {k: global_adapter[k].shape for k in sorted(global_adapter)}
         mean, down, up = secure_mean_update(
             grid, self.context, rnd, target, version, weights, shapes, self.config.secagg
         )
-        metrics = aggregate_metricrecords([m.content for m in msgs], "trained-tokens")
+        metrics = aggregate_metricrecords([m.content for m in msgs], MetricKey.TRAINED_TOKENS)
         if mean is None:
             return None, metrics, up, down
         adapter = {k: (global_adapter[k] + mean[k]).astype(global_adapter[k].dtype) for k in global_adapter}
@@ -714,36 +725,36 @@ class Coordinator:
         records = {}
         for panel in panels.values():
             extra = {
-                "use-global": panel.state is not None,
-                "measure-ar": self.config.measure_ar and panel.adaptive and panel.timed,
-                "fixed-k": self.config.fixed_k,
-                "adaptive": panel.adaptive,
+                FleetKey.USE_GLOBAL: panel.state is not None,
+                FleetKey.MEASURE_AR: self.config.measure_ar and panel.adaptive and panel.timed,
+                FleetKey.FIXED_K: self.config.fixed_k,
+                FleetKey.ADAPTIVE: panel.adaptive,
             }
             for node in panel.nodes:
                 records[node] = (
-                    ConfigRecord({"round": rnd, **extra})
+                    ConfigRecord({FleetKey.ROUND: rnd, **extra})
                     if panel.state is None
                     else state_record(panel.state, (panel.held or {}).get(node), rnd, **extra)
                 )
         replies = self._send(
-            grid, list(records), MessageType.EVALUATE, lambda node: RecordDict({FLEET_KEY: records[node]}), rnd
+            grid, list(records), MessageType.EVALUATE, lambda node: RecordDict({Record.FLEET: records[node]}), rnd
         )
         out = {}
         for key, panel in panels.items():
             prefix, nodes = panel.prefix, panel.nodes
             metrics = [
-                replies[n].content[METRICS_KEY]
+                replies[n].content[Record.METRICS]
                 for n in nodes  # in the order asked, not of arrival
                 if n in replies
                 and not replies[n].has_error()
-                and METRICS_KEY in replies[n].content.metric_records
-                and eval_metrics_usable(replies[n].content[METRICS_KEY])
+                and Record.METRICS in replies[n].content.metric_records
+                and eval_metrics_usable(replies[n].content[Record.METRICS])
             ]
             if not metrics:
                 out[key] = {f"{prefix}devices": 0}
                 continue
             keys = [k for k in EVAL_KEYS if all(k in m for m in metrics)]
-            weights = np.array([float(m["generated-tokens"]) for m in metrics]) + 1e-9
+            weights = np.array([float(m[MetricKey.GENERATED_TOKENS]) for m in metrics]) + 1e-9
             sent = [sum(len(v) for v in records[n].values() if isinstance(v, bytes)) for n in nodes]
             out[key] = {
                 f"{prefix}devices": len(metrics),

@@ -231,7 +231,7 @@ def _versions(args) -> list[tuple[int, dict[str, torch.Tensor]]]:
 def _run_lora(args) -> LoraSpec:
     """The LoRA settings the run's coordinator registered for the target."""
     from omnidraft.proto import fleet_pb2
-    from omnidraft.shared.fleet_wire import lora_spec
+    from omnidraft.shared.wire import lora_spec
 
     spec = fleet_pb2.TargetSpec()
     spec.ParseFromString((Path(args.run) / "coordinator" / "targets" / args.target / "spec.pb").read_bytes())

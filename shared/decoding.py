@@ -41,11 +41,11 @@ from omnidraft.shared.generation import (
     StopChecker,
 )
 from omnidraft.shared.lookup_drafts import LookupDrafter
-from omnidraft.shared.model_runner import ModelRunner
+from omnidraft.shared.model_runner import ModelRunner, Runner
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.profiling import StepTimings
 from omnidraft.shared.sampling import sample, verify_sampled, warp
-from omnidraft.shared.translation import TRANSLATORS, NgramTranslator, TextTranslator
+from omnidraft.shared.translation import TRANSLATORS, NgramTranslator, TextTranslator, Translator
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 
@@ -73,10 +73,10 @@ class _TargetSide:
     """Target runner plus the masking and token selection both decoders share."""
 
     def __init__(
-        self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge, timings: StepTimings | None = None
+        self, target: torch.nn.Module | Runner, bridge: VocabBridge, timings: StepTimings | None = None
     ) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
-        self.runner = ModelRunner(target) if isinstance(target, torch.nn.Module) else target
+        self.runner: Runner = ModelRunner(target) if isinstance(target, torch.nn.Module) else target
         self.invalid = bridge.target_invalid_mask
         self.token_bytes = bridge.target_bytes
         self.stop_ids = bridge.target_stop_ids
@@ -116,7 +116,7 @@ class TargetOnlyDecoder:
     """Plain autoregressive decoding with the target: one forward pass per token."""
 
     def __init__(
-        self, target: torch.nn.Module | ModelRunner, bridge: VocabBridge, timings: StepTimings | None = None
+        self, target: torch.nn.Module | Runner, bridge: VocabBridge, timings: StepTimings | None = None
     ) -> None:
         self.side = _TargetSide(target, bridge, timings)
 
@@ -149,9 +149,9 @@ class CrossVocabDecoder:
 
     def __init__(
         self,
-        drafter: torch.nn.Module | ModelRunner,
+        drafter: torch.nn.Module | Runner,
         draft_tokenizer,
-        target: torch.nn.Module | ModelRunner,
+        target: torch.nn.Module | Runner,
         bridge: VocabBridge,
         cache: NgramCache,
         *,
@@ -166,13 +166,14 @@ class CrossVocabDecoder:
         timings: StepTimings | None = None,
     ) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
-        self.drafter = ModelRunner(drafter) if isinstance(drafter, torch.nn.Module) else drafter
+        self.drafter: Runner = ModelRunner(drafter) if isinstance(drafter, torch.nn.Module) else drafter
         self.side = _TargetSide(target, bridge, timings)
         self.timings = timings
         self.bridge = bridge
         self.cache = cache
         self._encode = text_encoder(draft_tokenizer)
         encode_target = text_encoder(target_tokenizer) if target_tokenizer is not None else None
+        self.translate: Translator
         if translate == "ngram":
             self.translate = NgramTranslator(bridge, cache, expand_map or {}, encode_target)
         elif translate == "text":

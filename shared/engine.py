@@ -18,10 +18,9 @@ import torch
 from omnidraft.shared import catalog, model_runner, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.draft_policy import ThroughputRule
-from omnidraft.shared.fast_drafter import FastLlamaRunner
 from omnidraft.shared.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.lookup_drafts import LookupDrafter
-from omnidraft.shared.model_runner import LoadedModel, ModelRunner
+from omnidraft.shared.model_runner import LoadedModel, ModelRunner, Runner
 from omnidraft.shared.ngram_cache import NgramCache, seed_from_tokenizers
 from omnidraft.shared.precision import (
     build_drafter_runner,
@@ -249,7 +248,7 @@ class Engine:
         return report
 
     @cached_property
-    def drafter_runner(self) -> ModelRunner | FastLlamaRunner:
+    def drafter_runner(self) -> Runner:
         """The base drafter's runner (packed on first use: a device session drafts with its
         adapter's runner instead and never needs this one)."""
         model = self.drafter.model

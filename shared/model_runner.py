@@ -1,8 +1,10 @@
 """Loading a causal LM and running it incrementally with a croppable KV cache.
 
-Both the drafter and the target go through ``ModelRunner``: it feeds new token ids, returns
-the logits of the new positions, and rolls the KV cache back to any earlier length (the
-speculative decoder drops rejected draft positions this way).
+Both the drafter and the target go through a ``Runner``: it feeds new token ids, returns the
+logits of the new positions, and rolls the KV cache back to any earlier length (the speculative
+decoder drops rejected draft positions this way). ``ModelRunner`` runs any transformers model;
+``fast_drafter.FastLlamaRunner`` (Llama/Qwen2 on the native kernels) and
+``recorded_target.RecordedTarget`` (a recorded greedy output) are the others.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -58,6 +61,26 @@ def set_threads(n: int | None = None) -> None:
     """Use ``n`` intra-op threads (default: ``$OMNIDRAFT_THREADS`` or every available core)."""
     n = n or int(os.environ.get("OMNIDRAFT_THREADS", "0")) or len(os.sched_getaffinity(0))
     torch.set_num_threads(n)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the decoders use of a runner: incremental forwards over one sequence."""
+
+    length: int  # token positions held in the cache
+    forward_calls: int  # forward calls so far (cost accounting)
+
+    def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
+        """Append ``ids``; float32 logits ``[len(ids), vocab]`` (the last ``logits_to_keep`` rows when > 0)."""
+        ...
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` positions."""
+        ...
+
+    def reset(self) -> None:
+        """Start a new, empty sequence."""
+        ...
 
 
 class ModelRunner:

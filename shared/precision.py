@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from omnidraft.shared.fast_drafter import SUPPORTED_MODEL_TYPES, FastLlamaRunner
-from omnidraft.shared.model_runner import ModelRunner
+from omnidraft.shared.model_runner import ModelRunner, Runner
 
 PRECISIONS = ("fp32", "bf16", "int8", "fp64")
 # 8-bit grouped activations for int8 targets: on Qwen2.5-Coder-1.5B (AMD EPYC, 2 threads) prompt
@@ -72,7 +72,7 @@ def fast_runner_supports(model: torch.nn.Module) -> bool:
     )
 
 
-def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None) -> ModelRunner | FastLlamaRunner:
+def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None) -> Runner:
     """The runner that executes ``model`` (loaded with :func:`load_dtype`) in ``precision``.
 
     For ``int8`` on an architecture without a fast runner the model's Linear layers are

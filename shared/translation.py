@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.vocab_bridge import VocabBridge
@@ -42,6 +43,16 @@ class Unit:
     draft_start: int = -1
     draft_len: int = 0
     ngram: bool = False
+
+
+@runtime_checkable
+class Translator(Protocol):
+    """Drafter tokens -> proposed target tokens (``NgramTranslator``, ``TextTranslator``)."""
+
+    def __call__(self, drafts: list[int], skip: int = 0) -> list[Unit]:
+        """The target tokens the drafter tokens ``drafts`` propose; their first ``skip`` bytes
+        re-spell text already committed."""
+        ...
 
 
 class NgramTranslator:

@@ -20,6 +20,7 @@ import numpy as np
 from flwr.app import Context, Message
 
 from omnidraft.shared.update_codec import from_record, to_record
+from omnidraft.shared.wire import FleetKey, MetricKey, Record, StatusKey
 
 # kind -> what the device sends
 KINDS: dict[str, str] = {
@@ -75,11 +76,11 @@ def assign(attacks: dict[str, float], veterans: int, seed: int) -> dict[int, str
 
 def _update_arrays(reply: Message) -> dict[str, np.ndarray]:
     """The arrays packed in the reply's compressed update (``shared.update_codec``)."""
-    return from_record(reply.content["update"])
+    return from_record(reply.content[Record.UPDATE])
 
 
 def _set_update(reply: Message, arrays: dict[str, np.ndarray]) -> None:
-    reply.content["update"] = to_record(arrays)
+    reply.content[Record.UPDATE] = to_record(arrays)
 
 
 def _scale_update(reply: Message, factor: float | None = None, fill: float | None = None) -> None:
@@ -114,19 +115,22 @@ def spoil_train_reply(kind: str, reply: Message, context: Context, partition: in
         arrays[first] = np.zeros(arrays[first].size + 1, np.float32)
         _set_update(reply, arrays)
     elif kind == "extra-metric":
-        reply.content["metrics"]["favourite-number"] = 7.0
+        reply.content[Record.METRICS]["favourite-number"] = 7.0
     elif kind in ("huge-weight", "tokens-overflow"):
-        reply.content["metrics"]["trained-tokens"] = 1e12 if kind == "huge-weight" else 1e20
+        reply.content[Record.METRICS][MetricKey.TRAINED_TOKENS] = 1e12 if kind == "huge-weight" else 1e20
     elif kind == "replay":
         path = _replay_file(context, partition)
         if path.exists():  # the first reply's update and state version, again
             old = pickle.loads(path.read_bytes())
             _set_update(reply, old["update"])
-            reply.content["fleet"]["state-version"] = old["state-version"]
+            reply.content[Record.FLEET][FleetKey.STATE_VERSION] = old["state-version"]
         else:
             path.write_bytes(
                 pickle.dumps(
-                    {"update": _update_arrays(reply), "state-version": reply.content["fleet"]["state-version"]}
+                    {
+                        "update": _update_arrays(reply),
+                        "state-version": reply.content[Record.FLEET][FleetKey.STATE_VERSION],
+                    }
                 )
             )
     return reply
@@ -151,9 +155,9 @@ def attack_mod(msg: Message, context: Context, call_next) -> Message:
     if kind is None or reply.has_error():
         return reply
     if kind == "garbage-status" and kind_of_message == "query.status":
-        status = reply.content["status"]
-        status["joins-at"] = "soon"
-        status["target"] = 42
-    elif kind_of_message == "train" and "update" in reply.content.array_records:
+        status = reply.content[Record.STATUS]
+        status[StatusKey.JOINS_AT] = "soon"
+        status[StatusKey.TARGET] = 42
+    elif kind_of_message == "train" and Record.UPDATE in reply.content.array_records:
         reply = spoil_train_reply(kind, reply, context, partition)
     return reply

@@ -239,6 +239,39 @@ def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, m
     assert costs() == {"1": 3.0}
 
 
+def test_every_runner_and_translator_has_the_interface_the_decoders_use(pair, bridge):
+    """The decoders take any ``Runner`` (``forward``/``crop``/``reset``, ``length``,
+    ``forward_calls``) and any ``Translator``: each implementation satisfies its Protocol, and
+    an object missing a member does not."""
+    from omnidraft.shared.model_runner import Runner
+    from omnidraft.shared.recorded_target import RecordedTarget
+    from omnidraft.shared.translation import NgramTranslator, TextTranslator, Translator
+
+    runners = [
+        ModelRunner(pair.target),
+        FastLlamaRunner(tiny_qwen2(), weights="fp32", max_positions=32),
+        RecordedTarget([1, 2, 3], 10),
+    ]
+    assert all(isinstance(r, Runner) for r in runners)
+    for r in runners:  # the members work, not only exist
+        r.reset()
+        assert r.forward([1, 2], logits_to_keep=1).shape[0] == 1 and r.length == 2
+        r.crop(1)
+        assert r.length == 1 and r.forward_calls >= 1
+    encode = pair.target_tokenizer.encode
+    translators = [NgramTranslator(bridge, NgramCache(), {}, encode), TextTranslator(bridge, encode)]
+    assert all(isinstance(t, Translator) for t in translators)
+
+    class NoCrop:
+        length = forward_calls = 0
+
+        def forward(self, ids, logits_to_keep=0): ...
+
+        def reset(self): ...
+
+    assert not isinstance(NoCrop(), Runner) and not isinstance(NoCrop(), Translator)
+
+
 def test_native_kernels_come_from_the_install_and_a_stale_build_is_not_used(monkeypatch, tmp_path):
     """``pip install`` (setup.py) built this CPU's kernels, and the runtime loads that build; an
     installed build of other sources (an edited checkout) is ignored and the set is built at
