@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from omnidraft.client.adapt_run import Phase, evaluate_fixed_k, target_alone
 from omnidraft.client.device_state import sha256 as _sha256
 from omnidraft.client.device_state import slug
+from omnidraft.client.evaluation import Phase, evaluate_fixed_k, target_alone
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.resource_policy import (
     DeviceConditions,

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter and args.target:
         drafter, target, weights = args.drafter, args.target, "int8"
     else:
-        from omnidraft.shared.tiny_models import ensure_tiny_fleet
+        from omnidraft.benchmarks.tiny_models import ensure_tiny_fleet
 
         models = ensure_tiny_fleet(os.environ.get("OMNIDRAFT_TINY_DIR", out / "models"))
         drafter, target, weights = str(models["tiny-drafter"]), str(models["tiny-target-a"]), "fp32"

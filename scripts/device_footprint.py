@@ -42,10 +42,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
 
+    from omnidraft.benchmarks.bench import load_prompts
     from omnidraft.client.online_learner import OnlineConfig
     from omnidraft.client.session import DeviceSession
     from omnidraft.shared import catalog
-    from omnidraft.shared.bench import load_prompts
     from omnidraft.shared.engine import Engine
     from omnidraft.shared.generation import GenerationConfig
 

@@ -288,7 +288,7 @@ def _decoding_session(args) -> tuple[Engine, DeviceSession]:
 def _decoded(args, session: DeviceSession, prompts: list[str], recordings: list[list[int]] | None = None) -> dict:
     """Fixed-k decoding of ``prompts`` with the session's current adapter (``recordings``: the
     target's greedy outputs, replayed instead of running the target)."""
-    from omnidraft.client.adapt_run import evaluate_fixed_k
+    from omnidraft.client.evaluation import evaluate_fixed_k
 
     t0 = time.perf_counter()
     out = evaluate_fixed_k(session, prompts, _generation(args), args.k, recordings=recordings)
@@ -304,7 +304,7 @@ def _decoded(args, session: DeviceSession, prompts: list[str], recordings: list[
 
 def _recordings(args, session: DeviceSession, prompts: list[str]) -> list[list[int]] | None:
     """With ``--replay``: the target alone's greedy output on each prompt (run once)."""
-    from omnidraft.client.adapt_run import target_alone
+    from omnidraft.client.evaluation import target_alone
 
     if not args.replay:
         return None

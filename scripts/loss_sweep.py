@@ -38,9 +38,9 @@ import time
 
 import torch
 
+from omnidraft.benchmarks import bench
 from omnidraft.client.online_learner import OnlineConfig, OnlineLearner
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared import bench
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.catalog import CatalogError
 from omnidraft.shared.distill import LossConfig, coarse_log_probs, hybrid_loss, ngram_nll, teacher_forced_agreement

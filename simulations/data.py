@@ -27,8 +27,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnidraft.shared.codebase_prompts import PREFIX as CODEBASE
-from omnidraft.shared.codebase_prompts import codebase_prompts, package_root, parsed_modules
+from omnidraft.benchmarks.codebase_prompts import PREFIX as CODEBASE
+from omnidraft.benchmarks.codebase_prompts import codebase_prompts, package_root, parsed_modules
 
 DOMAINS = {"humaneval": "code", "stdlib": "code", "pydoc": "prose"}
 DEFAULT_SOURCES = ("humaneval", "stdlib", "pydoc")
@@ -100,7 +100,7 @@ def stdlib_heads(max_chars: int = MAX_CHARS) -> list[str]:
 
 def source_prompts(name: str) -> list[str]:
     """The prompts of one built-in source (see the module docstring)."""
-    from omnidraft.shared.bench import load_prompts, pydoc_passages
+    from omnidraft.benchmarks.bench import load_prompts, pydoc_passages
 
     if name == "humaneval":
         return load_prompts("humaneval", None)
@@ -218,7 +218,7 @@ def split_projects(
 
 
 def _jsonl(path: Path) -> Corpus:
-    from omnidraft.shared.bench import prompt_rows
+    from omnidraft.benchmarks.bench import prompt_rows
 
     if not path.is_file():
         raise ValueError(f"--data {path}: no such file")

@@ -330,7 +330,7 @@ def load_toml(path: str | Path) -> dict:
 def _models(scenario: Scenario) -> tuple[str, dict[str, str]]:
     """(drafter, {target name: model}) for the scenario."""
     if scenario.models == "tiny":
-        from omnidraft.shared.tiny_models import ensure_tiny_fleet
+        from omnidraft.benchmarks.tiny_models import ensure_tiny_fleet
 
         dirs = ensure_tiny_fleet(catalog.omnidraft_home() / "tiny")
         unknown = set(scenario.all_targets()) - set(dirs)
@@ -348,7 +348,7 @@ def _corpora(scenario: Scenario, devices: int, newcomers: frozenset[int] = froze
 
     per = scenario.prompts_per_device + max(scenario.heldout_per_device, scenario.probe_heldout)
     if scenario.models == "tiny" and scenario.data is None:
-        from omnidraft.shared.tiny_models import corpus
+        from omnidraft.benchmarks.tiny_models import corpus
 
         texts = [
             t[:40] for t in corpus(max(4000, devices * per * (2 if scenario.drift else 1)), seed=scenario.seed + 5)

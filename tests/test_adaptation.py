@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from omnidraft.benchmarks.tiny_models import build_pair, corpus
 from omnidraft.client.device_state import ADAPTER_FILE, CACHE_FILE, HEAD_FILE, MANIFEST_FILE, DeviceState
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
@@ -20,7 +21,6 @@ from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll, sequence_nll
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.tiny_models import build_pair, corpus
 
 # -- the loss, against hand computations ---------------------------------------------------------
 
@@ -700,7 +700,7 @@ def test_adapt_bad_input_is_one_line_error(argv, message, capsys):
 
 
 def test_drift_stream_spec_errors():
-    from omnidraft.client.drift_run import parse_stream
+    from omnidraft.benchmarks.drift import parse_stream
 
     assert parse_stream("a:humaneval:3,b:pydoc:4") == [("a", "humaneval", 3), ("b", "pydoc", 4)]
     for bad in ("a:humaneval:3", "a:humaneval:x,b:pydoc:1", "a:humaneval:0,b:pydoc:1", "humaneval:3,b:pydoc:1"):

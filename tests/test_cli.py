@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.cli import main
-from omnidraft.shared.tiny_models import build_pair
 
 
 @pytest.fixture(scope="module")

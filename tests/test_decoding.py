@@ -9,11 +9,11 @@ import pytest
 import torch
 from sampling_checks import assert_follows
 
+from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.sampling import warp
-from omnidraft.shared.tiny_models import build_pair
 from omnidraft.shared.token_healing import TokenHealer
 from omnidraft.shared.translation import NgramTranslator, TextTranslator
 from omnidraft.shared.vocab_bridge import VocabBridge

@@ -17,6 +17,7 @@ import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from omnidraft.benchmarks.tiny_models import build_pair, corpus
 from omnidraft.cli import main as cli
 from omnidraft.client.device_state import DeviceState
 from omnidraft.client.online_learner import OnlineConfig
@@ -29,7 +30,6 @@ from omnidraft.shared.adapters import LoraSpec
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
-from omnidraft.shared.tiny_models import build_pair, corpus
 
 REPO = Path(__file__).resolve().parent.parent
 

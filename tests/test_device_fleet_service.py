@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 
+from omnidraft.benchmarks.tiny_models import corpus, ensure_tiny_fleet
 from omnidraft.client import owner_token
 from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice, StateMismatch
 from omnidraft.client.fleet_service import DeviceFleetService
@@ -27,7 +28,6 @@ from omnidraft.proto import generation_pb2_grpc as gpb_grpc
 from omnidraft.shared.adapters import LoraSpec
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.tiny_models import corpus, ensure_tiny_fleet
 
 TEXTS = [t[:40] for t in corpus(10, seed=5)]
 

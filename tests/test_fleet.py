@@ -20,13 +20,13 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from omnidraft.benchmarks.tiny_models import ensure_tiny_fleet
 from omnidraft.client.device_state import slug
 from omnidraft.coordinator.aggregation import TRAIN_METRICS, AggregationConfig, aggregate_target, check_reply
 from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats, encode_stats
 from omnidraft.coordinator.registry import RegistryError, TargetRegistry
 from omnidraft.coordinator.server_app import FleetConfig
 from omnidraft.shared.adapters import LoraSpec
-from omnidraft.shared.tiny_models import ensure_tiny_fleet
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -665,7 +665,7 @@ def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_
     on its ``speed_prompts`` only; its other held-out outputs come from the store, recorded live
     the first time, so a fresh probe later runs only its speed prompts. The fixed-k figures are
     the store-less probe's."""
-    from omnidraft.client import adapt_run, fleet_device
+    from omnidraft.client import evaluation, fleet_device
     from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
 
     heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
@@ -689,7 +689,7 @@ def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_
         )
 
     runs = []
-    real_alone = adapt_run.target_alone
+    real_alone = evaluation.target_alone
     monkeypatch.setattr(fleet_device, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
     store = str(tmp_path / "recordings")
     first = probe("p1", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
@@ -1064,7 +1064,7 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     once per prompt set and kept in fleet.json: the figures equal a live decode's, later
     evaluations run the target only on the timed speed prompts (the speed baseline is timed in
     every evaluation), and the adaptive pass decodes only ``speed_prompts``."""
-    from omnidraft.client import adapt_run, fleet_device
+    from omnidraft.client import evaluation, fleet_device
     from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
 
     heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
@@ -1081,14 +1081,14 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     )
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
     runs = []
-    real_alone = adapt_run.target_alone
+    real_alone = evaluation.target_alone
     monkeypatch.setattr(fleet_device, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
     first = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
     again = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
     assert runs == [heldout[:1], heldout[1:], heldout[:1]]  # outputs once; the timed baseline each time
     assert first["fixed-k-acceptance"] == again["fixed-k-acceptance"] and first["speedup"] > 0
     session = device.session(use_global=False)
-    live = adapt_run.evaluate_fixed_k(session, heldout, profile.generation, 3)
+    live = evaluation.evaluate_fixed_k(session, heldout, profile.generation, 3)
     assert first["fixed-k-acceptance"] == live["acceptance_rate"]
     assert first["fixed-k-tokens-per-call"] == live["tokens_per_target_call"]
     assert first["generated-tokens"] <= profile.generation.max_new_tokens < live["new_tokens"]  # adaptive: 1 prompt

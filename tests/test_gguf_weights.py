@@ -20,11 +20,11 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from omnidraft.benchmarks.tiny_models import corpus, train_tokenizer
 from omnidraft.shared import fast_drafter, gguf_weights, model_runner
 from omnidraft.shared.catalog import GGUF_FILE
 from omnidraft.shared.fast_drafter import FastLlamaRunner
 from omnidraft.shared.native_kernels import native_error, native_library
-from omnidraft.shared.tiny_models import corpus, train_tokenizer
 
 VOCAB = 300
 QUANTIZED = ("q_proj", "gate_proj", "down_proj", "embed_tokens", "lm_head")  # stored Q8_0

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.shared import native_kernels, profiling
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.draft_policy import ThroughputRule
@@ -22,7 +23,6 @@ from omnidraft.shared.native_kernels import NATIVE_ISAS, native_error, native_li
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.precision import build_target_runner, precision_name, quantize_linear_int8
 from omnidraft.shared.profiling import CostProfile
-from omnidraft.shared.tiny_models import build_pair
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 HAS_NATIVE = native_library() is not None

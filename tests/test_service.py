@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnidraft.benchmarks.tiny_models import build_pair, corpus
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.service import GenerationService, ServiceLimits, serve
 from omnidraft.client.session import DeviceSession
@@ -18,7 +19,6 @@ from omnidraft.proto import generation_pb2 as pb
 from omnidraft.proto import generation_pb2_grpc as pb_grpc
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.tiny_models import build_pair, corpus
 
 PROMPTS = [t[:30] for t in corpus(12, seed=21)]
 
@@ -279,7 +279,7 @@ def test_serve_refuses_bad_settings(tmp_path, capsys):
 
 
 def test_service_bench_reports_overhead_with_identical_texts(pair_dir, tmp_path, capsys):
-    from omnidraft.client import service_bench
+    from omnidraft.benchmarks import service_bench
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))

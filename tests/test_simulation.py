@@ -35,7 +35,7 @@ def home(tmp_path_factory, tiny):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omnidraft.shared.tiny_models import ensure_tiny_fleet
+    from omnidraft.benchmarks.tiny_models import ensure_tiny_fleet
 
     return ensure_tiny_fleet(tmp_path_factory.mktemp("home") / "tiny")
 

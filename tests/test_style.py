@@ -17,3 +17,36 @@ def test_ruff_is_clean(command):
     ruff = Path(sys.executable).with_name("ruff")
     done = subprocess.run([str(ruff), *command, "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
+
+
+# the rooms of docs/engine.md and README "Layout": what each product folder may not import
+FORBIDDEN = {
+    "shared": ("client", "coordinator", "simulations", "benchmarks", "cli"),
+    "client": ("coordinator", "simulations", "benchmarks", "cli"),
+    "coordinator": ("client", "simulations", "benchmarks", "cli"),
+}
+
+
+def omnidraft_imports(path: Path) -> set[str]:
+    """The ``omnidraft.<room>`` names a module imports anywhere (function-level imports too)."""
+    import ast
+
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        rooms |= {n.split(".")[1] for n in names if n.startswith("omnidraft.") and n.count(".") >= 1}
+    return rooms
+
+
+@pytest.mark.parametrize("room", list(FORBIDDEN))
+def test_product_code_imports_only_the_rooms_it_may(room):
+    """The engine imports neither the device nor the coordinator; those two never import each
+    other; none of them imports the simulations, the benchmarks or the CLI."""
+    found = {
+        f"{path.relative_to(ROOT)} imports omnidraft.{other}"
+        for path in sorted((ROOT / room).rglob("*.py"))
+        for other in omnidraft_imports(path) & set(FORBIDDEN[room])
+    }
+    assert not found, "\n".join(sorted(found))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from sampling_checks import assert_follows
 
+from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.shared import decoding
 from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.draft_policy import DRAFTER, LOOKUP, PLAIN, RETRY_ROUNDS, ThroughputRule
@@ -19,7 +20,6 @@ from omnidraft.shared.lookup_drafts import SEPARATOR, LookupDraft, LookupDrafter
 from omnidraft.shared.ngram_cache import NgramCache
 from omnidraft.shared.profiling import CostProfile
 from omnidraft.shared.sampling import warp
-from omnidraft.shared.tiny_models import build_pair
 from omnidraft.shared.vocab_bridge import VocabBridge
 
 FLAT = CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=1.0)  # blocks cost what one token does

@@ -247,7 +247,8 @@ def generate(args) -> int:
 
 
 def bench(args) -> int:
-    from omnidraft.shared import bench, catalog
+    from omnidraft.benchmarks import bench
+    from omnidraft.shared import catalog
     from omnidraft.shared.atomic_io import write_bytes_atomic
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -283,9 +284,9 @@ def bench(args) -> int:
 
 
 def adapt(args) -> int:
-    from omnidraft.client import adapt_run
+    from omnidraft.benchmarks import adapt as adapt_run
+    from omnidraft.benchmarks import bench
     from omnidraft.client.online_learner import OnlineConfig
-    from omnidraft.shared import bench
     from omnidraft.shared.adapters import LoraSpec
     from omnidraft.shared.distill import LossConfig
 
@@ -329,7 +330,7 @@ def adapt(args) -> int:
 
 
 def drift(args) -> int:
-    from omnidraft.client import drift_run
+    from omnidraft.benchmarks import drift as drift_run
 
     config = generation_config(args)
     try:
@@ -353,7 +354,7 @@ def drift(args) -> int:
 
 def _write_outputs(args, report: dict, plot) -> int:
     """``--out`` (JSON) and ``--plot`` (PNG through ``plot(report, path)``), atomically."""
-    from omnidraft.client.adapt_run import write_json
+    from omnidraft.benchmarks.adapt import write_json
 
     if args.out:
         write_json(args.out, report)

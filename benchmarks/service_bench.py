@@ -2,7 +2,7 @@
 (``DeviceSession.generate``) and through ``omnidraft.v1.Generation`` on loopback (unary and
 streaming), learning off, greedy, alternating so that machine drift hits all three alike.
 
-    python -m omnidraft.client.service_bench --drafter smollm2-135m --target qwen2.5-coder-0.5b \\
+    python -m omnidraft.benchmarks.service_bench --drafter smollm2-135m --target qwen2.5-coder-0.5b \\
         --dataset humaneval --limit 10 --max-new-tokens 64 [--dtype auto] [--json]
 """
 
@@ -16,7 +16,9 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omnidraft.client.service_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m omnidraft.benchmarks.service_bench", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--drafter", required=True)
     p.add_argument("--target", required=True)
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp64"])
@@ -34,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import grpc
 
+        from omnidraft.benchmarks.bench import load_prompts
         from omnidraft.client.service import GenerationService, ServiceLimits, serve
         from omnidraft.client.session import DeviceSession
         from omnidraft.proto import generation_pb2 as pb
         from omnidraft.proto import generation_pb2_grpc as pb_grpc
-        from omnidraft.shared.bench import load_prompts
         from omnidraft.shared.engine import Engine
         from omnidraft.shared.generation import GenerationConfig
 

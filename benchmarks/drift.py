@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
+from omnidraft.benchmarks.bench import load_prompts
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared import model_runner
 from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.bench import load_prompts
 from omnidraft.shared.engine import Engine
 from omnidraft.shared.generation import GenerationConfig
 from omnidraft.shared.ngram_cache import NgramCache
@@ -133,7 +133,7 @@ def _phase_mean(rows: list[dict], phase: int) -> dict:
 def plot_drift(report: dict, path: str, window: int = 4) -> None:
     import matplotlib
 
-    from omnidraft.client.adapt_run import save_figure
+    from omnidraft.benchmarks.adapt import save_figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

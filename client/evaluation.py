@@ -1,0 +1,104 @@
+"""What a device's evaluation runs: decode held-out prompts with the current state (the deployed
+draft rule, or a fixed draft length), and the target alone as the speed baseline. A fleet
+round's evaluation (``fleet_device``) and ``omnidraft adapt`` (``omnidraft.benchmarks.adapt``)
+measure with the same functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tqdm import tqdm
+
+from omnidraft.client.session import DeviceSession
+from omnidraft.shared.generation import GenerationConfig, GenerationStats
+from omnidraft.shared.recorded_target import RecordedTarget
+
+
+@dataclass
+class Phase:
+    """Totals over a set of generations, and each generation's output ids."""
+
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    def add(self, result) -> None:
+        self.stats.add(result.stats)
+        self.token_ids.append(result.token_ids)
+
+    def summary(self, ar_tokens_per_s: float | None = None) -> dict:
+        st = self.stats
+        tps = st.tokens_per_s or 0.0
+        return {
+            "acceptance_rate": st.acceptance_rate or 0.0,
+            "tokens_per_target_call": st.tokens_per_target_call or 0.0,
+            "tokens_per_s": tps,
+            "speedup_vs_ar": tps / ar_tokens_per_s if ar_tokens_per_s else None,
+            "drafter_steps_per_target_call": st.drafter_steps / st.target_calls if st.target_calls else 0.0,
+            "modelled_speedup_vs_ar": st.modelled_speedup,
+            "new_tokens": st.new_tokens,
+            "wall_s": st.wall_s,
+        }
+
+
+def warm_up(session: DeviceSession, prompt: str) -> None:
+    """First-call initialization (allocations, kernel selection) outside every timing."""
+    tiny = GenerationConfig(max_new_tokens=4)
+    session.generate(prompt, tiny, learn=False)
+    _, ids = session.engine.prompt_ids(prompt)
+    session.engine.ar().generate(ids, tiny)
+
+
+def evaluate(
+    session: DeviceSession, prompts: list[str], config: GenerationConfig, label: str, ar: Phase | None = None
+) -> Phase:
+    """Decode ``prompts`` with the session's current state (no learning); with ``ar`` given,
+    the target alone runs on each prompt too (interleaved) and is added to it."""
+    phase = Phase()
+    ar_decoder = session.engine.ar() if ar is not None else None
+    for prompt in tqdm(prompts, desc=label, unit="prompt", leave=False):
+        if ar_decoder is not None:
+            _, ids = session.engine.prompt_ids(prompt)
+            ar.add(ar_decoder.generate(ids, config))
+        phase.add(session.generate(prompt, config, learn=False))
+    return phase
+
+
+def evaluate_fixed_k(
+    session: DeviceSession,
+    prompts: list[str],
+    config: GenerationConfig,
+    k: int,
+    label: str | None = None,
+    recordings: list[list[int]] | None = None,
+) -> dict:
+    """Acceptance and tokens per target call on ``prompts`` when every round drafts exactly ``k``
+    drafter tokens (the paper's protocol: no acceptance head, no stopping rule); ``label``
+    names a progress bar (None: no bar). ``recordings`` (greedy ``config`` only): the target's
+    greedy output ids for each prompt (``target_alone``), replayed instead of running the
+    target (``RecordedTarget``: the same figures, at the drafter's cost)."""
+    if recordings is not None and (not config.greedy or len(recordings) != len(prompts)):
+        raise ValueError("replayed acceptance needs greedy decoding and one recording per prompt")
+    fixed = replace(config, draft_stop="confidence", confidence=0.0, k_max=k)
+    phase = Phase()
+    vocab = session.engine.target.logit_rows
+    live = session.decoder() if recordings is None else None
+    for i, prompt in enumerate(tqdm(prompts, desc=label, unit="prompt", leave=False, disable=label is None)):
+        text, ids = session.engine.prompt_ids(prompt)
+        decoder = live or session.decoder(target=RecordedTarget(ids + recordings[i], vocab))
+        phase.add(decoder.generate(text, ids, fixed))
+    summary = phase.summary()
+    return {
+        "k": k,
+        "acceptance_rate": summary["acceptance_rate"],
+        "tokens_per_target_call": summary["tokens_per_target_call"],
+        "new_tokens": summary["new_tokens"],
+    }
+
+
+def target_alone(session: DeviceSession, prompts: list[str], config: GenerationConfig) -> list:
+    """The target alone on each prompt (its ``GenerationResult``s): with greedy ``config`` their
+    ``token_ids`` are the recordings ``evaluate_fixed_k`` replays; their tok/s is the speed
+    baseline."""
+    decoder = session.engine.ar()
+    return [decoder.generate(session.engine.prompt_ids(prompt)[1], config) for prompt in prompts]
