@@ -41,7 +41,6 @@ class BuildKernels(build_ext):
 
 
 def kernel_extensions() -> list[Extension]:
-    machine = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
     if platform.system() != "Linux":
         return []
     unit = (Path("shared") / "native" / native.UNIT).as_posix()
@@ -55,7 +54,7 @@ def kernel_extensions() -> list[Extension]:
             optional=True,
         )
         for isa, arch in native.NATIVE_MACHINES.items()
-        if arch == machine
+        if arch == native.cpu_machine()
     ]
 
 

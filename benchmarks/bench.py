@@ -165,16 +165,20 @@ def _llamacpp_runner(engine: Engine, max_new_tokens: int, lookup: bool = False) 
             new.append(int(tok))
             if len(new) >= max_new_tokens:
                 break
-        wall = time.perf_counter() - t0
-        return {
-            "token_ids": new,
-            "wall_s": wall,
-            "new_tokens": len(new),
-            "acceptance_rate": None,
-            "tokens_per_target_call": None,
-        }
+        return _plain_result(new, time.perf_counter() - t0)
 
     return run
+
+
+def _plain_result(token_ids: list[int], wall_s: float) -> dict:
+    """A method's result where only the output and its wall seconds are known (no acceptance)."""
+    return {
+        "token_ids": token_ids,
+        "wall_s": wall_s,
+        "new_tokens": len(token_ids),
+        "acceptance_rate": None,
+        "tokens_per_target_call": None,
+    }
 
 
 def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[str], dict]:
@@ -202,14 +206,7 @@ def _hf_runner(engine: Engine, method: str, max_new_tokens: int) -> Callable[[st
             **extra,
         )
         wall = time.perf_counter() - t0
-        new = out[0, len(ids) :].tolist()
-        return {
-            "token_ids": new,
-            "wall_s": wall,
-            "new_tokens": len(new),
-            "acceptance_rate": None,
-            "tokens_per_target_call": None,
-        }
+        return _plain_result(out[0, len(ids) :].tolist(), wall)
 
     return run
 
