@@ -28,11 +28,11 @@ from tqdm import tqdm
 from omnidraft.client.evaluation import Phase, evaluate, evaluate_fixed_k, warm_up
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.atomic_io import write_bytes_atomic
-from omnidraft.shared.distill import LossConfig
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.learning.distill import LossConfig
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
+from omnidraft.shared.vocab.ngram_cache import NgramCache
 
 
 def split(prompts: list[str], train_fraction: float) -> tuple[list[str], list[str]]:

@@ -31,10 +31,10 @@ import torch
 from tqdm import tqdm
 
 from omnidraft.benchmarks import codebase_prompts
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.precision import runner_backend
-from omnidraft.shared.profiling import cpu_name
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.engine.precision import runner_backend
+from omnidraft.shared.engine.profiling import cpu_name
 
 METHODS = ("ar", "uag", "pld", "omnidraft", "llamacpp", "llamacpp-pld")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")
@@ -134,7 +134,7 @@ def _llamacpp_runner(engine: Engine, max_new_tokens: int, lookup: bool = False) 
     """llama.cpp on the catalog GGUF, alone or (``lookup``) with its prompt lookup decoding."""
     from llama_cpp import Llama
 
-    from omnidraft.shared import catalog
+    from omnidraft.shared.engine import catalog
 
     if engine.target_name not in catalog.CATALOG:
         raise ValueError("the llamacpp methods need a catalog target (they run the catalog's GGUF file)")

@@ -15,11 +15,11 @@ from tqdm import tqdm
 from omnidraft.benchmarks.bench import load_prompts
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared import model_runner
-from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.engine import model_runner
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.vocab.ngram_cache import NgramCache
 
 
 def parse_stream(spec: str) -> list[tuple[str, str, int]]:

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from omnidraft.shared.catalog import CatalogError
+    from omnidraft.shared.engine.catalog import CatalogError
 
     try:
         import grpc
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         from omnidraft.client.session import DeviceSession
         from omnidraft.proto import generation_pb2 as pb
         from omnidraft.proto import generation_pb2_grpc as pb_grpc
-        from omnidraft.shared.engine import Engine
-        from omnidraft.shared.generation import GenerationConfig
+        from omnidraft.shared.engine.generation import GenerationConfig
+        from omnidraft.shared.engine.pair import Engine
 
         prompts = load_prompts(args.dataset, args.limit)
         engine = Engine.load(args.drafter, args.target, args.dtype, progress=False)

@@ -6,7 +6,7 @@ One directory per pair, ``<root>/<drafter>--<target>/``:
 * ``head.safetensors``: the acceptance head;
 * ``ngram_cache.pb``: the n-gram cache (``omnidraft.v1.NgramCache``);
 * ``lookup_history.safetensors``: the device's recent prompts and outputs as target ids, which
-  model-free drafts are looked up in (``omnidraft.shared.lookup_drafts``; never sent);
+  model-free drafts are looked up in (``omnidraft.shared.engine.lookup_drafts``; never sent);
 * ``state.json``: versions, LoRA settings, counters, the throughput rule's calibration, and the sha256
   and size of each file above. It is written last, so it names a consistent set of files.
 
@@ -35,8 +35,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 import omnidraft
-from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
-from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
+from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
+from omnidraft.shared.vocab.ngram_cache import NgramCache, NgramCacheError
 
 FORMAT_VERSION = 1
 ADAPTER_FILE = "adapter.safetensors"

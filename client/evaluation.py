@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from tqdm import tqdm
 
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared.generation import GenerationConfig, GenerationStats
-from omnidraft.shared.recorded_target import RecordedTarget
+from omnidraft.shared.engine.generation import GenerationConfig, GenerationStats
+from omnidraft.shared.engine.recorded_target import RecordedTarget
 
 
 @dataclass

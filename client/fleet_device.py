@@ -19,7 +19,7 @@ entries are merged into the local cache once per global version, the device deco
 * metrics (acceptance and tokens per target call of the round's first session, which ran with the
   global state alone, and of the whole round; tokens trained; update seconds; payload bytes).
 
-Models are shared: ``EnginePool`` loads each base model once per process, and devices that run
+Models are shared: ``EnginePool`` (``engine_pool``) loads each base model once per process, and devices that run
 one after the other in the same process swap only their adapters, caches and data.
 """
 
@@ -28,198 +28,42 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
+from omnidraft.client.device_profile import DeviceProfile
 from omnidraft.client.device_state import sha256 as _sha256
 from omnidraft.client.device_state import slug
+from omnidraft.client.engine_pool import EnginePool
 from omnidraft.client.evaluation import Phase, evaluate_fixed_k, target_alone
-from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.resource_policy import (
     DeviceConditions,
-    ResourcePolicy,
     SystemConditions,
     UplinkLedger,
     busy_reason,
 )
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import fleet_pb2
-from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.atomic_io import write_bytes_atomic
-from omnidraft.shared.distill import LossConfig
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.ngram_cache import NgramCache
-from omnidraft.shared.recordings import Recording, RecordingStore
-from omnidraft.shared.wire import MetricKey, StatusKey, lora_spec, tokenizer_digest
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.engine.recordings import Recording, RecordingStore
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
+from omnidraft.shared.vocab.ngram_cache import NgramCache
+from omnidraft.shared.wire import MetricKey, StatusKey, lora_spec
 
 log = logging.getLogger("omnidraft.device")
 GLOBAL_DIR = "global"
 FLEET_FILE = "fleet.json"
 HISTORY_FILE = "history.jsonl"
-PROFILE_FILE = "profile.json"
 EVAL_PROMPTS = 2  # a deployed device evaluates global states on its latest served prompts
 
 
 class StateMismatch(ValueError):
     """Global state that does not match its manifest or this device's target (one line)."""
-
-
-class EnginePool:
-    """Base models loaded once per process: one drafter shared by every target's engine (with
-    one LoRA adapter per target on it), so a worker holds one copy of each model whatever the
-    number of devices it runs."""
-
-    def __init__(self, dtype: str | torch.dtype = "fp32", drafter_weights: str = "int8") -> None:
-        self.dtype = dtype
-        self.drafter_weights = drafter_weights
-        self._engines: dict[tuple[str, str], Engine] = {}
-        self._adapters: dict[str, DrafterAdapters] = {}
-        self._digests: dict[tuple[str, str], str] = {}
-        self._adopted = False  # holds a serving session's models: adopts a round's LoRA settings
-
-    @classmethod
-    def holding(
-        cls, engine: Engine, target: str, adapters: DrafterAdapters, dtype: str | torch.dtype = "fp32"
-    ) -> EnginePool:
-        """A pool around models another owner already loaded (the generation service's engine for
-        ``target`` and its drafter adapters), so fleet rounds run on them instead of a second copy.
-        Adapters take the LoRA settings a round asks for instead of refusing them; a target not
-        held yet loads at ``dtype``, sharing the drafter."""
-        pool = cls(dtype, engine.drafter_weights)
-        pool._engines[(engine.drafter_name, target)] = engine
-        pool._adapters[engine.drafter_name] = adapters
-        pool._adopted = True
-        return pool
-
-    def drop(self, drafter: str, target: str) -> None:
-        """Forget the engine of (``drafter``, ``target``) (a switched-away target): its target
-        model is freed once nothing else holds it."""
-        self._engines.pop((drafter, target), None)
-        self._digests.pop((drafter, target), None)
-
-    def engine(self, drafter: str, target: str) -> Engine:
-        if (drafter, target) not in self._engines:
-            shared = next((e.drafter for (d, _), e in self._engines.items() if d == drafter), None)
-            self._engines[(drafter, target)] = Engine.load(
-                drafter, target, self.dtype, drafter_weights=self.drafter_weights, progress=False, drafter_model=shared
-            )
-        return self._engines[(drafter, target)]
-
-    def tokenizer_digest(self, drafter: str, target: str) -> str:
-        """The target vocabulary's digest (``registry.tokenizer_digest``), computed once."""
-        if (drafter, target) not in self._digests:
-            self._digests[(drafter, target)] = tokenizer_digest(self.engine(drafter, target).bridge)
-        return self._digests[(drafter, target)]
-
-    def adapters(self, drafter: str, lora: LoraSpec | None = None) -> DrafterAdapters:
-        """The drafter's adapters (every target's on one peft model); one LoRA setting per
-        drafter and process (``None``: the one in use, else rank 8)."""
-        engine = next(e for (d, _), e in self._engines.items() if d == drafter)
-        if lora is None:
-            lora = self._adapters[drafter].spec if drafter in self._adapters else LoraSpec(rank=8)
-        if drafter not in self._adapters:
-            self._adapters[drafter] = DrafterAdapters(engine.drafter.model, lora, drafter_weights=self.drafter_weights)
-        adapters = self._adapters[drafter]
-        if adapters.spec != lora and self._adopted:
-            adapters.respec(lora)
-        if adapters.spec != lora:
-            raise ValueError(f"this process already runs drafter adapters with {adapters.spec}, not {lora}")
-        return adapters
-
-
-_POOLS: dict[tuple[str, str], EnginePool] = {}
-
-
-def shared_pool(dtype: str = "fp32", drafter_weights: str = "int8") -> EnginePool:
-    """This process's ``EnginePool`` for (``dtype``, ``drafter_weights``), created on first use.
-
-    Simulation workers receive the ClientApp pickled anew with every message, so a pool held in
-    a closure would be rebuilt (and every model reloaded) per message; this module-level cache
-    lives as long as the worker process."""
-    key = (str(dtype), drafter_weights)
-    if key not in _POOLS:
-        _POOLS[key] = EnginePool(dtype, drafter_weights)
-    return _POOLS[key]
-
-
-@dataclass
-class DeviceProfile:
-    """Who a device is and what it holds locally (``prompts``/``heldout`` never leave it).
-
-    ``offers``: other targets the device can run ({registry name: model}); the coordinator
-    may move it to one of them during a staged rollout (``FleetDevice.switch``). From
-    ``drift_round`` on its traffic comes from ``drift_prompts`` / ``drift_heldout`` (a domain
-    drift). A ``probe`` device never trains:
-    it only evaluates global states (a fixed panel that makes rounds comparable)."""
-
-    device_id: str
-    target: str  # registry name of the target it serves
-    target_model: str  # catalog name or directory the target loads from
-    drafter: str
-    prompts: list[str]
-    heldout: list[str]
-    state_dir: Path
-    prompts_per_round: int = 4
-    generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=32))
-    online: OnlineConfig = field(default_factory=lambda: OnlineConfig(interval=4))
-    translate: str = "ngram"
-    joins_at_round: int = 1  # the device is not part of the fleet before this round
-    probe: bool = False
-    offers: dict[str, str] = field(default_factory=dict)
-    speed_prompts: int = 0  # held-out prompts an evaluation decodes adaptively, timed (0: all)
-    drift_round: int | None = None
-    drift_prompts: list[str] = field(default_factory=list)
-    drift_heldout: list[str] = field(default_factory=list)
-    fleet_key: str = ""  # the coordinator's Ed25519 public key(s), hex, comma-separated ("": no check)
-    state_key: str = ""  # key file that encrypts the device state at rest ("": not encrypted)
-    policy: ResourcePolicy = field(default_factory=ResourcePolicy)  # the owner's limits
-    project: str = ""  # simulations: the codebase the device's user works in ("": not one project)
-    # simulations: where the target's greedy decodes are recorded (``recordings``): a learning
-    # decode of a prompt recorded before replays it, at the drafter's cost ("": the target always runs)
-    recordings: str = ""
-
-    def at_round(self, round_: int) -> DeviceProfile:
-        """The device as it is at ``round_`` (domain drift applied)."""
-        out = self
-        if self.drift_round is not None and round_ >= self.drift_round and self.drift_prompts:
-            out = replace(out, prompts=self.drift_prompts, heldout=self.drift_heldout or self.heldout)
-        return out
-
-    # -- on disk: the device's own directory is the only place its text is kept ----------------
-    def save(self) -> Path:
-        """Write ``<state_dir>/profile.json`` atomically; returns its path."""
-        data = asdict(self)
-        data["state_dir"] = str(self.state_dir)
-        path = Path(self.state_dir) / PROFILE_FILE
-        write_bytes_atomic(path, json.dumps(data).encode())
-        return path
-
-    @classmethod
-    def load(cls, state_dir: str | Path) -> DeviceProfile:
-        """The saved profile; keys this version does not know (written by another version) are
-        ignored."""
-        data = json.loads((Path(state_dir) / PROFILE_FILE).read_text())
-        known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in data.items() if k in known}
-        gen = data.pop("generation")
-        gen["stop_strings"] = tuple(gen.get("stop_strings", ()))
-        online = data.pop("online")
-        online["loss"] = LossConfig(**online.get("loss", {}))
-        data["policy"] = ResourcePolicy(**data.get("policy", {}))
-        return cls(
-            **{
-                **data,
-                "state_dir": Path(data["state_dir"]),
-                "generation": GenerationConfig(**gen),
-                "online": OnlineConfig(**online),
-            }
-        )
 
 
 def _keep(store: RecordingStore, prompt: str, config: GenerationConfig, recording: Recording) -> None:
@@ -229,20 +73,6 @@ def _keep(store: RecordingStore, prompt: str, config: GenerationConfig, recordin
         store.put(prompt, config, recording)
     except OSError as exc:
         log.warning("recording not kept (%s): later decodes of this prompt run the target", exc)
-
-
-_PROFILES: dict[str, tuple[int, DeviceProfile]] = {}
-
-
-def cached_profile(state_dir: str | Path) -> DeviceProfile:
-    """``DeviceProfile.load(state_dir)``, read again only when the file changed (a switch in
-    another worker process rewrites it)."""
-    key = os.path.abspath(state_dir)
-    stamp = os.stat(os.path.join(key, PROFILE_FILE)).st_mtime_ns
-    held = _PROFILES.get(key)
-    if held is None or held[0] != stamp:
-        held = _PROFILES[key] = (stamp, DeviceProfile.load(state_dir))
-    return held[1]
 
 
 class FleetDevice:

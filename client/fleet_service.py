@@ -27,7 +27,9 @@ import grpc
 from safetensors.torch import save as save_safetensors
 
 from omnidraft.client import owner_token
-from omnidraft.client.fleet_device import EnginePool, FleetDevice, StateMismatch, cached_profile
+from omnidraft.client.device_profile import cached_profile
+from omnidraft.client.engine_pool import EnginePool
+from omnidraft.client.fleet_device import FleetDevice, StateMismatch
 from omnidraft.client.service import GenerationService
 from omnidraft.proto import device_fleet_pb2 as pb
 from omnidraft.proto import device_fleet_pb2_grpc as pb_grpc

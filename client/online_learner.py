@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from omnidraft.shared.acceptance_head import AcceptanceHead, ReplayBuffer, soft_labels
-from omnidraft.shared.adapters import DrafterAdapters
-from omnidraft.shared.distill import LossConfig, hybrid_loss, sequence_nll
-from omnidraft.shared.native_kernels import cpu_has_native_bf16
-from omnidraft.shared.training_signal import Intersection, TrainingSample
+from omnidraft.shared.learning.acceptance_head import AcceptanceHead, ReplayBuffer, soft_labels
+from omnidraft.shared.learning.adapters import DrafterAdapters
+from omnidraft.shared.learning.distill import LossConfig, hybrid_loss, sequence_nll
+from omnidraft.shared.learning.training_signal import Intersection, TrainingSample
+from omnidraft.shared.runtime.native_kernels import cpu_has_native_bf16
 
 OPTIMIZERS = ("adamw", "sgd")
 

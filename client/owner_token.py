@@ -18,7 +18,7 @@ import os
 import secrets
 from pathlib import Path
 
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 TOKEN_FILE = "owner.token"
 METADATA_KEY = "authorization"

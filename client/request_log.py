@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
+from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
 
 LOG_FILE = "requests.log"
 

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
-from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
+from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
 
 TRAIN_WHEN = ("always", "idle", "power", "idle+power")
 LEDGER_FILE = "uplink.json"

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 UPDATE_FILE = "secagg-update.safetensors"
 

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from omnidraft.client import owner_token
-from omnidraft.client.fleet_device import DeviceProfile, FleetDevice, StateMismatch, cached_profile
+from omnidraft.client.device_profile import DeviceProfile, cached_profile
+from omnidraft.client.fleet_device import FleetDevice, StateMismatch
 from omnidraft.proto import device_fleet_pb2 as pb
 from omnidraft.proto import device_fleet_pb2_grpc as pb_grpc
 from omnidraft.proto import fleet_pb2

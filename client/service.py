@@ -41,7 +41,7 @@ from omnidraft.client.request_log import RequestLog
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import generation_pb2 as pb
 from omnidraft.proto import generation_pb2_grpc as pb_grpc
-from omnidraft.shared.generation import GenerationConfig, GenerationResult
+from omnidraft.shared.engine.generation import GenerationConfig, GenerationResult
 
 if TYPE_CHECKING:  # fleet_service imports this module
     from omnidraft.client.fleet_service import DeviceFleetService

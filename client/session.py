@@ -18,17 +18,17 @@ import torch
 
 from omnidraft.client.device_state import DeviceState
 from omnidraft.client.online_learner import OnlineConfig, OnlineLearner, UpdateReport
-from omnidraft.shared.acceptance_head import AcceptanceHead
-from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.decoding import CrossVocabDecoder
-from omnidraft.shared.draft_policy import ThroughputRule
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig, GenerationResult
-from omnidraft.shared.heap import release_freed_memory
-from omnidraft.shared.lookup_drafts import lookup_drafter
-from omnidraft.shared.recorded_target import RecordedTarget
-from omnidraft.shared.recordings import Recording
-from omnidraft.shared.training_signal import Intersection, ReplayedSignal, SignalRecorder
+from omnidraft.shared.engine.decoding import CrossVocabDecoder
+from omnidraft.shared.engine.draft_policy import ThroughputRule
+from omnidraft.shared.engine.generation import GenerationConfig, GenerationResult
+from omnidraft.shared.engine.lookup_drafts import lookup_drafter
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.engine.recorded_target import RecordedTarget
+from omnidraft.shared.engine.recordings import Recording
+from omnidraft.shared.learning.acceptance_head import AcceptanceHead
+from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.learning.training_signal import Intersection, ReplayedSignal, SignalRecorder
+from omnidraft.shared.runtime.heap import release_freed_memory
 
 
 class DeviceSession:
@@ -36,7 +36,7 @@ class DeviceSession:
 
     ``learn``: train the adapter online; ``adaptive``: train the acceptance head and, once it
     has trained, feed its predicted acceptance to the throughput rule; ``translate``: the
-    proposal translator; ``heal``: token healing when drafting (``omnidraft.shared.token_healing``);
+    proposal translator; ``heal``: token healing when drafting (``omnidraft.shared.vocab.token_healing``);
     ``grow_cache``: add committed n-grams to the cache (off: the cache stays as loaded);
     ``lookup``: model-free drafts from this generation and the device's history (``history``),
     this generation only (``context``) or none (``off``);

@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from omnidraft.client.fleet_device import PROFILE_FILE, DeviceProfile
-from omnidraft.shared.processes import toml_pairs
+from omnidraft.client.device_profile import PROFILE_FILE, DeviceProfile
+from omnidraft.shared.util.processes import toml_pairs
 
 REFUSED_LOG = "Exit Code: 305"  # what flower-supernode logs when the SuperLink does not accept its key
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 from flwr.app import Context
 
 from omnidraft.client.client_app import make_client_app
-from omnidraft.client.fleet_device import FleetDevice, cached_profile, shared_pool
+from omnidraft.client.device_profile import cached_profile
+from omnidraft.client.engine_pool import shared_pool
+from omnidraft.client.fleet_device import FleetDevice
 
 
 def device_from_node_config(context: Context) -> FleetDevice:

@@ -13,8 +13,8 @@ import numpy as np
 from safetensors.numpy import load, save
 
 from omnidraft.client.device_state import slug
-from omnidraft.shared.atomic_io import write_bytes_atomic
 from omnidraft.shared.update_codec import decode, encode
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 
 class ErrorFeedback:

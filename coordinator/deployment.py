@@ -24,8 +24,8 @@ from pathlib import Path
 
 from omnidraft.coordinator.fleet_pki import FleetPki, PkiError
 from omnidraft.coordinator.fleet_pki import init as init_pki
-from omnidraft.shared.atomic_io import write_bytes_atomic
-from omnidraft.shared.processes import toml_pairs
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
+from omnidraft.shared.util.processes import toml_pairs
 
 CONNECTION = "fleet"
 APP_DIR = Path(__file__).resolve().parent / "flower_app"

@@ -30,8 +30,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from omnidraft.shared.atomic_io import write_bytes_atomic
 from omnidraft.shared.node_keys import checked_public_key, write_node_key
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 CA_DAYS = 3650
 SERVER_DAYS = 825  # the longest server-certificate life browsers and most TLS stacks accept

@@ -42,12 +42,12 @@ from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, AutoTokenizer
 
 from omnidraft.proto import fleet_pb2
-from omnidraft.shared import catalog
-from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
-from omnidraft.shared.engine import seed_cache_from_bridge
-from omnidraft.shared.ngram_cache import NgramCache, NgramCacheError
-from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.engine import catalog
+from omnidraft.shared.engine.pair import seed_cache_from_bridge
+from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
+from omnidraft.shared.vocab.ngram_cache import NgramCache, NgramCacheError
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 from omnidraft.shared.wire import lora_spec, tokenizer_digest  # noqa: F401 (re-exported)
 
 SPEC_FILE = "spec.pb"
@@ -149,7 +149,7 @@ class TargetRegistry:
         if name in self:
             raise RegistryError(f"target {name!r} is already registered (version {self.manifest(name).version})")
         lora.validate()
-        from omnidraft.shared import model_runner  # torch model loading only when registering
+        from omnidraft.shared.engine import model_runner  # torch model loading only when registering
 
         target_path = catalog.resolve(model, progress=progress)
         t_tok = AutoTokenizer.from_pretrained(target_path)

@@ -31,149 +31,36 @@ The ServerApps that run it read their configuration from Flower's run config:
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from omnidraft.coordinator.aggregation import (
-    AggregationConfig,
     aggregate_target,
     check_reply,
     expand_update,
     payload_bytes,
 )
-from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats
+from omnidraft.coordinator.device_replies import EVAL_KEYS, eval_metrics_usable, status_problem
+from omnidraft.coordinator.fleet_config import FleetConfig
+from omnidraft.coordinator.ngram_release import StatsError, decode_stats
 from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
-from omnidraft.coordinator.secure_aggregation import SecAggConfig, secure_mean_update
-from omnidraft.coordinator.server_opt import ServerOptConfig, ServerOptimizer
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.coordinator.round_commit import commit_aggregate
+from omnidraft.coordinator.round_log import finish_round, forget_unfinished, last_round
+from omnidraft.coordinator.secure_aggregation import secure_mean_update
 from omnidraft.shared.wire import FleetKey, MetricKey, Record, StatusKey
 
 log = logging.getLogger("omnidraft.coordinator")
-STATE_FILE = "coordinator.json"
 POLL_S = (0.05, 1.0)  # first and longest pause between polls for replies (seconds)
-EVAL_KEYS = (
-    MetricKey.ACCEPTANCE,
-    MetricKey.TOKENS_PER_CALL,
-    MetricKey.TOKENS_PER_S,
-    MetricKey.SPEEDUP,  # averaged over a panel
-    MetricKey.MODELLED_SPEEDUP,
-    MetricKey.MODELLED_TOKENS_PER_S,
-    MetricKey.FIXED_K_ACCEPTANCE,
-    MetricKey.FIXED_K_TOKENS_PER_CALL,
-)
-ROUNDS_FILE = "rounds.jsonl"  # one line per finished round and target (``fleet status`` reads it)
-
-
-@dataclass
-class FleetConfig:
-    """Round schedule and the aggregation / privacy settings of a federation."""
-
-    rounds: int = 3  # total rounds; a restarted coordinator runs the ones left
-    fraction: float = 1.0  # share of connected devices sampled per round
-    min_devices: int = 1  # devices that must be connected before a round starts
-    wait_s: float = 120.0  # longest wait for min_devices (seconds)
-    round_timeout_s: float = 1800.0  # longest wait for replies of one message wave (seconds)
-    evaluate: bool = True  # the round's devices evaluate the new global state
-    measure_ar: bool = False  # evaluation also runs the target alone (for speedups)
-    fixed_k: int = 0  # evaluation also decodes drafting exactly this many tokens per round (0: not)
-    newcomer_evals: int = 2  # per target and round, newcomers measured with and without the global state (0: all)
-    newcomer_speed: bool = False  # newcomers and veterans also decode adaptively (their speed) beside fixed k
-    seed: int = 0
-    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
-    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)  # how an aggregate moves the global adapter
-    release: ReleaseConfig = field(default_factory=ReleaseConfig)
-    secagg: SecAggConfig = field(default_factory=SecAggConfig)
-
-    def validate(self) -> None:
-        if self.rounds < 1:
-            raise ValueError("rounds must be >= 1")
-        if not 0 < self.fraction <= 1:
-            raise ValueError("fraction must be in (0, 1]")
-        if self.min_devices < 1:
-            raise ValueError("min devices must be >= 1")
-        if self.fixed_k < 0:
-            raise ValueError("the fixed draft length must be >= 0 (0: not measured)")
-        self.aggregation.validate()
-        self.server_opt.validate()
-        self.release.validate()
-        self.secagg.validate()
-        if self.secagg.enabled and self.aggregation.method != "fedavg":
-            raise ValueError("SecAgg+ reveals only the weighted mean: use the fedavg aggregation with it")
-        if self.secagg.enabled and self.aggregation.dp_noise > 0:
-            raise ValueError(
-                "differential privacy on the updates clips them on the coordinator, which SecAgg+ "
-                "never shows it: use one or the other"
-            )
-
-
-def last_round(root: Path) -> int:
-    try:
-        return int(json.loads((root / STATE_FILE).read_text())["round"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
-
-
-def round_history(root: Path) -> list[dict]:
-    """Every recorded round (``rounds.jsonl``), oldest first; [] when none."""
-    try:
-        return [json.loads(line) for line in (Path(root) / ROUNDS_FILE).read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return []
-
-
-# what a device's status must hold, by type (the coordinator never trusts a field it did not check)
-STATUS_FIELDS: dict[str, tuple[type, ...]] = {
-    StatusKey.TARGET: (str,),
-    StatusKey.TOKENIZER_SHA256: (str,),
-    StatusKey.DEVICE: (str,),
-    StatusKey.JOINS_AT: (int,),
-    StatusKey.PROBE: (bool,),
-    StatusKey.TRAINED: (bool,),
-    StatusKey.BUSY: (str, bool),
-    StatusKey.CAN_SERVE: (str,),
-}
-REQUIRED_STATUS = (StatusKey.TARGET, StatusKey.TOKENIZER_SHA256)
-
-
-def status_problem(status: ConfigRecord) -> str | None:
-    """Why a device's status cannot be used (None: it can): a required field missing, or a
-    field of the wrong type or out of range."""
-    for key in REQUIRED_STATUS:
-        if key not in status:
-            return f"status without {key!r}"
-    for key, types in STATUS_FIELDS.items():
-        value = status.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
-            return f"status field {key!r} is not a {types[0].__name__}"
-    if not 0 <= status.get(StatusKey.JOINS_AT, 1) < 1 << 31:
-        return "status field 'joins-at' out of range"
-    return None
-
-
-def eval_metrics_usable(metrics) -> bool:
-    """Whether an evaluation reply can enter a panel's average: a finite, non-negative
-    ``generated-tokens`` weight and a finite number for every averaged key it carries."""
-
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    weight = metrics.get(MetricKey.GENERATED_TOKENS)
-    return number(weight) and 0 <= weight < 1 << 40 and all(number(metrics[k]) for k in EVAL_KEYS if k in metrics)
 
 
 class PhaseClock:
@@ -262,21 +149,9 @@ class Coordinator:
             raise ValueError("SecAgg+ needs the ServerApp's Context")
         self.context = context
         start = last_round(self.root) + 1
-        self._forget_unfinished(start)
+        forget_unfinished(self.root, start)
         for rnd in range(start, self.config.rounds + 1):
             self.round(grid, rnd)
-
-    def _forget_unfinished(self, start: int) -> None:
-        """Drop the records of a round that never finished (the coordinator stopped after writing
-        them, before ``coordinator.json``): the rerun writes them again. Round 0's records are
-        written with round 1's."""
-        history = self.root / ROUNDS_FILE
-        if not history.exists():
-            return
-        lines = history.read_bytes().splitlines(keepends=True)
-        kept = [line for line in lines if start > 1 and json.loads(line)["round"] < start]
-        if len(kept) != len(lines):
-            write_bytes_atomic(history, b"".join(kept))
 
     # -- one round ------------------------------------------------------------------------------
     def round(self, grid: Grid, rnd: int) -> list[dict]:
@@ -385,10 +260,7 @@ class Coordinator:
             record["round-s"] = time.perf_counter() - t0
             record["phase-s"] = dict(phases.seconds)
         records += trained
-        history = self.root / ROUNDS_FILE
-        lines = "".join(json.dumps(r, default=float) + "\n" for r in records).encode()
-        write_bytes_atomic(history, (history.read_bytes() if history.exists() else b"") + lines)
-        write_bytes_atomic(self.root / STATE_FILE, json.dumps({"round": rnd, "time": time.time()}).encode())
+        finish_round(self.root, rnd, records)
         for record in records:
             self.on_round(record)
         return records
@@ -650,48 +522,15 @@ class Coordinator:
             record["downlink-bytes-per-device"] += float(np.mean(list(down.values()) or [0]))
         else:
             adapter, metrics = aggregate_target(rnd, msgs, global_adapter, cfg.aggregation)
-        server = ServerOptimizer(cfg.server_opt, self.registry.server_state(target))
-        adapter = server.step(global_adapter, adapter)
-        if not all(np.isfinite(v).all() for v in adapter.values()):  # never commit what no device can use
-            record["rejected"] += ["the aggregate is not finite: round not committed"]
+        problem = commit_aggregate(
+            self.registry, cfg, rnd, target, state, adapter, [b for _, b in good], len(msgs), tokens, record
+        )
+        if problem is not None:
+            record["rejected"] += [problem]
             record["aggregated"] = 0
             return record
-        release = NgramRelease(
-            cfg.release, self.registry.privacy_ledger(target), private_updates=cfg.aggregation.dp_noise > 0
-        )
-        if cfg.aggregation.dp_noise > 0:  # charged in the same ledger, committed with the version
-            release.account_updates(cfg.aggregation.dp_noise)
-            from flwr.supercore.differential_privacy import compute_stdv
-
-            record["update-noise-std"] = compute_stdv(cfg.aggregation.dp_noise, cfg.aggregation.clip_norm, len(msgs))
-        released, report = release.release([b for _, b in good])  # noise from OS entropy, never the seed
-        cache = state.cache()
-        candidates = self.registry.candidates(target)
-        for target_id, count in released.items():
-            if target_id in candidates:
-                cache.add(candidates[target_id], target_id, max(1, int(round(count))))
-        manifest = self.registry.commit(
-            target,
-            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in adapter.items()},
-            cache,
-            round_=rnd,
-            devices=len(msgs),
-            tokens=tokens,
-            server_state=server.state(),
-            privacy_ledger=release.ledger(),
-        )
         record.update({f"train-{k}": float(v) for k, v in metrics.items() if not isinstance(v, list)})
-        record.update(
-            {
-                "version": int(manifest.version),
-                "trained-tokens": tokens,
-                "uplink-bytes-per-device": float(np.mean(uplink)),
-                "cache-entries": len(cache),
-                "cache-bytes": int(manifest.cache_bytes),
-                "adapter-bytes": int(manifest.adapter_bytes),
-                "ngrams": report.to_dict(),
-            }
-        )
+        record["uplink-bytes-per-device"] = float(np.mean(uplink))
         return record
 
     def _secure_aggregate(

@@ -30,10 +30,12 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from omnidraft.coordinator.aggregation import AggregationConfig
+from omnidraft.coordinator.fleet_config import FleetConfig
 from omnidraft.coordinator.ngram_release import ReleaseConfig
 from omnidraft.coordinator.registry import TargetRegistry
+from omnidraft.coordinator.round_log import last_round
 from omnidraft.coordinator.secure_aggregation import SecAggConfig
-from omnidraft.coordinator.server_app import Coordinator, FleetConfig, last_round
+from omnidraft.coordinator.server_app import Coordinator
 
 log = logging.getLogger("omnidraft.coordinator")
 

@@ -15,7 +15,7 @@
 # a stand-in, localhost/omnidraft-python-base:3.11-bookworm: a debootstrapped Debian bookworm
 # (minbase + python3, python3-venv, ca-certificates: Debian's Python 3.11) with a venv at
 # /usr/local/venv first on PATH, so `python` and `pip` are the venv's as in the official image, and
-# builds with `podman build --from` it. Only PYTHON=3.11 (bookworm's Python) has a stand-in.
+# builds both of the Dockerfile's stages from it (`--build-arg BASE=`). Only PYTHON=3.11 (bookworm's Python) has a stand-in.
 #
 # Packages. Where local pip mirrors exist ($PIP_MIRRORS: a find-links folder and PEP 503 "simple"
 # trees, by default /opt/wheels /opt/pypi /opt/pypi-more) they are mounted read-only into the build
@@ -91,7 +91,7 @@ fail() { echo "error: $*" >&2; exit 1; }
 
 # --- base image -------------------------------------------------------------------------------
 STEP="base image"
-BUILD_FROM=()
+BUILD_FROM=()  # the Dockerfile's default base (the official image)
 if podman image exists "$OFFICIAL_BASE" || timeout "$PULL_TIMEOUT" podman pull -q "$OFFICIAL_BASE" > "$WORK/pull.log" 2>&1; then
     BASE=$OFFICIAL_BASE
     say "base: $BASE (official)"
@@ -99,7 +99,7 @@ else
     say "cannot pull $OFFICIAL_BASE: $(tail -1 "$WORK/pull.log")"
     [ "$PYTHON" = 3.11 ] || fail "no stand-in base for Python $PYTHON (Debian bookworm has 3.11)"
     BASE=$LOCAL_BASE
-    BUILD_FROM=(--from "$BASE")
+    BUILD_FROM=(--build-arg "BASE=$BASE")
     if [ "${REBUILD_BASE:-0}" != 1 ] && podman image exists "$BASE"; then
         say "base: $BASE (stand-in, already built)"
     else
@@ -173,6 +173,15 @@ fi
 BUILD_S=$((SECONDS - t0))
 SIZE=$(image_size "$IMAGE")
 say "built $IMAGE in ${BUILD_S} s: $SIZE (base $BASE: $BASE_SIZE)"
+
+# --- the kernels came from the wheel: no compiler in the image, `doctor` loads them as installed --
+STEP="kernel check"
+"${PODMAN[@]}" run --rm "${ULIMITS[@]}" --entrypoint sh "$IMAGE" -c \
+    '! command -v gcc > /dev/null && ! command -v cc > /dev/null && omnidraft doctor' > "$WORK/doctor.out" 2>&1 \
+    || { cat "$WORK/doctor.out" >&2; fail "the image holds a compiler, or doctor failed"; }
+KERNELS=$(sed -n 's/^int8 *//p' "$WORK/doctor.out")
+say "image kernels: $KERNELS"
+[[ $KERNELS == native-*"(installed)"* ]] || fail "the image's int8 kernels are not the wheel's: $KERNELS"
 
 # --- models and the volume ----------------------------------------------------------------------
 STEP="models pull (log: $WORK/pull-models.log)"

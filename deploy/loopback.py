@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from omnidraft.shared.processes import PeakMemory
+from omnidraft.shared.util.processes import PeakMemory
 
 PROMPTS = [
     "def add(a, b):\n",

@@ -45,9 +45,9 @@ def main() -> None:
     from omnidraft.benchmarks.bench import load_prompts
     from omnidraft.client.online_learner import OnlineConfig
     from omnidraft.client.session import DeviceSession
-    from omnidraft.shared import catalog
-    from omnidraft.shared.engine import Engine
-    from omnidraft.shared.generation import GenerationConfig
+    from omnidraft.shared.engine import catalog
+    from omnidraft.shared.engine.generation import GenerationConfig
+    from omnidraft.shared.engine.pair import Engine
 
     start = time.perf_counter()
     engine = Engine.load(args.drafter, args.target, "int8", progress=False)

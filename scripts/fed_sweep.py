@@ -13,7 +13,7 @@ from the same untrained global adapter:
   step (``omnidraft.coordinator.server_opt``: plain FedAvg, server momentum, or server Adam);
 * after every round the global adapter is scored on the probe devices' held-out samples by the
   drafter's teacher-forced agreement with the target (``top1``, ``k4``, ``rounds_k4``; see
-  ``omnidraft.shared.distill.teacher_forced_agreement``).
+  ``omnidraft.shared.learning.distill.teacher_forced_agreement``).
 
     python scripts/fed_sweep.py collect --target qwen2.5-coder-0.5b --out fed-samples.pt
     python scripts/fed_sweep.py sweep --target qwen2.5-coder-0.5b --samples fed-samples.pt \\
@@ -56,12 +56,12 @@ import torch
 from omnidraft.client.online_learner import OPTIMIZERS, OnlineConfig, OnlineLearner
 from omnidraft.client.session import DeviceSession
 from omnidraft.coordinator.server_opt import ServerOptConfig, ServerOptimizer
-from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.catalog import CatalogError
-from omnidraft.shared.distill import teacher_forced_agreement
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.training_signal import Intersection
+from omnidraft.shared.engine.catalog import CatalogError
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.learning.distill import teacher_forced_agreement
+from omnidraft.shared.learning.training_signal import Intersection
 
 DRAFTER = "smollm2-135m"
 
@@ -254,7 +254,7 @@ def score_versions(args) -> None:
 def _heldout_prompts(args) -> list[str]:
     """The first ``args.prompts`` held-out prompts of the run's training devices that serve
     ``args.target`` (their text stays in the run's ``devices/`` folders on this machine)."""
-    from omnidraft.client.fleet_device import DeviceProfile
+    from omnidraft.client.device_profile import DeviceProfile
 
     prompts = []
     for folder in sorted((Path(args.run) / "devices").iterdir()):

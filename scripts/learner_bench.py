@@ -32,8 +32,8 @@ def main() -> None:
 
     from omnidraft.client.online_learner import OnlineConfig
     from omnidraft.client.session import DeviceSession
-    from omnidraft.shared.engine import Engine
-    from omnidraft.shared.generation import GenerationConfig
+    from omnidraft.shared.engine.generation import GenerationConfig
+    from omnidraft.shared.engine.pair import Engine
     from omnidraft.simulations.data import load_corpus
 
     corpus = load_corpus("codebases")

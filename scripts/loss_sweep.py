@@ -41,12 +41,18 @@ import torch
 from omnidraft.benchmarks import bench
 from omnidraft.client.online_learner import OnlineConfig, OnlineLearner
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.catalog import CatalogError
-from omnidraft.shared.distill import LossConfig, coarse_log_probs, hybrid_loss, ngram_nll, teacher_forced_agreement
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.training_signal import Intersection
+from omnidraft.shared.engine.catalog import CatalogError
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.learning.distill import (
+    LossConfig,
+    coarse_log_probs,
+    hybrid_loss,
+    ngram_nll,
+    teacher_forced_agreement,
+)
+from omnidraft.shared.learning.training_signal import Intersection
 
 DRAFTER = "smollm2-135m"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 KEY_TYPE = b"ecdsa-sha2-nistp384"
 MAX_PUBLIC_BYTES = 4096

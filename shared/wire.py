@@ -16,8 +16,8 @@ import hashlib
 import numpy as np
 
 from omnidraft.proto import fleet_pb2
-from omnidraft.shared.adapters import LoraSpec
-from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.learning.adapters import LoraSpec
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 
 class Record:

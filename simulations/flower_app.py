@@ -4,7 +4,7 @@ loads (the repository's ``pyproject.toml`` names them in ``[tool.flwr.app.compon
 Both read one directory, the run's ``run-dir`` (run config; empty: ``$OMNIDRAFT_HOME/runs/
 flwr-<run id>``, which the ServerApp and every ClientApp derive alike):
 
-* ``simulations/run.py`` prepares it before starting the run (``scenario.prepare``: the
+* ``simulations/run.py`` prepares it before starting the run (``fleet_setup.prepare``: the
   coordinator's registry under ``coordinator/``, one profile per device under
   ``devices/device-NNNN/``, the scenario in ``scenario.json``);
 * a bare ``flwr run . --federation-config "num-supernodes=N"`` finds no ``scenario.json`` there:
@@ -36,9 +36,12 @@ from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from omnidraft.client.client_app import make_client_app
-from omnidraft.client.fleet_device import FleetDevice, cached_profile, shared_pool
-from omnidraft.coordinator.server_app import ROUNDS_FILE, Coordinator
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.client.device_profile import cached_profile
+from omnidraft.client.engine_pool import shared_pool
+from omnidraft.client.fleet_device import FleetDevice
+from omnidraft.coordinator.round_log import ROUNDS_FILE
+from omnidraft.coordinator.server_app import Coordinator
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 SCENARIO_FILE = "scenario.json"
 PROGRESS_FILE = "progress.json"
@@ -51,7 +54,7 @@ def run_dir(context: Context) -> Path:
     given = str(context.run_config.get("run-dir", "") or "")
     if given:
         return Path(given).expanduser()
-    from omnidraft.shared.catalog import omnidraft_home
+    from omnidraft.shared.engine.catalog import omnidraft_home
 
     return omnidraft_home() / "runs" / f"flwr-{context.run_id}"
 
@@ -86,7 +89,8 @@ server_app = ServerApp()
 @server_app.main()
 def serve(grid: Grid, context: Context) -> None:
     """Run the scenario's rounds over the fleet prepared in the run directory."""
-    from omnidraft.simulations.scenario import Scenario, fleet_config, operator_actions, prepare
+    from omnidraft.simulations.fleet_setup import prepare
+    from omnidraft.simulations.scenario import Scenario, fleet_config, operator_actions
 
     out = run_dir(context)
     out.mkdir(parents=True, exist_ok=True)

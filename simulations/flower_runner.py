@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from omnidraft.shared.processes import toml_pairs
+from omnidraft.shared.util.processes import toml_pairs
 
 CONNECTION = "simulation"
 START_TIMEOUT_S = 60.0

@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = None
     try:
         from omnidraft.coordinator.registry import RegistryError
-        from omnidraft.shared.catalog import CatalogError
-        from omnidraft.shared.processes import PeakMemory
+        from omnidraft.shared.engine.catalog import CatalogError
+        from omnidraft.shared.util.processes import PeakMemory
         from omnidraft.simulations import report
         from omnidraft.simulations.flower_runner import FlowerRunError
         from omnidraft.simulations.scenario import run

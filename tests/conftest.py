@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-Real tokenizers come through ``omnidraft.shared.catalog.resolve`` (which pulls the catalog model
+Real tokenizers come through ``omnidraft.shared.engine.catalog.resolve`` (which pulls the catalog model
 on first use), so CI exercises the project's own download path. Tests using them are marked
 ``@pytest.mark.real_models``; deselect with ``-m "not real_models"``.
 Toy tokenizers (built in memory with ``tokenizers``) need no download.
@@ -44,7 +44,7 @@ TRICKY_TEXTS = [
 def _tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from omnidraft.shared import catalog
+    from omnidraft.shared.engine import catalog
 
     return AutoTokenizer.from_pretrained(catalog.resolve(name))
 
@@ -69,14 +69,14 @@ def gemma_tokenizer():
 
 @pytest.fixture(scope="session")
 def qwen_bridge(drafter_tokenizer, qwen_tokenizer):
-    from omnidraft.shared.vocab_bridge import VocabBridge
+    from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
     return VocabBridge.from_tokenizers(drafter_tokenizer, qwen_tokenizer, 49152, 151936)
 
 
 @pytest.fixture(scope="session")
 def gemma_bridge(drafter_tokenizer, gemma_tokenizer):
-    from omnidraft.shared.vocab_bridge import VocabBridge
+    from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
     return VocabBridge.from_tokenizers(drafter_tokenizer, gemma_tokenizer, 49152, 262144)
 
@@ -109,7 +109,7 @@ def toy_byte_level_tokenizer():
     and 'oo'. Mimics SmolLM2's misused attributes (bos=<|im_start|>, pad=<|im_end|>)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from omnidraft.shared.vocab_bridge import bytes_to_unicode
+    from omnidraft.shared.vocab.vocab_bridge import bytes_to_unicode
 
     byte_to_char = bytes_to_unicode()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

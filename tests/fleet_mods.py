@@ -91,7 +91,7 @@ def crash_hook(coordinator) -> None:
     the round's train messages go out, after its first train replies came in, after the first
     target's privacy ledger was written (before its manifest), after the first target's commit,
     or after the round's records were written (before ``coordinator.json``)."""
-    from omnidraft.coordinator import server_app
+    from omnidraft.coordinator import round_log
 
     point, _, when = os.environ["OMNIDRAFT_TEST_CRASH"].partition("@")
     rnd = int(when)
@@ -101,7 +101,7 @@ def crash_hook(coordinator) -> None:
         raise SimulatedCrash(f"simulated crash {where} in round {rnd}")
 
     send, registry = coordinator._send, coordinator.registry
-    write_ledger, commit, write = registry._write_ledger, registry._commit, server_app.write_bytes_atomic
+    write_ledger, commit, write = registry._write_ledger, registry._commit, round_log.write_bytes_atomic
 
     class PullsThenCrashes:
         def __init__(self, grid):
@@ -136,10 +136,10 @@ def crash_hook(coordinator) -> None:
         return out
 
     def _write(path, data):
-        if point == "after-records" and now() == rnd and Path(path).name == server_app.STATE_FILE:
+        if point == "after-records" and now() == rnd and Path(path).name == round_log.STATE_FILE:
             crash(point)
         return write(path, data)
 
     coordinator._send = _send
     registry._write_ledger, registry._commit = _write_ledger, _commit
-    server_app.write_bytes_atomic = _write
+    round_log.write_bytes_atomic = _write

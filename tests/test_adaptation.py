@@ -16,11 +16,11 @@ from omnidraft.benchmarks.tiny_models import build_pair, corpus
 from omnidraft.client.device_state import ADAPTER_FILE, CACHE_FILE, HEAD_FILE, MANIFEST_FILE, DeviceState
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared.acceptance_head import ReplayBuffer, soft_labels
-from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
-from omnidraft.shared.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll, sequence_nll
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.learning.acceptance_head import ReplayBuffer, soft_labels
+from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.learning.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll, sequence_nll
 
 # -- the loss, against hand computations ---------------------------------------------------------
 
@@ -304,7 +304,7 @@ def test_one_packing_serves_every_adapter(pair_dir):
 def test_teacher_forced_agreement_hand_computation():
     from types import SimpleNamespace
 
-    from omnidraft.shared.distill import teacher_forced_agreement
+    from omnidraft.shared.learning.distill import teacher_forced_agreement
 
     # the drafter's argmax after position j is (j + 1) % 3 for j < 5: a fixed "decoder" whose
     # hidden state at j is the one-hot of its prediction, and an identity LM head
@@ -420,8 +420,8 @@ def test_recording_store_keys_damage_and_misuse(pair_dir, tmp_path):
     """A recording is found only under its own prompt and generation settings; a damaged file
     or a foreign one reads as missing; sampling cannot be recorded; a replay that leaves its
     recording, or of another prompt, is refused."""
-    from omnidraft.shared.recordings import Recording
-    from omnidraft.shared.training_signal import ReplayedSignal
+    from omnidraft.shared.engine.recordings import Recording
+    from omnidraft.shared.learning.training_signal import ReplayedSignal
 
     engine = _engine(pair_dir)
     store = engine.recordings(tmp_path)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from omnidraft.shared import catalog
-from omnidraft.shared.catalog import CatalogError, ModelSpec
+from omnidraft.shared.engine import catalog
+from omnidraft.shared.engine.catalog import CatalogError, ModelSpec
 
 
 def test_catalog_pins_every_model():

@@ -50,8 +50,8 @@ def test_doctor_names_the_kernels_and_what_is_missing(capsys, monkeypatch, tmp_p
     """``omnidraft doctor``: the machine and its kernel builds; with the kernels unavailable (an
     instruction set this CPU cannot run) it says what is lost, and so does a runner that falls
     back, in one line, once."""
-    from omnidraft.shared import native_kernels
-    from omnidraft.shared.fast_drafter import FastLlamaRunner
+    from omnidraft.shared.runtime import native_kernels
+    from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 
     monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
     code, out, _ = run(capsys, "doctor", "--json")

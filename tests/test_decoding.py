@@ -10,13 +10,13 @@ import torch
 from sampling_checks import assert_follows
 
 from omnidraft.benchmarks.tiny_models import build_pair
-from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.ngram_cache import NgramCache
-from omnidraft.shared.sampling import warp
-from omnidraft.shared.token_healing import TokenHealer
-from omnidraft.shared.translation import NgramTranslator, TextTranslator
-from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.sampling import warp
+from omnidraft.shared.vocab.ngram_cache import NgramCache
+from omnidraft.shared.vocab.token_healing import TokenHealer
+from omnidraft.shared.vocab.translation import NgramTranslator, TextTranslator
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ class _TableRunner:
 def test_drafting_heals_a_context_that_ends_inside_a_drafter_word(pair, bridge):
     """The context ends in indentation ("a" + "\\n    ") while the drafter writes "\\n   " + " if":
     it re-spells the last token and drafts " if" after it, whose new bytes are "if"."""
-    from omnidraft.shared.generation import GenerationStats
+    from omnidraft.shared.engine.generation import GenerationStats
 
     table = [b"a", b"\n   ", b"\n    ", b" if", b" x", b":"]
     following = {0: 1, 1: 3, 2: 5, 3: 4, 4: 5}  # after "a" the drafter writes "\n   ", ...
@@ -341,7 +341,7 @@ def test_replaying_the_recorded_target_gives_the_live_decode(pair, bridge, trans
     """Greedy decoding against ``RecordedTarget`` (the target alone's output, replayed) commits
     the same tokens with the same proposals, acceptances and target calls as the live target,
     without running it; a stop string ends both at the same point."""
-    from omnidraft.shared.recorded_target import RecordedTarget
+    from omnidraft.shared.engine.recorded_target import RecordedTarget
 
     tt = pair.target_tokenizer
     vocab = pair.target.config.vocab_size
@@ -364,7 +364,7 @@ def test_replaying_the_recorded_target_gives_the_live_decode(pair, bridge, trans
 
 
 def test_recorded_target_rows_and_errors():
-    from omnidraft.shared.recorded_target import RecordedTarget
+    from omnidraft.shared.engine.recorded_target import RecordedTarget
 
     target = RecordedTarget([5, 6, 7, 8], vocab_size=10)
     target.forward([5, 6])  # the prefill: positions 0, 1

@@ -26,10 +26,10 @@ from omnidraft.client.session import DeviceSession
 from omnidraft.client.state_key import StateCipher
 from omnidraft.coordinator import deployment
 from omnidraft.coordinator.superlink_app import config_from_run
-from omnidraft.shared.adapters import LoraSpec
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.ngram_cache import NgramCache
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.learning.adapters import LoraSpec
+from omnidraft.shared.vocab.ngram_cache import NgramCache
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,7 +196,9 @@ def test_a_device_makes_its_own_key_and_the_coordinator_keeps_only_the_public_ha
     root = tmp_path / "coord"
     assert cli(["fleet", "init", "--root", str(root), "--superlink", "127.0.0.1:9092"]) == 0
     ran = []
-    monkeypatch.setattr("omnidraft.shared.processes.run_foreground", lambda cmd, env=None, **kw: ran.append(cmd) or 0)
+    monkeypatch.setattr(
+        "omnidraft.shared.util.processes.run_foreground", lambda cmd, env=None, **kw: ran.append(cmd) or 0
+    )
     assert cli(["fleet", "register-node", "board-01", "--public-key", str(key) + ".pub", "--root", str(root)]) == 0
     pki = deployment.Deployment(root).pki
     assert pki.node_public_key("board-01").read_text().strip() == public and not pki.node_key("board-01").exists()
@@ -376,7 +378,7 @@ def test_a_service_session_adopts_the_lora_shape_a_round_saved(tmp_path):
     )
     served.save()
     # a federated round (another session on the same directory) saves a rank-2 adapter
-    from omnidraft.shared.adapters import DrafterAdapters
+    from omnidraft.shared.learning.adapters import DrafterAdapters
 
     other = DrafterAdapters(
         Engine.load(
@@ -465,7 +467,8 @@ class FakeConditions:
 
 
 def test_resource_policy_decides_when_a_device_may_train(tmp_path):
-    from omnidraft.client.fleet_device import DeviceProfile, FleetDevice, StateMismatch
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.fleet_device import FleetDevice, StateMismatch
     from omnidraft.client.resource_policy import ResourcePolicy, UplinkLedger
 
     policy = ResourcePolicy(train_when="idle+power", idle_s=60, uplink_mb_per_day=0.07, cache_mb=1.5)

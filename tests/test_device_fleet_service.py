@@ -14,7 +14,9 @@ import torch
 
 from omnidraft.benchmarks.tiny_models import corpus, ensure_tiny_fleet
 from omnidraft.client import owner_token
-from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice, StateMismatch
+from omnidraft.client.device_profile import DeviceProfile
+from omnidraft.client.engine_pool import EnginePool
+from omnidraft.client.fleet_device import FleetDevice, StateMismatch
 from omnidraft.client.fleet_service import DeviceFleetService
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.served_device import ServedDevice, ServiceUnavailable, served_device
@@ -25,9 +27,9 @@ from omnidraft.proto import device_fleet_pb2 as fpb
 from omnidraft.proto import device_fleet_pb2_grpc as fpb_grpc
 from omnidraft.proto import generation_pb2 as gpb
 from omnidraft.proto import generation_pb2_grpc as gpb_grpc
-from omnidraft.shared.adapters import LoraSpec
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.learning.adapters import LoraSpec
 
 TEXTS = [t[:40] for t in corpus(10, seed=5)]
 

@@ -1,4 +1,4 @@
-"""Tests for omnidraft.shared.draft_context (incremental drafter-side re-tokenization)."""
+"""Tests for omnidraft.shared.vocab.draft_context (incremental drafter-side re-tokenization)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from omnidraft.shared.draft_context import DraftContext, common_prefix_len, text_encoder
-from omnidraft.shared.vocab_bridge import VocabBridge, token_bytes_table
+from omnidraft.shared.vocab.draft_context import DraftContext, common_prefix_len, text_encoder
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge, token_bytes_table
 
 real = pytest.mark.real_models
 

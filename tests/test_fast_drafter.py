@@ -1,4 +1,4 @@
-"""FastLlamaRunner (omnidraft.shared.fast_drafter) against HF's own forward with a DynamicCache.
+"""FastLlamaRunner (omnidraft.shared.runtime.fast_drafter) against HF's own forward with a DynamicCache.
 
 Tiny random Llama models (no download): fp32 must match HF to ~1e-4 through prefill,
 single-token steps, multi-token blocks and crop-and-refeed; bf16 / int8 must stay close; crop
@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from omnidraft.shared.fast_drafter import FastLlamaRunner
-from omnidraft.shared.model_runner import ModelRunner
-from omnidraft.shared.native_kernels import NATIVE_ISAS, native_error, native_library
+from omnidraft.shared.engine.model_runner import ModelRunner
+from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
+from omnidraft.shared.runtime.native_kernels import NATIVE_ISAS, native_error, native_library
 
 VOCAB = 300
 
@@ -126,7 +126,7 @@ def test_quantized_close_to_hf(model, kind):
 
 def test_bf16_without_onednn_prepacking(model, monkeypatch):
     """CPUs oneDNN cannot prepack bf16 for (AVX2-only) run bf16 weights on torch's own GEMM."""
-    from omnidraft.shared import fast_drafter
+    from omnidraft.shared.runtime import fast_drafter
 
     monkeypatch.setattr(fast_drafter, "onednn_bf16_linear", lambda: False)
     runner = make(model, kind_of("bf16"), prefill_weights=None)
@@ -203,7 +203,7 @@ def test_native_kernels_match_dequantized_weights(isa):
 def lora_pair(model, seed: int = 11, rank: int = 4):
     """``model`` (left untouched) and a peft copy of it with a random, non-trivial LoRA adapter
     on every Linear of the decoder, plus that adapter's matrices in ``set_lora``'s format."""
-    from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+    from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 
     adapters = DrafterAdapters(copy.deepcopy(model), LoraSpec(rank=rank), drafter_weights="fp32")
     adapters.add("t")
@@ -236,6 +236,24 @@ def test_merged_adapter_matches_peft(label):
     fast.set_lora(None)  # removed again: the base model's logits
     assert fast.lora_rank == 0
     torch.testing.assert_close(torch.cat(script(fast)), plain, atol=tol * scale, rtol=0)
+
+
+def test_a_template_runner_holds_no_kv_cache_and_its_forks_decode_as_it_did():
+    """``as_template`` frees the base runner's KV cache (a device's adapters only fork it); a
+    fork made afterwards has a full cache and gives the logits the runner gave before, and the
+    template refuses to run."""
+    model = tiny_llama(tied=True, seed=17)
+    base = FastLlamaRunner(model, weights="int8", prefill_weights=None, max_positions=64)
+    before = torch.cat(script(base))
+    cache_bytes = base._kcache.nbytes + base._vcache.nbytes
+    base.as_template()
+    assert base._kcache.nbytes + base._vcache.nbytes == 0 < cache_bytes
+    with pytest.raises(RuntimeError, match="template"):
+        base.forward([1, 2])
+    fork = base.fork()
+    assert fork._kcache.nbytes + fork._vcache.nbytes == cache_bytes
+    assert torch.equal(torch.cat(script(fork)), before)
+    assert torch.equal(torch.cat(script(base.fork())), before)  # forks keep their own caches
 
 
 def test_lora_on_the_prefill_kernels_and_forks():
@@ -293,7 +311,7 @@ def test_limits_and_errors():
 def test_smollm2_greedy_agreement():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from omnidraft.shared import catalog
+    from omnidraft.shared.engine import catalog
 
     path = catalog.resolve("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

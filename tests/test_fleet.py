@@ -23,10 +23,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from omnidraft.benchmarks.tiny_models import ensure_tiny_fleet
 from omnidraft.client.device_state import slug
 from omnidraft.coordinator.aggregation import TRAIN_METRICS, AggregationConfig, aggregate_target, check_reply
+from omnidraft.coordinator.fleet_config import FleetConfig
 from omnidraft.coordinator.ngram_release import NgramRelease, ReleaseConfig, StatsError, decode_stats, encode_stats
 from omnidraft.coordinator.registry import RegistryError, TargetRegistry
-from omnidraft.coordinator.server_app import FleetConfig
-from omnidraft.shared.adapters import LoraSpec
+from omnidraft.shared.learning.adapters import LoraSpec
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -115,7 +115,7 @@ def test_ffa_lora_averaging_is_exact_and_plain_lora_is_not():
 def test_ffa_trains_only_b(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from omnidraft.shared.adapters import DrafterAdapters
+    from omnidraft.shared.learning.adapters import DrafterAdapters
 
     dirs = ensure_tiny_fleet(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(dirs["tiny-drafter"])
@@ -541,7 +541,9 @@ def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tin
     it holds; otherwise it keeps what it had."""
     from dataclasses import replace
 
-    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice, StateMismatch
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice, StateMismatch
     from omnidraft.proto import fleet_pb2
 
     reg = TargetRegistry(tmp_path / "coord")
@@ -604,7 +606,9 @@ def test_a_cold_first_session_then_the_global_state_in_one_process(tmp_path, tin
     """A worker whose first session is a cold one (no global state: the default LoRA shape)
     then serves the global state (the same shape, read from the wire) and evaluates at a
     fixed draft length only."""
-    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
 
     assert LoraSpec(rank=8) == LoraSpec(rank=8, alpha=16.0)
     reg = TargetRegistry(tmp_path / "coord")
@@ -633,7 +637,9 @@ def test_a_cold_first_session_then_the_global_state_in_one_process(tmp_path, tin
 def test_a_recording_store_that_cannot_be_written_costs_only_the_replay(tmp_path, tiny):
     """A simulated device whose recording store is unwritable (here: a file where the folder
     should be) still trains and evaluates, with the target running instead of a replay."""
-    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
 
     blocked = tmp_path / "recordings"
     blocked.write_text("not a folder")
@@ -666,7 +672,9 @@ def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_
     the first time, so a fresh probe later runs only its speed prompts. The fixed-k figures are
     the store-less probe's."""
     from omnidraft.client import evaluation, fleet_device
-    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
 
     heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
     pool = EnginePool("fp32", "fp32")
@@ -980,7 +988,7 @@ def test_a_coordinator_stopped_anywhere_in_a_round_resumes_without_losing_or_rep
     charged to the privacy ledger once, and each round is recorded once."""
     import fleet_mods
 
-    from omnidraft.coordinator.server_app import ROUNDS_FILE
+    from omnidraft.coordinator.round_log import ROUNDS_FILE
     from omnidraft.simulations.flower_runner import FlowerRunError
 
     scenario = _scenario(
@@ -1065,7 +1073,9 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     evaluations run the target only on the timed speed prompts (the speed baseline is timed in
     every evaluation), and the adaptive pass decodes only ``speed_prompts``."""
     from omnidraft.client import evaluation, fleet_device
-    from omnidraft.client.fleet_device import DeviceProfile, EnginePool, FleetDevice
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
 
     heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
     profile = DeviceProfile(

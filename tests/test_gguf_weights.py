@@ -1,4 +1,4 @@
-"""Models kept as GGUF (omnidraft.shared.gguf_weights): read exactly, packed layer by layer.
+"""Models kept as GGUF (omnidraft.shared.runtime.gguf_weights): read exactly, packed layer by layer.
 
 Tiny random Llama (query/key rows permuted in GGUF, as llama.cpp's converter stores them) and
 Qwen2 (q/k/v biases) models are written to GGUF with gguf-py, some tensors Q8_0-quantized and
@@ -21,10 +21,11 @@ from gguf import GGMLQuantizationType, quants
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from omnidraft.benchmarks.tiny_models import corpus, train_tokenizer
-from omnidraft.shared import fast_drafter, gguf_weights, model_runner
-from omnidraft.shared.catalog import GGUF_FILE
-from omnidraft.shared.fast_drafter import FastLlamaRunner
-from omnidraft.shared.native_kernels import native_error, native_library
+from omnidraft.shared.engine import model_runner
+from omnidraft.shared.engine.catalog import GGUF_FILE
+from omnidraft.shared.runtime import fast_drafter, gguf_weights
+from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
+from omnidraft.shared.runtime.native_kernels import native_error, native_library
 
 VOCAB = 300
 QUANTIZED = ("q_proj", "gate_proj", "down_proj", "embed_tokens", "lm_head")  # stored Q8_0
@@ -182,8 +183,8 @@ def test_engine_over_gguf_dirs_decodes_as_over_safetensors(tmp_path):
     """A drafter and an int8 target kept as GGUF give the same greedy tokens as the same
     weights saved as safetensors, with speculation and with the target alone; the GGUF
     target's float layers never stay in memory."""
-    from omnidraft.shared.engine import Engine
-    from omnidraft.shared.generation import GenerationConfig
+    from omnidraft.shared.engine.generation import GenerationConfig
+    from omnidraft.shared.engine.pair import Engine
 
     dirs = {}
     for role, kind, seed in (("drafter", "llama-tied", 1), ("target", "qwen2", 2)):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omnidraft.shared.native_kernels import NATIVE_DIR, NATIVE_ISAS, UNIT, compile_flags, cpu_flags
+from omnidraft.shared.runtime.native_kernels import NATIVE_DIR, NATIVE_ISAS, UNIT, compile_flags, cpu_flags
 
 CHECK = Path(__file__).with_name("native") / "fd_check.c"
 X86 = [isa for isa in ("amx", "avx512", "avx2") if NATIVE_ISAS[isa][1] <= cpu_flags()]

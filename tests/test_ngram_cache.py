@@ -1,4 +1,4 @@
-"""Tests for omnidraft.shared.ngram_cache."""
+"""Tests for omnidraft.shared.vocab.ngram_cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from omnidraft.proto import ngram_cache_pb2
-from omnidraft.shared.ngram_cache import Entry, NgramCache, NgramCacheError, seed_from_tokenizers
+from omnidraft.shared.vocab.ngram_cache import Entry, NgramCache, NgramCacheError, seed_from_tokenizers
 
 
 def keys(cache: NgramCache) -> list[tuple[int, ...]]:

@@ -12,18 +12,19 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from omnidraft.benchmarks.tiny_models import build_pair
-from omnidraft.shared import native_kernels, profiling
-from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
-from omnidraft.shared.draft_policy import ThroughputRule
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.fast_drafter import FastLlamaRunner
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.model_runner import ModelRunner
-from omnidraft.shared.native_kernels import NATIVE_ISAS, native_error, native_library
-from omnidraft.shared.ngram_cache import NgramCache
-from omnidraft.shared.precision import build_target_runner, precision_name, quantize_linear_int8
-from omnidraft.shared.profiling import CostProfile
-from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.engine import profiling
+from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.engine.draft_policy import ThroughputRule
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.model_runner import ModelRunner
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.engine.precision import build_target_runner, precision_name, quantize_linear_int8
+from omnidraft.shared.engine.profiling import CostProfile
+from omnidraft.shared.runtime import native_kernels
+from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
+from omnidraft.shared.runtime.native_kernels import NATIVE_ISAS, native_error, native_library
+from omnidraft.shared.vocab.ngram_cache import NgramCache
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 HAS_NATIVE = native_library() is not None
 
@@ -101,7 +102,7 @@ def test_native_int8_block_verification_is_bit_identical_to_single_steps(make, b
     single steps on AVX-512 VNNI) and in both activation modes (8-bit: targets; 16-bit: drafters)."""
     needs_isa(isa)
     monkeypatch.setenv("OMNIDRAFT_NATIVE_ISA", isa)
-    monkeypatch.setattr("omnidraft.shared.precision.TARGET_ACTIVATION_BITS", bits)
+    monkeypatch.setattr("omnidraft.shared.engine.precision.TARGET_ACTIVATION_BITS", bits)
     runner = build_target_runner(make(), "int8")
     assert runner.backend.startswith("native-int8") and runner.prefill_weights is None
     assert runner.native_isa == isa and ("avx2" in runner.backend) == (isa == "avx2")
@@ -243,9 +244,9 @@ def test_every_runner_and_translator_has_the_interface_the_decoders_use(pair, br
     """The decoders take any ``Runner`` (``forward``/``crop``/``reset``, ``length``,
     ``forward_calls``) and any ``Translator``: each implementation satisfies its Protocol, and
     an object missing a member does not."""
-    from omnidraft.shared.model_runner import Runner
-    from omnidraft.shared.recorded_target import RecordedTarget
-    from omnidraft.shared.translation import NgramTranslator, TextTranslator, Translator
+    from omnidraft.shared.engine.model_runner import Runner
+    from omnidraft.shared.engine.recorded_target import RecordedTarget
+    from omnidraft.shared.vocab.translation import NgramTranslator, TextTranslator, Translator
 
     runners = [
         ModelRunner(pair.target),
@@ -461,3 +462,36 @@ def test_prompt_prefill_kernels_follow_the_instruction_set(isa):
     bf16 = native_kernels.cpu_has_native_bf16() and isa != "amx"
     assert runner.prefill_weights == ("bf16" if bf16 else None)
     assert ("bf16" in runner._packing.torch_layers) == bf16
+
+
+def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch):
+    """``--dtype auto`` keeps the target's greedy output: native int8 only for architectures the
+    native kernels run (and only where they load), fp32 always; never bf16 or fbgemm int8,
+    whose verification blocks round differently from one-token steps. A GGUF-kept model runs
+    int8 where that is exact."""
+    import json
+
+    from omnidraft.shared.engine import profiling
+    from omnidraft.shared.runtime import gguf_weights, native_kernels
+
+    def model(name: str, model_type: str, layer_types: list[str], gguf: bool = False):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": model_type, "layer_types": layer_types}))
+        if gguf:
+            (d / gguf_weights.GGUF_FILE).write_bytes(b"GGUF")
+        return d
+
+    qwen = model("qwen", "qwen2", ["full_attention"] * 2)
+    qwen_gguf = model("qwen-gguf", "qwen2", ["full_attention"] * 2, gguf=True)
+    gemma = model("gemma", "gemma3_text", ["sliding_attention", "full_attention"])
+    gemma_gguf = model("gemma-gguf", "gemma3_text", ["sliding_attention"], gguf=True)
+    sliding_llama = model("mistral-like", "llama", ["sliding_attention"])
+    monkeypatch.setattr(native_kernels, "native_library", lambda isa=None: object())
+    assert profiling.lossless_precisions(qwen) == ("int8", "fp32")
+    assert profiling.lossless_precisions(qwen_gguf) == ("int8",)
+    for other in (gemma, gemma_gguf, sliding_llama, tmp_path / "missing"):
+        assert profiling.lossless_precisions(other) == ("fp32",)
+    monkeypatch.setattr(native_kernels, "native_library", lambda isa=None: None)  # no kernels: fbgemm only
+    assert profiling.lossless_precisions(qwen) == ("fp32",)
+    assert profiling.lossless_precisions(qwen_gguf) == ("fp32",)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from omnidraft.shared.sampling import verify_sampled, warp
+from omnidraft.shared.engine.sampling import verify_sampled, warp
 
 
 def _empirical(draw, vocab: int, n: int) -> torch.Tensor:

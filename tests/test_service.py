@@ -17,8 +17,8 @@ from omnidraft.client.service import GenerationService, ServiceLimits, serve
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import generation_pb2 as pb
 from omnidraft.proto import generation_pb2_grpc as pb_grpc
-from omnidraft.shared.engine import Engine
-from omnidraft.shared.generation import GenerationConfig
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
 
 PROMPTS = [t[:30] for t in corpus(12, seed=21)]
 

@@ -212,8 +212,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, home):
 
 def test_profiles_apply_rollout_and_drift(tmp_path, home, monkeypatch):
     monkeypatch.setenv("OMNIDRAFT_HOME", str(home))
-    from omnidraft.client.fleet_device import DeviceProfile
-    from omnidraft.simulations.scenario import prepare
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.simulations.fleet_setup import prepare
 
     s = Scenario(
         models="tiny",
@@ -237,7 +237,8 @@ def test_profiles_apply_rollout_and_drift(tmp_path, home, monkeypatch):
     p = members[0]
     assert p.at_round(4).prompts == p.drift_prompts != p.prompts and p.at_round(3).prompts == p.prompts
     assert DeviceProfile.load(p.state_dir) == p  # what a worker reads from the device's directory
-    from omnidraft.client.fleet_device import FleetDevice, StateMismatch, cached_profile
+    from omnidraft.client.device_profile import cached_profile
+    from omnidraft.client.fleet_device import FleetDevice, StateMismatch
 
     moved = FleetDevice(p.at_round(4), pool=None).switch("tiny-target-b")  # a rollout chose it
     assert moved.profile.target == "tiny-target-b" and moved.profile.prompts == p.drift_prompts
@@ -252,8 +253,8 @@ def test_profiles_on_personal_codebases(tmp_path, home, monkeypatch):
     """With codebases each device works in one project: its prompts and held-out prompts come
     from that project, and the last late joiner's project is one no other member works in."""
     monkeypatch.setenv("OMNIDRAFT_HOME", str(home))
-    from omnidraft.client.fleet_device import DeviceProfile
-    from omnidraft.simulations.scenario import prepare
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.simulations.fleet_setup import prepare
 
     s = Scenario(
         models="tiny",

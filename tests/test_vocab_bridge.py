@@ -1,4 +1,4 @@
-"""Tests for omnidraft.shared.vocab_bridge (token bytes tables and the drafter<->target bridge)."""
+"""Tests for omnidraft.shared.vocab.vocab_bridge (token bytes tables and the drafter<->target bridge)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from omnidraft.shared.vocab_bridge import (
+from omnidraft.shared.vocab.vocab_bridge import (
     TokenScheme,
     VocabBridge,
     _special_ids,

@@ -104,7 +104,7 @@ say "installing the device package in the arm64 root (torch first, then the proj
 run_arm "python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 \
          && /opt/venv/bin/pip install -q --disable-pip-version-check -e . pytest" >&2 \
   || { STATUS=1 finish "$KERNELS; userland FAILED: pip install"; }
-run_arm "/opt/venv/bin/python -c 'import platform; from omnidraft.shared.native_kernels import default_native_isa, native_error; \
+run_arm "/opt/venv/bin/python -c 'import platform; from omnidraft.shared.runtime.native_kernels import default_native_isa, native_error; \
          isa = default_native_isa(); print(\"arm64 root:\", platform.machine(), \"native kernels:\", isa, native_error(isa) or \"built\")'" >&2
 
 say "greedy identity on tiny models (arm64)"

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from omnidraft.shared.catalog import CatalogError
+    from omnidraft.shared.engine.catalog import CatalogError
 
     try:
         args = build_parser().parse_args(argv)

@@ -94,7 +94,7 @@ def pair_args(sp) -> None:
 
 
 def generation_config(args):
-    from omnidraft.shared.generation import GenerationConfig
+    from omnidraft.shared.engine.generation import GenerationConfig
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -117,8 +117,8 @@ def generation_config(args):
 
 
 def load_engine(args):
-    from omnidraft.shared.engine import Engine
-    from omnidraft.shared.lookup_drafts import lookup_drafter
+    from omnidraft.shared.engine.lookup_drafts import lookup_drafter
+    from omnidraft.shared.engine.pair import Engine
 
     engine = Engine.load(
         args.drafter, args.target, args.dtype, drafter_weights=args.drafter_weights, seed_cache=args.seed_cache

@@ -156,8 +156,8 @@ def _export_adapter(args) -> int:
 
     from omnidraft.client.device_state import DeviceState
     from omnidraft.client.state_key import StateCipher
-    from omnidraft.shared import model_runner
-    from omnidraft.shared.adapters import DrafterAdapters, LoraSpec
+    from omnidraft.shared.engine import model_runner
+    from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 
     if not os.path.isdir(args.state_dir):
         raise UsageError(f"omnidraft device export-adapter: --state-dir {args.state_dir} is not a directory")
@@ -281,10 +281,10 @@ def device(args) -> int:
 
 
 def _join(args) -> int:
-    from omnidraft.client.fleet_device import DeviceProfile
+    from omnidraft.client.device_profile import DeviceProfile
     from omnidraft.client.online_learner import OnlineConfig
     from omnidraft.client.supernode import REFUSED_LOG, JoinSettings, write_profile
-    from omnidraft.shared.processes import run_foreground
+    from omnidraft.shared.util.processes import run_foreground
 
     if not args.state_dir:
         raise UsageError("omnidraft device join: --state-dir is required (shared with omnidraft device serve)")

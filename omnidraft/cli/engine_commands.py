@@ -129,7 +129,7 @@ def add_parsers(sub) -> None:
 
 
 def doctor(args) -> int:
-    from omnidraft.shared.doctor import diagnose, format_report
+    from omnidraft.shared.runtime.doctor import diagnose, format_report
 
     report = diagnose()
     print(json.dumps(report, indent=1) if args.json else format_report(report))
@@ -137,9 +137,9 @@ def doctor(args) -> int:
 
 
 def profile(args) -> int:
-    from omnidraft.shared import profiling
-    from omnidraft.shared.engine import Engine
-    from omnidraft.shared.precision import runner_backend
+    from omnidraft.shared.engine import profiling
+    from omnidraft.shared.engine.pair import Engine
+    from omnidraft.shared.engine.precision import runner_backend
 
     blocks = profiling.PROFILE_BLOCKS
     if args.blocks is not None:
@@ -202,7 +202,7 @@ def profile(args) -> int:
 
 
 def models(args) -> int:
-    from omnidraft.shared import catalog
+    from omnidraft.shared.engine import catalog
 
     if args.action == "list":
         rows = [catalog.info(n) for n in catalog.CATALOG]
@@ -248,8 +248,8 @@ def generate(args) -> int:
 
 def bench(args) -> int:
     from omnidraft.benchmarks import bench
-    from omnidraft.shared import catalog
-    from omnidraft.shared.atomic_io import write_bytes_atomic
+    from omnidraft.shared.engine import catalog
+    from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in bench.METHODS]
@@ -287,8 +287,8 @@ def adapt(args) -> int:
     from omnidraft.benchmarks import adapt as adapt_run
     from omnidraft.benchmarks import bench
     from omnidraft.client.online_learner import OnlineConfig
-    from omnidraft.shared.adapters import LoraSpec
-    from omnidraft.shared.distill import LossConfig
+    from omnidraft.shared.learning.adapters import LoraSpec
+    from omnidraft.shared.learning.distill import LossConfig
 
     if args.limit is not None and args.limit < 2:
         raise UsageError("omnidraft adapt: --limit must be >= 2")

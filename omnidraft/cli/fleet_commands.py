@@ -105,7 +105,7 @@ def _deployment(args) -> int:
     """``fleet init | superlink | register-node | run``: Flower's executables on this coordinator
     directory (``coordinator.deployment``)."""
     from omnidraft.coordinator import deployment
-    from omnidraft.shared.processes import run_foreground
+    from omnidraft.shared.util.processes import run_foreground
 
     if args.action == "init":
         if args.nodes < 0:
@@ -156,7 +156,7 @@ def _deployment(args) -> int:
                 "secagg": args.secagg,
             }
         )
-    from omnidraft.coordinator.server_app import last_round
+    from omnidraft.coordinator.round_log import last_round
 
     before = last_round(dep.root)
     code = run_foreground(cmd, dep.env())
@@ -176,7 +176,7 @@ def _superlink(dep, listen_host: str | None, database: str | None) -> int:
     (``coordinator.fleet_gateway``) on the devices' address, until the SuperLink exits."""
     from omnidraft.coordinator.deployment import split_address
     from omnidraft.coordinator.fleet_gateway import serve_gateway
-    from omnidraft.shared.processes import run_foreground
+    from omnidraft.shared.util.processes import run_foreground
 
     host, port = split_address(dep.address)
     pki = dep.pki
@@ -210,8 +210,8 @@ def fleet(args) -> int:
             return _deployment(args)
         except (PkiError, FileNotFoundError) as exc:
             raise UsageError(str(exc)) from None
-    from omnidraft.coordinator.server_app import last_round
-    from omnidraft.shared.adapters import LoraSpec
+    from omnidraft.coordinator.round_log import last_round
+    from omnidraft.shared.learning.adapters import LoraSpec
 
     try:
         registry = TargetRegistry(args.root)
@@ -267,7 +267,7 @@ def fleet(args) -> int:
 def fleet_status(registry) -> list[dict]:
     """Per target: the published state and what its rounds recorded (``rounds.jsonl``):
     devices serving it, evaluation acceptance of the last rounds, cache size, bytes moved."""
-    from omnidraft.coordinator.server_app import round_history
+    from omnidraft.coordinator.round_log import round_history
 
     history = round_history(registry.root)
     rollouts = registry.rollouts()

@@ -7,7 +7,7 @@ of the trials is kept (more trials while they disagree: an outlier trial cannot 
 ``$OMNIDRAFT_HOME/profiles/``, keyed by a fingerprint of the machine (CPU model, ISA capability,
 torch version, threads) and of the model (its config and weight files) plus the precision and
 kernel backend: a change of any of them measures again. ``CostProfile`` turns the measurements
-into the cost of any block size, which the throughput rule (``omnidraft.shared.draft_policy``)
+into the cost of any block size, which the throughput rule (``omnidraft.shared.engine.draft_policy``)
 reads, and ``choose_precision`` resolves ``--dtype auto`` to the precision with the cheapest
 verification. ``StepTimings`` times the forward passes of real decoding and checks the cached
 profile against them; a profile they contradict is dropped and measured again next time.
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from omnidraft.shared import catalog
-from omnidraft.shared.atomic_io import file_lock, write_bytes_atomic
+from omnidraft.shared.engine import catalog
+from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
 
 CONTEXT_TOKENS = 256
 PROFILE_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -355,19 +355,15 @@ def choose_precision(
     """Resolve ``--dtype auto`` for ``target``: the candidate precision with the lowest
     :func:`verification_score` on this machine, and each candidate's measured costs.
 
-    Candidates default to int8 and fp32, plus bf16 where the CPU has native bf16 (AMX or
-    AVX512-BF16); each one not cached yet is loaded and measured once. A model kept as GGUF
-    (a device's footprint) runs int8 only: a float copy of it is what that format avoids.
+    Candidates default to :func:`lossless_precisions`; each one not cached yet is loaded and
+    measured once.
     """
-    from omnidraft.shared import gguf_weights, model_runner
-    from omnidraft.shared.native_kernels import cpu_has_native_bf16
-    from omnidraft.shared.precision import build_target_runner, load_dtype, runner_backend
+    from omnidraft.shared.engine import model_runner
+    from omnidraft.shared.engine.precision import build_target_runner, load_dtype, runner_backend
 
     path = catalog.resolve(target, progress=progress)
-    if candidates is None and gguf_weights.gguf_file(path) is not None:
-        candidates = ("int8",)
     if candidates is None:
-        candidates = ("int8", "bf16", "fp32") if cpu_has_native_bf16() else ("int8", "fp32")
+        candidates = lossless_precisions(path)
     costs: dict[str, dict[int, float]] = {}
     for precision in candidates:
 
@@ -379,6 +375,28 @@ def choose_precision(
         costs[precision] = _cached_precision_costs(path, precision, measure_one, refresh)
     best = min(costs, key=lambda p: verification_score(costs[p]))
     return best, costs
+
+
+def lossless_precisions(path: Path) -> tuple[str, ...]:
+    """The precisions ``--dtype auto`` chooses among for the model at ``path``: those whose
+    verification blocks are bit-identical to its one-token steps, so speculation keeps the
+    target's own greedy output. That is int8 on the native kernels (Llama / Qwen2 on a CPU they
+    run on) and fp32; bf16 and fbgemm int8 (other architectures, or no native kernels) round
+    a block differently from a step and stay available only when asked for by name. A model
+    kept as GGUF (a device's footprint) runs int8 only where that is exact: a float copy of it
+    is what that format avoids."""
+    from omnidraft.shared.engine.precision import fast_runner_runs
+    from omnidraft.shared.runtime import gguf_weights
+    from omnidraft.shared.runtime.native_kernels import native_library
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    native = fast_runner_runs(config.get("model_type", ""), config.get("layer_types")) and native_library() is not None
+    if native:
+        return ("int8",) if gguf_weights.gguf_file(path) is not None else ("int8", "fp32")
+    return ("fp32",)
 
 
 def _cached_precision_costs(

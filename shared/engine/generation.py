@@ -22,7 +22,7 @@ class GenerationConfig:
     """Decoding parameters.
 
     ``temperature`` 0 means greedy. ``k_max`` bounds drafter tokens per round. ``draft_stop``
-    decides what a round drafts: ``cost`` is the throughput rule (``omnidraft.shared.draft_policy``:
+    decides what a round drafts: ``cost`` is the throughput rule (``omnidraft.shared.engine.draft_policy``:
     a plain target step, a model-free draft or a drafter draft, whichever is expected to commit
     the most tokens per second from the machine's cached costs and the counted acceptance; the
     drafter stops by the same measure); ``confidence`` always drafts with the drafter and stops

@@ -17,7 +17,7 @@ Either way verification keeps the output the target's own: a translator only dec
 proposed.
 
 A block may begin by re-spelling committed text (``skip`` bytes, token healing:
-``omnidraft.shared.token_healing``): those bytes are not proposed again. The n-gram translator
+``omnidraft.shared.vocab.token_healing``): those bytes are not proposed again. The n-gram translator
 proposes the new bytes of the token that straddles that boundary as the target's tokenization
 of them (a healed ``" if"`` after a committed ``"\n    "`` proposes ``"if"``).
 """
@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from omnidraft.shared.ngram_cache import NgramCache
-from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.vocab.ngram_cache import NgramCache
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 TRANSLATORS = ("text", "ngram")
 

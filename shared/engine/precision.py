@@ -19,7 +19,7 @@
 - ``fp64``: the reference for checking losslessness: float64 rounding is so fine that a block
   forward and one-token steps never flip a near-tie, whatever the CPU's kernels (fp32 and bf16
   blocks may, since their matmul kernels change with the block size). Slow; meant for tests.
-- ``auto``: resolved by ``omnidraft.shared.profiling.choose_precision`` from measured costs.
+- ``auto``: resolved by ``omnidraft.shared.engine.profiling.choose_precision`` from measured costs.
 
 A quantized target is a different target: "identical to the target alone" means identical to
 that target run autoregressively in the same precision, which is what ``ar`` does.
@@ -31,8 +31,8 @@ import warnings
 
 import torch
 
-from omnidraft.shared.fast_drafter import SUPPORTED_MODEL_TYPES, FastLlamaRunner
-from omnidraft.shared.model_runner import ModelRunner, Runner
+from omnidraft.shared.engine.model_runner import ModelRunner, Runner
+from omnidraft.shared.runtime.fast_drafter import SUPPORTED_MODEL_TYPES, FastLlamaRunner
 
 PRECISIONS = ("fp32", "bf16", "int8", "fp64")
 # 8-bit grouped activations for int8 targets: on Qwen2.5-Coder-1.5B (AMD EPYC, 2 threads) prompt
@@ -64,12 +64,16 @@ def load_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
 
 
+def fast_runner_runs(model_type: str, layer_types: list[str] | None) -> bool:
+    """True when ``FastLlamaRunner`` runs a model of this architecture (Llama / Qwen2, every
+    layer full attention), read from its config."""
+    return model_type in SUPPORTED_MODEL_TYPES and all(t == "full_attention" for t in layer_types or ())
+
+
 def fast_runner_supports(model: torch.nn.Module) -> bool:
-    """True when ``FastLlamaRunner`` can run this model (Llama / Qwen2, full attention)."""
+    """True when ``FastLlamaRunner`` can run this loaded model (``fast_runner_runs``)."""
     config = model.config
-    return getattr(config, "model_type", "") in SUPPORTED_MODEL_TYPES and all(
-        t == "full_attention" for t in getattr(config, "layer_types", None) or ()
-    )
+    return fast_runner_runs(getattr(config, "model_type", ""), getattr(config, "layer_types", None))
 
 
 def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None) -> Runner:

@@ -38,9 +38,9 @@ from transformers.modeling_gguf_pytorch_utils import (
     read_field,
 )
 
-from omnidraft.shared.atomic_io import write_bytes_atomic
-from omnidraft.shared.catalog import GGUF_FILE
-from omnidraft.shared.heap import release_freed_memory
+from omnidraft.shared.engine.catalog import GGUF_FILE
+from omnidraft.shared.runtime.heap import release_freed_memory
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 
 def gguf_file(model_dir: str | Path) -> Path | None:

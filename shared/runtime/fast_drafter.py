@@ -1,6 +1,6 @@
 """A lean incremental decoder for Llama-architecture drafters on small CPUs.
 
-``FastLlamaRunner`` has the interface of :class:`omnidraft.shared.model_runner.ModelRunner`
+``FastLlamaRunner`` has the interface of :class:`omnidraft.shared.engine.model_runner.ModelRunner`
 (``forward`` / ``crop`` / ``reset`` / ``length`` / ``forward_calls``) but runs the decoder
 itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-loaded):
 
@@ -22,7 +22,7 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   AMX where the CPU has it; on CPUs oneDNN cannot prepack bf16 for, such as AVX2-only ones,
   ``F.linear`` on bf16 weights, emulated and slow); residual stream, norms, RoPE and attention
   stay float32.
-* ``"int8"``: a native C kernel (``shared/native/``, built by ``pip install`` per instruction set,
+* ``"int8"``: a native C kernel (``shared/runtime/native/``, built by ``pip install`` per instruction set,
   or at first use where the install did not: ``native_kernels``) runs the whole step in one call: int8 weights
   with a float scale per (output row, 64 inputs), 16-bit per-token activations (split into two
   int8 halves so that the int8 dot products give exact int32 group sums), float16 KV cache, fused
@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -62,8 +61,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from omnidraft.shared.heap import release_freed_memory
-from omnidraft.shared.native_kernels import (
+from omnidraft.shared.runtime.heap import release_freed_memory
+from omnidraft.shared.runtime.native_kernels import (
     cpu_has_native_bf16,
     default_native_isa,
     native_error,
@@ -71,8 +70,13 @@ from omnidraft.shared.native_kernels import (
     onednn_bf16_linear,
     warn_no_kernels,
 )
+from omnidraft.shared.runtime.weight_packing import (
+    WEIGHT_KINDS,
+    make_linear,
+    pack_native,
+    pack_native_slices,
+)
 
-WEIGHT_KINDS = ("fp32", "bf16", "int8")
 # Llama and Qwen2 share the decoder (Qwen2 adds biases to q/k/v, which the runner folds in)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -88,89 +92,6 @@ class _FdModel(ctypes.Structure):
         ("sin_t", ctypes.c_void_p),
         ("act8", ctypes.c_int32),
     ]
-
-
-@contextlib.contextmanager
-def _quantized_engine(name: str):
-    old = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = old
-
-
-def _make_linear(kind: str, w: torch.Tensor, b: torch.Tensor | None):
-    """A callable ``x -> x @ w.T + b`` for float32 ``w`` [out, in] using the ``kind`` kernel.
-
-    The fp32 and int8 kernels return float32; the bf16 kernel returns bfloat16.
-    """
-    w = w.detach().float().contiguous()
-    b = None if b is None else b.detach().float().contiguous()
-    if kind == "fp32":
-        return lambda x: F.linear(x, w, b)
-    if kind == "bf16":
-        bf16 = torch.bfloat16
-        bb = None if b is None else b.to(bf16)
-        if not onednn_bf16_linear():  # e.g. AVX2-only CPUs: torch's own (emulated) bf16 GEMM
-            wt = w.to(bf16)
-            return lambda x: F.linear(x.to(bf16), wt, bb)
-        wb = torch.ops.mkldnn._reorder_linear_weight(w.to(bf16))
-        lp = torch.ops.mkldnn._linear_pointwise
-        return lambda x: lp(x.to(bf16), wb, bb, "none", [], "")
-    if kind == "int8":
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
-        with warnings.catch_warnings():  # quantized tensors are deprecated (but still the fastest here)
-            warnings.simplefilter("ignore")
-            qw = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-        # fbgemm is the fastest engine here for M = 1..~16 (oneDNN/x86 are 10x slower for M > 1);
-        # the packed object remembers its engine, so the global setting is restored afterwards.
-        with _quantized_engine("fbgemm"):
-            packed = torch.ops.quantized.linear_prepack(qw, b)
-        lin = torch.ops.quantized.linear_dynamic
-        return lambda x: lin(x, packed, True)
-    raise ValueError(f"unknown weights kind {kind!r}: choose one of {', '.join(WEIGHT_KINDS)}")
-
-
-def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Native int8 layout: [uint8 weights (q + 128) as [N/16][K/4][16][4], float scales per
-    (row, group of 64 inputs) as [N/16][K/64][16], bias or None], with N padded to 16."""
-    w = w.detach().float()
-    n, k = w.shape
-    n_pad = -n % 16
-    if n_pad:
-        w = torch.cat([w, torch.zeros(n_pad, k)])
-    groups = w.view(n + n_pad, k // 64, 64)
-    scale = (groups.abs().amax(dim=-1) / 127.0).clamp_min(1e-30)  # [N, K/64]
-    q = torch.round(groups / scale[..., None]).clamp_(-127, 127).view(n + n_pad, k)
-    u = (q + 128).to(torch.uint8)
-    packed = u.view(-1, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    scales = scale.view(-1, 16, k // 64).permute(0, 2, 1).contiguous()
-    bias = None
-    if b is not None:
-        bias = torch.cat([b.detach().float(), torch.zeros(n_pad)]).contiguous()
-    return [packed, scales, bias]
-
-
-# rows of an LM head read, scaled and packed at a time when it is packed from a GGUF (a
-# multiple of 16: slices pack to exactly the bytes of the whole matrix)
-HEAD_SLICE_ROWS = 8192
-
-
-def _pack_native_slices(read_rows: Callable[[int, int], torch.Tensor], n: int) -> list[torch.Tensor | None]:
-    """``_pack_native`` of an ``[n, K]`` matrix without a bias, read as ``read_rows(lo, hi)``
-    slices of ``HEAD_SLICE_ROWS`` rows: the same bytes as packing it whole (rows are quantized
-    independently; only the last slice is padded), with one slice in float32 at a time."""
-    packed = scales = None
-    for lo in range(0, n, HEAD_SLICE_ROWS):
-        part, part_scales, _ = _pack_native(read_rows(lo, min(lo + HEAD_SLICE_ROWS, n)), None)
-        if packed is None:  # the whole matrix's buffers, filled slice by slice (no second copy)
-            blocks = -(-n // 16)
-            packed = torch.empty((blocks, *part.shape[1:]), dtype=part.dtype)
-            scales = torch.empty((blocks, *part_scales.shape[1:]), dtype=part_scales.dtype)
-        packed[lo // 16 : lo // 16 + part.shape[0]] = part
-        scales[lo // 16 : lo // 16 + part.shape[0]] = part_scales
-    return [packed, scales, None]
 
 
 def _param_name(model: torch.nn.Module, param: torch.Tensor) -> str:
@@ -371,7 +292,7 @@ class FastLlamaRunner:
             self.vocab_rows = rows
             w_head = w_head[rows]
         self.head_rows = self.vocab if w_head is None else w_head.shape[0]
-        self._head = {k: _make_linear(k, w_head, None) for k in torch_kinds}
+        self._head = {k: make_linear(k, w_head, None) for k in torch_kinds}
 
         # --- static KV cache -----------------------------------------------------------------
         # keys as [layers, kv_heads, blocks of 16 positions, head_dim, 16]: a query scores 16 keys
@@ -379,19 +300,23 @@ class FastLlamaRunner:
         # (float16 for the native int8 path: halves the cache traffic of long contexts)
         pos_pad = -(-self.max_positions // 16) * 16
         cache_dtype = torch.float16 if lib is not None else torch.float32
-        self._kcache = torch.zeros(self.num_layers, self.n_kv, pos_pad // 16, hd, 16, dtype=cache_dtype)
-        self._vcache = torch.zeros(self.num_layers, self.n_kv, pos_pad, hd, dtype=cache_dtype)
+        self._cache_shapes = (
+            (self.num_layers, self.n_kv, pos_pad // 16, hd, 16),
+            (self.num_layers, self.n_kv, pos_pad, hd),
+        )
+        self._kcache, self._vcache = (torch.zeros(shape, dtype=cache_dtype) for shape in self._cache_shapes)
         self._pos_pad = pos_pad
+        self._template = False  # ``as_template``: no KV cache, forks only
 
         if lib is not None:
             if w_head is None:  # from the GGUF, HEAD_SLICE_ROWS rows at a time
                 head_rows = checkpoint.rows(head_name)
-                bufs = _pack_native_slices(
+                bufs = pack_native_slices(
                     lambda lo, hi: head_rows.index_select(0, torch.arange(lo, hi)) * gain, self.vocab
                 )
                 release_freed_memory()
             else:
-                bufs = _pack_native(w_head, None)
+                bufs = pack_native(w_head, None)
             head_ptrs = torch.tensor([0 if t is None else t.data_ptr() for t in bufs], dtype=torch.int64)
             self._head_tensors = [t for t in bufs if t is not None] + [head_ptrs]
             self._head_pad = bufs[0].shape[0] * 16
@@ -469,10 +394,10 @@ class FastLlamaRunner:
             with self._layer_weights(layer):
                 mats = self._layer_mats(layer, deltas() if callable(deltas) else deltas)
             for k in self._torch_kinds:
-                torch_layers[k].append(tuple(_make_linear(k, w, b) for w, b in mats))
+                torch_layers[k].append(tuple(make_linear(k, w, b) for w, b in mats))
             if self._lib is not None:
                 for w, b in mats:
-                    bufs = _pack_native(w, b)
+                    bufs = pack_native(w, b)
                     native_tensors += [t for t in bufs if t is not None]
                     ptrs += [0 if t is None else t.data_ptr() for t in bufs]
         layer_ptrs = torch.tensor(ptrs, dtype=torch.int64) if self._lib is not None else None
@@ -530,7 +455,9 @@ class FastLlamaRunner:
         cache and no adapter: one base packing serves every adapter's runner until an adapter
         is merged into it."""
         new = copy.copy(self)
-        new._kcache, new._vcache = torch.zeros_like(self._kcache), torch.zeros_like(self._vcache)
+        dtype = self._kcache.dtype
+        new._kcache, new._vcache = (torch.zeros(shape, dtype=dtype) for shape in self._cache_shapes)
+        new._template = False
         new._packing, new.lora_rank, new._last_residual = self._base_packing, 0, None
         new.length = new.forward_calls = 0
         if self._lib is not None:
@@ -539,6 +466,16 @@ class FastLlamaRunner:
             new._fd.layer_ptrs = self._base_packing.layer_ptrs.data_ptr()
             new._fd_ref = ctypes.addressof(new._fd)
         return new
+
+    def as_template(self) -> None:
+        """Keep this runner only as the source of ``fork``s: its KV cache (``max_positions``
+        positions, ~94 MB for SmolLM2-135M at 4,096) is freed, and ``forward`` refuses to run.
+        A device's drafter adapters draft on forks and never on their base runner."""
+        dtype = self._kcache.dtype
+        self._kcache = self._vcache = torch.empty(0, dtype=dtype)
+        self._template = True
+        if self._lib is not None:
+            self._fd.kcache = self._fd.vcache = 0
 
     def reset(self) -> None:
         self.length = 0
@@ -561,6 +498,8 @@ class FastLlamaRunner:
         t = p + m
         if t > self.max_positions:
             raise ValueError(f"sequence of {t} positions exceeds max_positions={self.max_positions}")
+        if self._template:
+            raise RuntimeError("this runner is a template (as_template): forward on a fork of it")
         kind = self.weights
         if self.prefill_weights is not None and m > self.prefill_min_tokens:
             kind = self.prefill_weights

@@ -28,7 +28,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from omnidraft.proto import ngram_cache_pb2
-from omnidraft.shared.atomic_io import write_bytes_atomic
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 FORMAT_VERSION = 1
 POLICIES = ("lru", "lfu")

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from omnidraft.shared.draft_context import DraftContext
-from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.vocab.draft_context import DraftContext
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 TOP_K = 32
 # what the recorder keeps per committed token (``SignalRecorder.signal``; see the module docstring)

@@ -1,9 +1,9 @@
 """The native int8 kernels: what this CPU runs, and the compiled library for an instruction set.
 
-The C sources are in ``shared/native/``. ``fd_unit.c`` is compiled once per instruction set
+The C sources are in ``shared/runtime/native/``. ``fd_unit.c`` is compiled once per instruction set
 (``NATIVE_ISAS``) with that set's compiler flags (``compile_flags``). ``pip install`` builds them
 (``setup.py``: one optional extension module per instruction set of the build machine's
-architecture, ``omnidraft.shared._fd_<set>``, loaded with ctypes; a set the compiler cannot build
+architecture, ``omnidraft.shared.runtime._fd_<set>``, loaded with ctypes; a set the compiler cannot build
 is skipped with a warning), and the loader dispatches at run time to the best set this CPU has
 (``default_native_isa``). Each library carries the key of the sources and flags it was built
 from (``fd_source_key``); where no installed build exists for a set, or it was built from other
@@ -220,7 +220,7 @@ def native_sources(isa: str) -> list[str]:
 
 
 def extension_name(isa: str) -> str:
-    """The installed build's module name inside ``omnidraft.shared`` (``_fd_avx512``, ...)."""
+    """The installed build's module name inside ``omnidraft.shared.runtime`` (``_fd_avx512``, ...)."""
     return "_fd_" + isa.replace("-", "_")
 
 
@@ -283,7 +283,7 @@ def _build_native(isa: str):
 def _compile_at_first_use(isa: str) -> Path:
     """Build ``isa``'s library with ``$CC`` into ``$OMNIDRAFT_HOME/fast_drafter/`` (once per
     sources, flags and compiler; ~1-3 s) and return its path."""
-    from omnidraft.shared import catalog
+    from omnidraft.shared.engine import catalog
 
     cc = os.environ.get("CC", "gcc")
     flags = [*compile_flags(isa), "-shared", "-fPIC", f"-I{NATIVE_DIR}"]

@@ -2,7 +2,7 @@
 
 ``AcceptanceHead`` reads the drafter's last hidden state (after the final norm) at the step
 that produced a drafted token and predicts the probability that the target accepts it. That prediction is the acceptance
-estimate of the throughput rule (``omnidraft.shared.draft_policy``), calibrated there against
+estimate of the throughput rule (``omnidraft.shared.engine.draft_policy``), calibrated there against
 what verification accepted: no fixed threshold decides when drafting stops.
 
 Labels are soft: ``min(1, p(t) / q'(t))`` for the drafter's argmax token ``d`` at a position

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch.func import functional_call
 
-from omnidraft.shared.fast_drafter import FastLlamaRunner
-from omnidraft.shared.model_runner import ModelRunner
-from omnidraft.shared.precision import build_drafter_runner
+from omnidraft.shared.engine.model_runner import ModelRunner
+from omnidraft.shared.engine.precision import build_drafter_runner
+from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -244,8 +244,9 @@ class DrafterAdapters:
             if self.drafter_weights == "hf" or self.model.config.model_type != "llama":
                 self._runners[name] = ModelRunner(self.peft)  # plain transformers forward applies the adapter
             else:
-                if self._base is None:
+                if self._base is None:  # only ever forked: no KV cache of its own
                     self._base = build_drafter_runner(self.peft.get_base_model(), self.drafter_weights)
+                    self._base.as_template()
                 runner = self._runners.get(name) or self._base.fork()
                 runner.set_lora(self.lora_layers(name))
                 self._runners[name] = runner

@@ -1,24 +1,24 @@
 """Decoders: the target alone (``ar``) and cross-vocabulary speculative decoding (``omnidraft``).
 
 One round of ``CrossVocabDecoder``:
-  0. the throughput rule (``omnidraft.shared.draft_policy.ThroughputRule``: the machine's
+  0. the throughput rule (``omnidraft.shared.engine.draft_policy.ThroughputRule``: the machine's
      cached costs and the measured acceptance) picks what the round verifies: a plain target
      step, a model-free draft looked up in the text the device already has
-     (``omnidraft.shared.lookup_drafts``: already target tokens, steps 1-2 skipped), or a
+     (``omnidraft.shared.engine.lookup_drafts``: already target tokens, steps 1-2 skipped), or a
      drafter draft;
   1. the drafter proposes up to ``k_max`` of its own tokens (its argmax, with KV cache),
      stopping early when one more token no longer raises the expected tokens per second
      (the rule; its acceptance estimate comes from the drafter's confidence or, when the
      device's acceptance head is given, from the head), or with ``draft_stop="confidence"``
      when its confidence falls under ``config.confidence``; with token healing
-     (``omnidraft.shared.token_healing``, on by default) it may first re-spell the last token
+     (``omnidraft.shared.vocab.token_healing``, on by default) it may first re-spell the last token
      of its context, when the committed text ended inside what it would write as one token;
-  2. the drafted block is translated into target tokens (``omnidraft.shared.translation``:
+  2. the drafted block is translated into target tokens (``omnidraft.shared.vocab.translation``:
      the target tokenizer on the drafted text, or the paper's n-gram-cache merge with the
      direct map); the cache is frozen during the round;
   3. one target forward scores the pending token plus the proposal;
   4. verification commits the accepted prefix plus one correction/bonus token (greedy:
-     argmax matching; sampling: the point-mass rule of ``omnidraft.shared.sampling``, exact
+     argmax matching; sampling: the point-mass rule of ``omnidraft.shared.engine.sampling``, exact
      for any proposal), so the output is the target's own;
   5. the committed text is re-tokenized for the drafter (``DraftContext``), the drafter KV
      cache is cropped to the longest common prefix, and committed target tokens whose drafter
@@ -32,21 +32,21 @@ from dataclasses import dataclass
 
 import torch
 
-from omnidraft.shared.draft_context import DraftContext, common_prefix_len, text_encoder
-from omnidraft.shared.draft_policy import DRAFTER, LOOKUP, ThroughputRule
-from omnidraft.shared.generation import (
+from omnidraft.shared.engine.draft_policy import DRAFTER, LOOKUP, ThroughputRule
+from omnidraft.shared.engine.generation import (
     GenerationConfig,
     GenerationResult,
     GenerationStats,
     StopChecker,
 )
-from omnidraft.shared.lookup_drafts import LookupDrafter
-from omnidraft.shared.model_runner import ModelRunner, Runner
-from omnidraft.shared.ngram_cache import NgramCache
-from omnidraft.shared.profiling import StepTimings
-from omnidraft.shared.sampling import sample, verify_sampled, warp
-from omnidraft.shared.translation import TRANSLATORS, NgramTranslator, TextTranslator, Translator
-from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.engine.lookup_drafts import LookupDrafter
+from omnidraft.shared.engine.model_runner import ModelRunner, Runner
+from omnidraft.shared.engine.profiling import StepTimings
+from omnidraft.shared.engine.sampling import sample, verify_sampled, warp
+from omnidraft.shared.vocab.draft_context import DraftContext, common_prefix_len, text_encoder
+from omnidraft.shared.vocab.ngram_cache import NgramCache
+from omnidraft.shared.vocab.translation import TRANSLATORS, NgramTranslator, TextTranslator, Translator
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 
 @dataclass

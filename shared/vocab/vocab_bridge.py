@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from omnidraft.shared.token_healing import TokenHealer
+from omnidraft.shared.vocab.token_healing import TokenHealer
 
 __all__ = [
     "TokenScheme",

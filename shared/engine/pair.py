@@ -1,7 +1,7 @@
 """Assemble a drafter/target pair into ready-to-use decoders.
 
 ``Engine.load("smollm2-135m", "qwen2.5-coder-1.5b", "int8")`` loads both models (catalog names
-or local HF directories), runs the target in the given precision (``omnidraft.shared.precision``;
+or local HF directories), runs the target in the given precision (``omnidraft.shared.engine.precision``;
 ``auto`` measures), builds the vocabulary bridge, the one-to-many expansion map and an n-gram
 cache, and hands out the ``ar`` and ``omnidraft`` decoders over one target runner. The
 machine's measured costs (``cost_profile``) drive the ``omnidraft`` decoder's throughput rule;
@@ -15,14 +15,13 @@ from functools import cached_property
 
 import torch
 
-from omnidraft.shared import catalog, model_runner, profiling
-from omnidraft.shared.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
-from omnidraft.shared.draft_policy import ThroughputRule
-from omnidraft.shared.generation import GenerationConfig, GenerationResult
-from omnidraft.shared.lookup_drafts import LookupDrafter
-from omnidraft.shared.model_runner import LoadedModel, ModelRunner, Runner
-from omnidraft.shared.ngram_cache import NgramCache, seed_from_tokenizers
-from omnidraft.shared.precision import (
+from omnidraft.shared.engine import catalog, model_runner, profiling
+from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.engine.draft_policy import ThroughputRule
+from omnidraft.shared.engine.generation import GenerationConfig, GenerationResult
+from omnidraft.shared.engine.lookup_drafts import LookupDrafter
+from omnidraft.shared.engine.model_runner import LoadedModel, ModelRunner, Runner
+from omnidraft.shared.engine.precision import (
     build_drafter_runner,
     build_target_runner,
     load_dtype,
@@ -30,9 +29,10 @@ from omnidraft.shared.precision import (
     quantize_linear_int8,
     runner_backend,
 )
-from omnidraft.shared.profiling import CostProfile, StepTimings
-from omnidraft.shared.recordings import RecordingStore
-from omnidraft.shared.vocab_bridge import VocabBridge
+from omnidraft.shared.engine.profiling import CostProfile, StepTimings
+from omnidraft.shared.engine.recordings import RecordingStore
+from omnidraft.shared.vocab.ngram_cache import NgramCache, seed_from_tokenizers
+from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 DRAFTER_WEIGHTS = ("int8", "bf16", "fp32", "hf")
 # what the per-round overhead is measured on: ordinary code, decoded for OVERHEAD_TOKENS tokens

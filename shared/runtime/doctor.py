@@ -14,8 +14,9 @@ import shutil
 
 import torch
 
-from omnidraft.shared import catalog
-from omnidraft.shared.native_kernels import (
+from omnidraft.shared.engine import catalog
+from omnidraft.shared.engine.profiling import cpu_name
+from omnidraft.shared.runtime.native_kernels import (
     FALLBACK_COST,
     NATIVE_MACHINES,
     cpu_flags,
@@ -26,7 +27,6 @@ from omnidraft.shared.native_kernels import (
     library_origin,
     native_error,
 )
-from omnidraft.shared.profiling import cpu_name
 
 # the CPU features the kernels and torch's paths use, by machine
 FEATURES = {

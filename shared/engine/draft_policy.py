@@ -3,7 +3,7 @@
 Every round of speculative decoding picks one of three things (``ThroughputRule.plan``):
 
 - **a plain target step** (draft length zero): 1 token for ``T(1) + s`` ms;
-- **a model-free draft** of ``j`` target tokens (``omnidraft.shared.lookup_drafts``):
+- **a model-free draft** of ``j`` target tokens (``omnidraft.shared.engine.lookup_drafts``):
   ``1 + a + a^2 + ... + a^j`` tokens expected for ``T(1 + j) + s`` ms, with ``a`` the measured
   acceptance of lookups from that source (this generation / the device's history) and of that
   match length; ``j`` is the best prefix of the looked-up continuation;
@@ -53,7 +53,7 @@ costs do not change). Even without a change, a bucket keeps at most
 
 from __future__ import annotations
 
-from omnidraft.shared.profiling import CostProfile
+from omnidraft.shared.engine.profiling import CostProfile
 
 BUCKETS = 10
 PRIOR_WEIGHT = 4.0

@@ -17,7 +17,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from omnidraft.shared import catalog, gguf_weights
+from omnidraft.shared.engine import catalog
+from omnidraft.shared.runtime import gguf_weights
 
 
 @dataclass

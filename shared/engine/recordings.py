@@ -28,10 +28,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as st_save
 
-from omnidraft.shared import catalog
-from omnidraft.shared.atomic_io import write_bytes_atomic
-from omnidraft.shared.generation import GenerationConfig
-from omnidraft.shared.training_signal import SIGNAL_KEYS
+from omnidraft.shared.engine import catalog
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.learning.training_signal import SIGNAL_KEYS
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 RECORDING_VERSION = 1
 

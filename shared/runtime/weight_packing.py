@@ -1,0 +1,104 @@
+"""Weight matrices packed for the runner's kernels (``fast_drafter.FastLlamaRunner``).
+
+``make_linear(kind, w, b)`` wraps a float32 matrix as a torch callable (``fp32``: MKL;
+``bf16``: oneDNN prepacked bf16; ``int8``: fbgemm dynamic quantization). ``pack_native`` lays
+a matrix out for the native int8 kernels (``shared/runtime/native/``): uint8 weights in blocks of 16
+rows x 4 inputs with a float scale per (row, 64 inputs); ``pack_native_slices`` does the same
+from row slices read one at a time (an LM head read from a GGUF).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from omnidraft.shared.runtime.native_kernels import onednn_bf16_linear
+
+WEIGHT_KINDS = ("fp32", "bf16", "int8")
+
+
+@contextlib.contextmanager
+def _quantized_engine(name: str):
+    old = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = old
+
+
+def make_linear(kind: str, w: torch.Tensor, b: torch.Tensor | None):
+    """A callable ``x -> x @ w.T + b`` for float32 ``w`` [out, in] using the ``kind`` kernel.
+
+    The fp32 and int8 kernels return float32; the bf16 kernel returns bfloat16.
+    """
+    w = w.detach().float().contiguous()
+    b = None if b is None else b.detach().float().contiguous()
+    if kind == "fp32":
+        return lambda x: F.linear(x, w, b)
+    if kind == "bf16":
+        bf16 = torch.bfloat16
+        bb = None if b is None else b.to(bf16)
+        if not onednn_bf16_linear():  # e.g. AVX2-only CPUs: torch's own (emulated) bf16 GEMM
+            wt = w.to(bf16)
+            return lambda x: F.linear(x.to(bf16), wt, bb)
+        wb = torch.ops.mkldnn._reorder_linear_weight(w.to(bf16))
+        lp = torch.ops.mkldnn._linear_pointwise
+        return lambda x: lp(x.to(bf16), wb, bb, "none", [], "")
+    if kind == "int8":
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+        with warnings.catch_warnings():  # quantized tensors are deprecated (but still the fastest here)
+            warnings.simplefilter("ignore")
+            qw = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        # fbgemm is the fastest engine here for M = 1..~16 (oneDNN/x86 are 10x slower for M > 1);
+        # the packed object remembers its engine, so the global setting is restored afterwards.
+        with _quantized_engine("fbgemm"):
+            packed = torch.ops.quantized.linear_prepack(qw, b)
+        lin = torch.ops.quantized.linear_dynamic
+        return lambda x: lin(x, packed, True)
+    raise ValueError(f"unknown weights kind {kind!r}: choose one of {', '.join(WEIGHT_KINDS)}")
+
+
+def pack_native(w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Native int8 layout: [uint8 weights (q + 128) as [N/16][K/4][16][4], float scales per
+    (row, group of 64 inputs) as [N/16][K/64][16], bias or None], with N padded to 16."""
+    w = w.detach().float()
+    n, k = w.shape
+    n_pad = -n % 16
+    if n_pad:
+        w = torch.cat([w, torch.zeros(n_pad, k)])
+    groups = w.view(n + n_pad, k // 64, 64)
+    scale = (groups.abs().amax(dim=-1) / 127.0).clamp_min(1e-30)  # [N, K/64]
+    q = torch.round(groups / scale[..., None]).clamp_(-127, 127).view(n + n_pad, k)
+    u = (q + 128).to(torch.uint8)
+    packed = u.view(-1, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    scales = scale.view(-1, 16, k // 64).permute(0, 2, 1).contiguous()
+    bias = None
+    if b is not None:
+        bias = torch.cat([b.detach().float(), torch.zeros(n_pad)]).contiguous()
+    return [packed, scales, bias]
+
+
+# rows of an LM head read, scaled and packed at a time when it is packed from a GGUF (a
+# multiple of 16: slices pack to exactly the bytes of the whole matrix)
+HEAD_SLICE_ROWS = 8192
+
+
+def pack_native_slices(read_rows: Callable[[int, int], torch.Tensor], n: int) -> list[torch.Tensor | None]:
+    """``pack_native`` of an ``[n, K]`` matrix without a bias, read as ``read_rows(lo, hi)``
+    slices of ``HEAD_SLICE_ROWS`` rows: the same bytes as packing it whole (rows are quantized
+    independently; only the last slice is padded), with one slice in float32 at a time."""
+    packed = scales = None
+    for lo in range(0, n, HEAD_SLICE_ROWS):
+        part, part_scales, _ = pack_native(read_rows(lo, min(lo + HEAD_SLICE_ROWS, n)), None)
+        if packed is None:  # the whole matrix's buffers, filled slice by slice (no second copy)
+            blocks = -(-n // 16)
+            packed = torch.empty((blocks, *part.shape[1:]), dtype=part.dtype)
+            scales = torch.empty((blocks, *part_scales.shape[1:]), dtype=part_scales.dtype)
+        packed[lo // 16 : lo // 16 + part.shape[0]] = part
+        scales[lo // 16 : lo // 16 + part.shape[0]] = part_scales
+    return [packed, scales, None]

@@ -1,0 +1,1 @@
+"""Small helpers both sides use: atomic writes, process settings."""
