@@ -126,9 +126,10 @@ def test_quantized_close_to_hf(model, kind):
 
 def test_bf16_without_onednn_prepacking(model, monkeypatch):
     """CPUs oneDNN cannot prepack bf16 for (AVX2-only) run bf16 weights on torch's own GEMM."""
-    from omnidraft.shared.runtime import fast_drafter
+    from omnidraft.shared.runtime import fast_drafter, weight_packing
 
-    monkeypatch.setattr(fast_drafter, "onednn_bf16_linear", lambda: False)
+    monkeypatch.setattr(weight_packing, "onednn_bf16_linear", lambda: False)  # the kernels
+    monkeypatch.setattr(fast_drafter, "onednn_bf16_linear", lambda: False)  # the backend's name
     runner = make(model, kind_of("bf16"), prefill_weights=None)
     assert runner.backend == "torch-bf16"
     ref = torch.cat(script(ModelRunner(model)))
