@@ -20,6 +20,7 @@ def commit_aggregate(
     rnd: int,
     target: str,
     state: GlobalState,
+    global_adapter: dict[str, np.ndarray],
     aggregate: dict[str, np.ndarray],
     ngram_stats: list,
     devices: int,
@@ -27,11 +28,10 @@ def commit_aggregate(
     record: dict,
 ) -> str | None:
     """Commit round ``rnd``'s ``aggregate`` (the devices' aggregated adapter) for ``target``,
-    whose current version is ``state``; ``ngram_stats`` are the accepted devices' decoded n-gram
-    statistics, ``devices`` and ``tokens`` (trained tokens) go into the manifest. Adds what was
-    committed to ``record`` (version, sizes, n-gram release report, update noise); returns why
-    nothing was committed, or None."""
-    global_adapter = {k: v.numpy() for k, v in state.adapter.items()}
+    whose current version is ``state`` (its adapter as ``global_adapter``); ``ngram_stats`` are
+    the accepted devices' decoded n-gram statistics, ``devices`` and ``tokens`` (trained tokens)
+    go into the manifest. Adds what was committed to ``record`` (version, sizes, n-gram release
+    report, update noise); returns why nothing was committed, or None."""
     server = ServerOptimizer(config.server_opt, registry.server_state(target))
     adapter = server.step(global_adapter, aggregate)
     if not all(np.isfinite(v).all() for v in adapter.values()):  # never commit what no device can use

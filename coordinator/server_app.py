@@ -523,7 +523,17 @@ class Coordinator:
         else:
             adapter, metrics = aggregate_target(rnd, msgs, global_adapter, cfg.aggregation)
         problem = commit_aggregate(
-            self.registry, cfg, rnd, target, state, adapter, [b for _, b in good], len(msgs), tokens, record
+            self.registry,
+            cfg,
+            rnd,
+            target,
+            state,
+            global_adapter,
+            adapter,
+            [b for _, b in good],
+            len(msgs),
+            tokens,
+            record,
         )
         if problem is not None:
             record["rejected"] += [problem]

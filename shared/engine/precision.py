@@ -64,16 +64,12 @@ def load_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
 
 
-def fast_runner_runs(model_type: str, layer_types: list[str] | None) -> bool:
-    """True when ``FastLlamaRunner`` runs a model of this architecture (Llama / Qwen2, every
-    layer full attention), read from its config."""
-    return model_type in SUPPORTED_MODEL_TYPES and all(t == "full_attention" for t in layer_types or ())
-
-
-def fast_runner_supports(model: torch.nn.Module) -> bool:
-    """True when ``FastLlamaRunner`` can run this loaded model (``fast_runner_runs``)."""
-    config = model.config
-    return fast_runner_runs(getattr(config, "model_type", ""), getattr(config, "layer_types", None))
+def fast_runner_supports(config) -> bool:
+    """True when ``FastLlamaRunner`` runs a model with this transformers config (Llama / Qwen2,
+    every layer full attention)."""
+    return getattr(config, "model_type", "") in SUPPORTED_MODEL_TYPES and all(
+        t == "full_attention" for t in getattr(config, "layer_types", None) or ()
+    )
 
 
 def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None) -> Runner:
@@ -84,7 +80,7 @@ def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None)
     layers on the meta device): the fast runner packs from it layer by layer; any other runner
     gets the model filled first.
     """
-    if precision == "int8" and fast_runner_supports(model):
+    if precision == "int8" and fast_runner_supports(model.config):
         # prompt prefill on the int8 kernels too: every call of a sequence runs one kernel path,
         # and on this project's machines int8 prefill is faster than bf16 (BENCHMARKS.md)
         return FastLlamaRunner(

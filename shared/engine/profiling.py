@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -385,15 +386,15 @@ def lossless_precisions(path: Path) -> tuple[str, ...]:
     a block differently from a step and stay available only when asked for by name. A model
     kept as GGUF (a device's footprint) runs int8 only where that is exact: a float copy of it
     is what that format avoids."""
-    from omnidraft.shared.engine.precision import fast_runner_runs
+    from omnidraft.shared.engine.precision import fast_runner_supports
     from omnidraft.shared.runtime import gguf_weights
     from omnidraft.shared.runtime.native_kernels import native_library
 
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    native = fast_runner_runs(config.get("model_type", ""), config.get("layer_types")) and native_library() is not None
+    try:  # the config's fields as attributes, as on a loaded model's config
+        config = SimpleNamespace(**json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError, TypeError):  # no readable config: nothing says the native kernels run it
+        config = None
+    native = fast_runner_supports(config) and native_library() is not None
     if native:
         return ("int8",) if gguf_weights.gguf_file(path) is not None else ("int8", "fp32")
     return ("fp32",)
