@@ -158,7 +158,7 @@ def _llamacpp_runner(engine: Engine, max_new_tokens: int, lookup: bool = False) 
         _, ids = engine.prompt_ids(prompt)
         new: list[int] = []
         t0 = time.perf_counter()
-        llm.reset()  # no prompt-prefix reuse across prompts (our decoders prefill every prompt too)
+        llm.reset()  # no reuse of the target's prompt prefix across prompts (ours prefill the target for every prompt too)
         for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
             if tok in eos:
                 break

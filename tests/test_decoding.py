@@ -363,6 +363,51 @@ def test_replaying_the_recorded_target_gives_the_live_decode(pair, bridge, trans
             assert replay.side.runner.forward_calls == live.stats.target_calls + (len(ids) > 1)
 
 
+def test_the_drafter_keeps_the_prefix_the_next_prompt_shares(pair, bridge, translate):
+    """A drafter runner that tracks the ids it holds (``FastLlamaRunner.held``) keeps the part of
+    its cache the next prompt shares with the previous sequence: that prompt's first drafter
+    forward feeds only the rest. Greedy output stays the target alone's, and a weight change
+    (an adapter merged) empties what it holds."""
+    from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
+    from omnidraft.shared.vocab.draft_context import DraftContext, common_prefix_len
+
+    runner = FastLlamaRunner(pair.drafter, weights="fp32", max_positions=512)
+    spd = CrossVocabDecoder(
+        runner,
+        pair.draft_tokenizer,
+        pair.target,
+        bridge,
+        NgramCache(),
+        expand_map=build_expand_map(bridge, pair.target_tokenizer),
+        translate=translate,
+        target_tokenizer=pair.target_tokenizer,
+    )
+    ar = TargetOnlyDecoder(pair.target, bridge)
+    fed: list[int] = []
+    forward = runner.forward
+
+    def counted(ids, logits_to_keep=0):
+        fed.append(len(ids))
+        return forward(ids, logits_to_keep)
+
+    runner.forward = counted
+    header = "def items_9(count, result):\n    items = count // result\n    total = items * count\n"
+    config = GenerationConfig(max_new_tokens=24, k_max=4, confidence=0.0)
+    shared = []
+    for prompt in (header + "    return total\n", header + "    delta = result", "x = 1\n"):
+        held = list(runner.held)
+        context = DraftContext(spd._encode, bridge.draft_bytes, prompt).ids
+        fed.clear()
+        ids = pair.target_tokenizer.encode(prompt)
+        assert spd.generate(prompt, ids, config).token_ids == ar.generate(ids, config).token_ids, prompt
+        keep = min(common_prefix_len(held, context), len(context) - 1)
+        assert fed[0] == len(context) - keep  # the prompt's first drafter forward: only the unshared part
+        shared.append(keep)
+    assert shared[0] == 0 and shared[1] > 20 and shared[2] == 0
+    runner.set_lora(None)  # back to the base weights: positions computed with others are dropped
+    assert runner.held == [] and runner.length == 0
+
+
 def test_recorded_target_rows_and_errors():
     from omnidraft.shared.engine.recorded_target import RecordedTarget
 

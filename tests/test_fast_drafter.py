@@ -156,6 +156,9 @@ def test_crop_equals_never_fed(kind):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert a.length == b.length == 27
+    assert a.held == b.held == ids[:27]  # the ids at the cached positions, whatever was cropped
+    a.reset()
+    assert a.held == [] and a.length == 0
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -253,6 +256,7 @@ def test_a_template_runner_holds_no_kv_cache_and_its_forks_decode_as_it_did():
         base.forward([1, 2])
     fork = base.fork()
     assert fork._kcache.nbytes + fork._vcache.nbytes == cache_bytes
+    assert fork.held == [] and fork.held is not base.held
     assert torch.equal(torch.cat(script(fork)), before)
     assert torch.equal(torch.cat(script(base.fork())), before)  # forks keep their own caches
 

@@ -205,12 +205,14 @@ class CrossVocabDecoder:
         stats: GenerationStats,
         rule: ThroughputRule | None,
         heal: bool,
+        prefill: bool = False,
     ) -> tuple[Draft, list[int]]:
         """Propose up to ``k_max`` drafter tokens after ``context_ids`` (healing tokens aside).
 
         ``fed`` lists the ids whose keys/values sit in the drafter KV cache; ``heal``: whether
-        the last context token may be re-spelled. Returns the drafted block and the new
-        ``fed`` list.
+        the last context token may be re-spelled; ``prefill``: the drafter's first round in this
+        sequence, whose context forward is the prompt's prefill (not a cost of the round). Returns the drafted
+        block and the new ``fed`` list.
         """
         heal = heal and self.healer is not None and len(context_ids) >= 2
         rows = 2 if heal else 1  # with healing, also the logits that predicted the last token
@@ -233,7 +235,7 @@ class CrossVocabDecoder:
                 stats.healed_rounds += 1
         # what the drafter was fed first counts as a fixed cost of this round (not the prompt:
         # that is a prefill)
-        draft = Draft([], refeed=len(context_ids) - keep if keep else 0)
+        draft = Draft([], refeed=len(context_ids) - keep if keep and not prefill else 0)
         head = self.head if rule is not None else None  # the head feeds the rule only
         head_current = not pending  # the runner's last hidden state is the one that predicts `logits`
         if rule is not None:
@@ -301,10 +303,15 @@ class CrossVocabDecoder:
         context = DraftContext(self._encode, self.bridge.draft_bytes, prompt_text)
         if not context.ids:
             raise ValueError("the prompt has no complete drafter token")
-        self.drafter.reset()
+        # what the drafter's cache holds from the previous sequence (a runner that tracks it):
+        # the new prompt's first round forwards only what it does not share with it
+        held = getattr(self.drafter, "held", None)
+        if held is None:
+            self.drafter.reset()
         if self.head is not None:
             self.drafter.track_hidden()
-        fed: list[int] = []
+        fed: list[int] = list(held) if held is not None else []
+        prefilled = False  # the drafter has been given this prompt (its first round forwards it)
         pending = prompt_ids[-1]
         target_bytes = self.bridge.target_bytes
         rule = self._active_rule(config)
@@ -322,7 +329,10 @@ class CrossVocabDecoder:
             units = []
             if kind == DRAFTER:
                 # the prompt's end is a boundary both models were given: heal from the first commit on
-                draft, fed = self._draft(context.ids, fed, config, stats, rule, heal=bool(stop.generated))
+                draft, fed = self._draft(
+                    context.ids, fed, config, stats, rule, heal=bool(stop.generated), prefill=not prefilled
+                )
+                prefilled = True
                 units = self.translate(draft.ids, draft.overlap)[: max(0, budget - 1)]
                 proposal = [u.target_id for u in units]
             elif kind == LOOKUP:

@@ -12,7 +12,9 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   unchanged because queries and keys are permuted alike);
 * a static, preallocated KV cache (keys ``[layers, kv_heads, max_positions / 16, head_dim, 16]``
   so that one query scores 16 keys with plain FMAs, values ``[layers, kv_heads, max_positions,
-  head_dim]``) written in place: ``crop`` is O(1) (a length counter);
+  head_dim]``) written in place: ``crop`` is O(1) (a length counter); ``held`` lists the ids
+  whose keys and values it holds, so a decoder can keep the part of a new prompt it shares with
+  the previous sequence instead of prefilling it again;
 * the kernels picked per call by the number of new tokens ``M`` (see ``weights``).
 
 ``weights`` chooses the kernels:
@@ -343,6 +345,7 @@ class FastLlamaRunner:
             self._fd_ref = ctypes.addressof(self._fd)
         self.length = 0
         self.forward_calls = 0
+        self.held: list[int] = []  # the ids at the cached positions, in order (``length`` of them)
 
     # ------------------------------------------------------------------------------------------
     def _layer_mats(self, layer, deltas: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -460,6 +463,7 @@ class FastLlamaRunner:
         new._template = False
         new._packing, new.lora_rank, new._last_residual = self._base_packing, 0, None
         new.length = new.forward_calls = 0
+        new.held = []
         if self._lib is not None:
             new._fd = _FdModel.from_buffer_copy(self._fd)
             new._fd.kcache, new._fd.vcache = new._kcache.data_ptr(), new._vcache.data_ptr()
@@ -479,6 +483,7 @@ class FastLlamaRunner:
 
     def reset(self) -> None:
         self.length = 0
+        self.held.clear()
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds only the first ``length`` positions."""
@@ -486,6 +491,7 @@ class FastLlamaRunner:
             raise ValueError("length must be >= 0")
         if length < self.length:
             self.length = length
+            del self.held[length:]
 
     @torch.inference_mode()
     def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
@@ -529,6 +535,7 @@ class FastLlamaRunner:
             full.index_copy_(1, self.vocab_rows, logits)
             logits = full
         self.length = t
+        self.held.extend(ids)
         self.forward_calls += 1
         return logits
 
