@@ -42,10 +42,12 @@ def translate(request):
     return request.param
 
 
-def make_decoders(pair, bridge, cache=None, translate="text"):
+def make_decoders(pair, bridge, cache=None, translate="text", drafter=None, **options):
+    """The speculative decoder (``drafter``: a runner in place of the pair's drafter model;
+    ``options``: more ``CrossVocabDecoder`` arguments) and the target alone."""
     cache = cache if cache is not None else NgramCache()
     spd = CrossVocabDecoder(
-        pair.drafter,
+        drafter if drafter is not None else pair.drafter,
         pair.draft_tokenizer,
         pair.target,
         bridge,
@@ -53,6 +55,7 @@ def make_decoders(pair, bridge, cache=None, translate="text"):
         expand_map=build_expand_map(bridge, pair.target_tokenizer),
         translate=translate,
         target_tokenizer=pair.target_tokenizer,
+        **options,
     )
     return spd, TargetOnlyDecoder(pair.target, bridge)
 
@@ -195,17 +198,7 @@ def test_drafting_heals_a_context_that_ends_inside_a_drafter_word(pair, bridge):
 def test_token_healing_keeps_greedy_identity(pair, bridge, translate):
     """With healing on (the default) and off, the output is the target's own."""
     spd, ar = make_decoders(pair, bridge, translate=translate)
-    plain = CrossVocabDecoder(
-        pair.drafter,
-        pair.draft_tokenizer,
-        pair.target,
-        bridge,
-        NgramCache(),
-        expand_map=build_expand_map(bridge, pair.target_tokenizer),
-        translate=translate,
-        target_tokenizer=pair.target_tokenizer,
-        heal=False,
-    )
+    plain, _ = make_decoders(pair, bridge, translate=translate, heal=False)
     tt = pair.target_tokenizer
     config = GenerationConfig(max_new_tokens=32, k_max=4, confidence=0.0)
     for text in pair.texts[:25]:
@@ -372,17 +365,7 @@ def test_the_drafter_keeps_the_prefix_the_next_prompt_shares(pair, bridge, trans
     from omnidraft.shared.vocab.draft_context import DraftContext, common_prefix_len
 
     runner = FastLlamaRunner(pair.drafter, weights="fp32", max_positions=512)
-    spd = CrossVocabDecoder(
-        runner,
-        pair.draft_tokenizer,
-        pair.target,
-        bridge,
-        NgramCache(),
-        expand_map=build_expand_map(bridge, pair.target_tokenizer),
-        translate=translate,
-        target_tokenizer=pair.target_tokenizer,
-    )
-    ar = TargetOnlyDecoder(pair.target, bridge)
+    spd, ar = make_decoders(pair, bridge, translate=translate, drafter=runner)
     fed: list[int] = []
     forward = runner.forward
 
