@@ -38,6 +38,12 @@
 # PIP_CONSTRAINTS, PIP_CA, TORCH_INDEX, PODMAN_RUNTIME, PODMAN_ULIMITS, REBUILD_BASE=1, DEBIAN_MIRROR.
 set -euo pipefail
 
+case "${1-}" in
+    "") ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: deploy/build_image.sh takes no arguments (got '$1'); its settings are environment variables (--help)" >&2; exit 2 ;;
+esac
+
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-3.11}
 IMAGE=${IMAGE:-localhost/omnidraft-device:latest}

@@ -12,9 +12,9 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   unchanged because queries and keys are permuted alike);
 * a static, preallocated KV cache (keys ``[layers, kv_heads, max_positions / 16, head_dim, 16]``
   so that one query scores 16 keys with plain FMAs, values ``[layers, kv_heads, max_positions,
-  head_dim]``) written in place: ``crop`` is O(1) (a length counter); ``held`` lists the ids
-  whose keys and values it holds, so a decoder can keep the part of a new prompt it shares with
-  the previous sequence instead of prefilling it again;
+  head_dim]``) written in place; ``held`` lists the ids whose keys and values it holds
+  (``length`` is its size; ``crop`` only shortens it), so a decoder can keep the part of a new
+  prompt it shares with the previous sequence instead of prefilling it again;
 * the kernels picked per call by the number of new tokens ``M`` (see ``weights``).
 
 ``weights`` chooses the kernels:
@@ -343,9 +343,8 @@ class FastLlamaRunner:
                 act8=int(activation_bits == 8),
             )
             self._fd_ref = ctypes.addressof(self._fd)
-        self.length = 0
         self.forward_calls = 0
-        self.held: list[int] = []  # the ids at the cached positions, in order (``length`` of them)
+        self.held: list[int] = []  # the ids at the cached positions, in order
 
     # ------------------------------------------------------------------------------------------
     def _layer_mats(self, layer, deltas: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -462,7 +461,7 @@ class FastLlamaRunner:
         new._kcache, new._vcache = (torch.zeros(shape, dtype=dtype) for shape in self._cache_shapes)
         new._template = False
         new._packing, new.lora_rank, new._last_residual = self._base_packing, 0, None
-        new.length = new.forward_calls = 0
+        new.forward_calls = 0
         new.held = []
         if self._lib is not None:
             new._fd = _FdModel.from_buffer_copy(self._fd)
@@ -481,17 +480,19 @@ class FastLlamaRunner:
         if self._lib is not None:
             self._fd.kcache = self._fd.vcache = 0
 
+    @property
+    def length(self) -> int:
+        """Token positions held in the cache."""
+        return len(self.held)
+
     def reset(self) -> None:
-        self.length = 0
         self.held.clear()
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds only the first ``length`` positions."""
         if length < 0:
             raise ValueError("length must be >= 0")
-        if length < self.length:
-            self.length = length
-            del self.held[length:]
+        del self.held[length:]
 
     @torch.inference_mode()
     def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
@@ -534,7 +535,6 @@ class FastLlamaRunner:
             full = torch.full((logits.shape[0], self.vocab), float("-inf"))
             full.index_copy_(1, self.vocab_rows, logits)
             logits = full
-        self.length = t
         self.held.extend(ids)
         self.forward_calls += 1
         return logits

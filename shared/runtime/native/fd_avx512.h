@@ -369,7 +369,6 @@ static void attend_head(const fd_model* md, int layer, const float* qh, int h, i
     }
 }
 
-// Attention for M query rows (positions pos..pos+M-1) and all heads; scores: nthreads x sstride floats.
 static inline void store_h(uint16_t* dst, const float* src, int n) {  // fp32 -> fp16, saturating
     const __m512 lim = _mm512_set1_ps(65504.f), nlim = _mm512_set1_ps(-65504.f);
     for (int i = 0; i < n; i += 16) {
@@ -377,8 +376,6 @@ static inline void store_h(uint16_t* dst, const float* src, int n) {  // fp32 ->
         _mm256_storeu_si256((__m256i*)(dst + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
 }
-
-// One forward over M new tokens at positions [pos, pos + M). h: [M][D] embeddings (updated in place).
 
 // y[i] = silu(g[i]) * u[i] for i < n (n % 16 == 0).
 static void silu_mul(const float* g, const float* u, float* y, int n) {

@@ -42,6 +42,7 @@ static void normalize_rows(const fd_model* md, int M, const float* h, qact* a) {
     }
 }
 
+// Attention for M query rows (positions pos..pos+M-1) and all heads; scores: nthreads x sstride floats.
 static void attention(const fd_model* md, int layer, int M, const float* qkv, int NQ, int pos, float* att,
                       float* scores, size_t sstride, int nthreads) {
     const int H = md->H, HD = md->HD, total = M * H;
@@ -64,6 +65,7 @@ static void attention(const fd_model* md, int layer, int M, const float* qkv, in
     }
 }
 
+// One forward over M new tokens at positions [pos, pos + M). h: [M][D] embeddings (updated in place).
 int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep, float* logits, int nthreads) {
     const int D = md->D, H = md->H, KV = md->KV, HD = md->HD, I = md->I, NQ = md->n_qkv;
     const int qw = H * HD, half = HD / 2;
