@@ -110,7 +110,7 @@ def test_native_int8_block_verification_is_bit_identical_to_single_steps(make, b
     ids = [5 + (7 * i) % 250 for i in range(60)]
     runner.reset()
     runner.forward(ids[:40])
-    for block in (2, 3, 5, 8, 16):
+    for block in (2, 3, 4, 5, 8, 12, 16, 19):  # the 4-, 8- and 16-row kernels, padded tails
         runner.crop(40)
         together = runner.forward(ids[40 : 40 + block])
         runner.crop(40)
@@ -455,13 +455,18 @@ def test_instruction_set_overrides(monkeypatch):
 @pytest.mark.parametrize("isa", list(NATIVE_ISAS))
 def test_prompt_prefill_kernels_follow_the_instruction_set(isa):
     """``prefill_weights="auto"``: a second bf16 copy for prompt prefill only where the CPU has
-    native bf16 and the int8 kernels do not run blocks on AMX tiles (there int8 prefill is
-    faster and the drafter keeps one copy of its weights)."""
+    native bf16 and the int8 kernels prefill with 16-bit activations on VNNI; on AMX tiles or
+    with 8-bit prefill activations (drafters, targets) int8 prefill is faster and the runner
+    keeps one copy of its weights."""
     needs_isa(isa)
     runner = FastLlamaRunner(tiny_qwen2(), weights="int8", native=True, native_isa=isa, max_positions=32)
     bf16 = native_kernels.cpu_has_native_bf16() and isa != "amx"
     assert runner.prefill_weights == ("bf16" if bf16 else None)
     assert ("bf16" in runner._packing.torch_layers) == bf16
+    p8 = FastLlamaRunner(
+        tiny_qwen2(), weights="int8", native=True, native_isa=isa, max_positions=32, prefill_activation_bits=8
+    )
+    assert p8.prefill_weights is None and "bf16" not in p8._packing.torch_layers
 
 
 def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch):
