@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 import pickle
 import random
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from flwr.app import Context, Message
 
 from omnidraft.shared.update_codec import from_record, to_record
+from omnidraft.shared.util.atomic_io import write_bytes_atomic
 from omnidraft.shared.wire import FleetKey, MetricKey, Record, StatusKey
 
 # kind -> what the device sends
@@ -98,7 +98,11 @@ def _scale_update(reply: Message, factor: float | None = None, fill: float | Non
 
 
 def _replay_file(context: Context, partition: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"omnidraft-replay-{context.run_id}-{partition}.pkl"
+    """Where a replaying device keeps its first update: in the run's directory (it goes with the
+    run, not into the machine's temporary directory)."""
+    from omnidraft.simulations.flower_app import run_dir
+
+    return run_dir(context) / "attacks" / f"replay-{partition}.pkl"
 
 
 def spoil_train_reply(kind: str, reply: Message, context: Context, partition: int) -> Message:
@@ -125,13 +129,14 @@ def spoil_train_reply(kind: str, reply: Message, context: Context, partition: in
             _set_update(reply, old["update"])
             reply.content[Record.FLEET][FleetKey.STATE_VERSION] = old["state-version"]
         else:
-            path.write_bytes(
+            write_bytes_atomic(
+                path,
                 pickle.dumps(
                     {
                         "update": _update_arrays(reply),
                         "state-version": reply.content[Record.FLEET][FleetKey.STATE_VERSION],
                     }
-                )
+                ),
             )
     return reply
 

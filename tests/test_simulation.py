@@ -652,3 +652,4 @@ def test_hostile_devices_of_every_kind_cannot_stop_or_take_over_a_round(tmp_path
     assert all(np.isfinite(v.numpy()).all() for v in adapter.values())
     report_md = (out / "report.md").read_text()
     assert "## Rejected replies and skipped devices, by reason" in report_md and "attacks" in report_md
+    assert len(list((out / "attacks").glob("replay-*.pkl"))) == 1  # the replayer's old update stays with the run
