@@ -500,3 +500,26 @@ def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch
     monkeypatch.setattr(native_kernels, "native_library", lambda isa=None: None)  # no kernels: fbgemm only
     assert profiling.lossless_precisions(qwen) == ("fp32",)
     assert profiling.lossless_precisions(qwen_gguf) == ("fp32",)
+
+
+def _resident_mb() -> float:
+    from pathlib import Path
+
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads /proc/self/status")
+def test_a_kv_cache_is_resident_only_where_positions_were_written():
+    """``zeros_on_demand`` (a runner's KV cache): zeros everywhere, and resident memory grows
+    with the pages written, not with the 64 MB allocated (``torch.zeros`` writes them all)."""
+    from omnidraft.shared.runtime.heap import zeros_on_demand
+
+    before = _resident_mb()
+    cache = zeros_on_demand((32, 1024, 1024), torch.float16)  # 64 MiB
+    cache[:, :16].fill_(1.0)  # the first 16 "positions" of each of 32 heads: 1 MiB
+    grown = _resident_mb() - before
+    assert grown < 16, grown
+    assert not cache[:, 16:].any() and int(cache[:, :16].double().sum()) == 32 * 16 * 1024
+    runner = FastLlamaRunner(tiny_qwen2(), weights="int8", max_positions=64)
+    assert not runner._kcache.any() and not runner.fork()._vcache.any()

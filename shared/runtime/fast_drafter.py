@@ -12,7 +12,8 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   unchanged because queries and keys are permuted alike);
 * a static, preallocated KV cache (keys ``[layers, kv_heads, max_positions / 16, head_dim, 16]``
   so that one query scores 16 keys with plain FMAs, values ``[layers, kv_heads, max_positions,
-  head_dim]``) written in place; ``held`` lists the ids whose keys and values it holds
+  head_dim]``) written in place, resident only in the pages its positions reached
+  (``heap.zeros_on_demand``); ``held`` lists the ids whose keys and values it holds
   (``length`` is its size; ``crop`` only shortens it), so a decoder can keep the part of a new
   prompt it shares with the previous sequence instead of prefilling it again;
 * the kernels picked per call by the number of new tokens ``M`` (see ``weights``).
@@ -64,7 +65,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from omnidraft.shared.runtime.heap import release_freed_memory
+from omnidraft.shared.runtime.heap import release_freed_memory, zeros_on_demand
 from omnidraft.shared.runtime.native_kernels import (
     cpu_has_native_bf16,
     default_native_isa,
@@ -309,7 +310,7 @@ class FastLlamaRunner:
             (self.num_layers, self.n_kv, pos_pad // 16, hd, 16),
             (self.num_layers, self.n_kv, pos_pad, hd),
         )
-        self._kcache, self._vcache = (torch.zeros(shape, dtype=cache_dtype) for shape in self._cache_shapes)
+        self._kcache, self._vcache = (zeros_on_demand(shape, cache_dtype) for shape in self._cache_shapes)
         self._pos_pad = pos_pad
         self._template = False  # ``as_template``: no KV cache, forks only
 
@@ -461,7 +462,7 @@ class FastLlamaRunner:
         is merged into it."""
         new = copy.copy(self)
         dtype = self._kcache.dtype
-        new._kcache, new._vcache = (torch.zeros(shape, dtype=dtype) for shape in self._cache_shapes)
+        new._kcache, new._vcache = (zeros_on_demand(shape, dtype) for shape in self._cache_shapes)
         new._template = False
         new._packing, new.lora_rank, new._last_residual = self._base_packing, 0, None
         new.forward_calls = 0

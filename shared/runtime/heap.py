@@ -1,4 +1,4 @@
-"""Handing freed memory back to the system.
+"""Handing freed memory back to the system, and zeroed buffers that cost memory only once written.
 
 glibc keeps memory that Python and torch free in its heap for reuse; after a burst of large
 temporaries (packing a model layer by layer, a learner update's activations and gradients) that
@@ -10,6 +10,10 @@ the difference between fitting and swapping.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
+
+import torch
 
 
 def _malloc_trim():
@@ -27,3 +31,15 @@ def release_freed_memory() -> None:
     other C libraries). Costs milliseconds: call it after a burst, not per token."""
     if _TRIM is not None:
         _TRIM(0)
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose memory becomes resident only where it is written: an anonymous
+    ``mmap``, whose pages the system maps (zeroed) on first write, where ``torch.zeros`` writes
+    every byte (and numpy's ``zeros`` asks for huge pages, 2 MB resident per first write). A KV
+    cache sized for ``max_positions`` (117 MB for Qwen2.5-Coder-1.5B at 4,096) then holds
+    resident only the pages of the positions its sequences reached."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
