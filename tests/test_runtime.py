@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_native_int8_block_verification_is_bit_identical_to_single_steps(make, b
     ids = [5 + (7 * i) % 250 for i in range(60)]
     runner.reset()
     runner.forward(ids[:40])
-    for block in (2, 3, 4, 5, 8, 12, 16, 19):  # the 4-, 8- and 16-row kernels, padded tails
+    for block in (2, 3, 4, 5, 8, 12, 16, 19):  # 4-row blocks and every tail after them
         runner.crop(40)
         together = runner.forward(ids[40 : 40 + block])
         runner.crop(40)
@@ -502,14 +503,15 @@ def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch
     assert profiling.lossless_precisions(qwen_gguf) == ("fp32",)
 
 
-def _resident_mb() -> float:
-    from pathlib import Path
+PROC_STATUS = Path("/proc/self/status")
 
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS"))
+
+def _resident_mb() -> float:
+    line = next(x for x in PROC_STATUS.read_text().splitlines() if x.startswith("VmRSS"))
     return int(line.split()[1]) / 1024
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads /proc/self/status")
+@pytest.mark.skipif(not PROC_STATUS.exists(), reason="reads /proc/self/status (Linux)")
 def test_a_kv_cache_is_resident_only_where_positions_were_written():
     """``zeros_on_demand`` (a runner's KV cache): zeros everywhere, and resident memory grows
     with the pages written, not with the 64 MB allocated (``torch.zeros`` writes them all)."""
