@@ -39,7 +39,7 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     every byte (and numpy's ``zeros`` asks for huge pages, 2 MB resident per first write). A KV
     cache sized for ``max_positions`` (117 MB for Qwen2.5-Coder-1.5B at 4,096) then holds
     resident only the pages of the positions its sequences reached."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
