@@ -160,7 +160,9 @@ def probe_samples(saved: dict) -> list:
 
 def score(adapters: DrafterAdapters, name: str, samples) -> dict:
     adapters.activate(name)
-    return teacher_forced_agreement(*adapters.decoder_and_head(), samples)
+    return teacher_forced_agreement(
+        *adapters.decoder_and_head(adapters.held_dtype), samples, autocast=adapters.held_dtype
+    )
 
 
 def sweep(args) -> None:

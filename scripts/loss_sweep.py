@@ -127,7 +127,9 @@ class VariantLearner(OnlineLearner):
 
 def agreement(adapters: DrafterAdapters, name: str, samples) -> dict:
     adapters.activate(name)
-    return teacher_forced_agreement(*adapters.decoder_and_head(), samples)
+    return teacher_forced_agreement(
+        *adapters.decoder_and_head(adapters.held_dtype), samples, autocast=adapters.held_dtype
+    )
 
 
 def parse_variant(name: str) -> tuple[str, LossConfig, dict]:

@@ -152,11 +152,12 @@ def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair
     assert a.learner.updates == 2
     trainable = {n for n, p in adapters.peft.named_parameters() if p.grad is not None}
     assert trainable and all("lora_" in n and ".t_target_a." in n for n in trainable)
-    # base weights untouched (compare through the unwrapped names)
+    # base weights untouched (compare through the unwrapped names); under bf16 autocast the
+    # frozen Linear weights are held in bf16: exactly the cast of the originals
     for n, p in adapters.peft.get_base_model().named_parameters():
         key = n.replace(".base_layer", "")
         if "lora_" not in n:
-            assert torch.equal(p, base[key]), n
+            assert torch.equal(p, base[key].to(p.dtype)), n
     a_sd, b_sd = adapters.state_dict("target-a"), adapters.state_dict("target-b")
     assert any(not torch.equal(a_sd[k], b_before[k]) for k in a_sd)  # A learned
     assert all(torch.equal(b_sd[k], b_before[k]) for k in b_sd)  # B did not move
@@ -251,6 +252,54 @@ def test_bf16_training_on_frozen_weight_copies_is_bit_identical(pair_dir):
     assert adapters._frozen[torch.bfloat16] is copies  # made once
     adapters.respec(LoraSpec(rank=4, modules="attn"))
     assert not adapters._frozen
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_under_bf16_autocast_holds_the_frozen_drafter_weights_in_bf16(pair_dir, tied):
+    """Where the drafter drafts on packings, its first bf16 training forward converts the frozen
+    Linear weights in place (the float32 originals are freed; the gradients are bit-identical,
+    see above): the base packing, built before, drafts exactly as before; a tied LM head stays
+    the float32 input embedding; an adapter added afterwards still trains in float32; a
+    float32 forward of the model is refused with a clear error."""
+    engine = _engine(pair_dir)
+    model = engine.drafter.model
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    def frozen_linears():
+        return [
+            m.weight
+            for n, m in model.get_decoder().named_modules()
+            if isinstance(m, torch.nn.Linear) and ".lora_" not in f".{n}"
+        ]
+
+    adapters = DrafterAdapters(model, LoraSpec(rank=4), drafter_weights="fp32")
+    adapters.add("a")
+    ids = engine.drafter.tokenizer.encode(PROMPTS[0])
+    untrained = adapters.runner().forward(ids).clone()
+    fp32_bytes = sum(w.nbytes for w in frozen_linears())
+    adapters.decoder_and_head(torch.bfloat16)
+    assert adapters.held_dtype == torch.bfloat16
+    assert all(w.dtype == torch.bfloat16 for w in frozen_linears())
+    assert sum(w.nbytes for w in frozen_linears()) * 2 == fp32_bytes
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    if tied:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    else:
+        assert model.lm_head.weight.dtype == torch.bfloat16
+    runner = adapters.runner()
+    runner.reset()
+    assert torch.equal(runner.forward(ids), untrained)  # the base packing is the float32 one
+    with pytest.raises(ValueError, match="held in torch.bfloat16"):
+        adapters.decoder_and_head()
+    adapters.add("b")
+    lora = [p for n, p in adapters.peft.named_parameters() if ".t_b." in n]
+    assert lora and all(p.dtype == torch.float32 for p in lora)
+    decoder, head = adapters.decoder_and_head(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = head(decoder(input_ids=torch.tensor([ids])).last_hidden_state).float()
+    logits.logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters.trainable_parameters())
 
 
 def test_the_update_labels_the_acceptance_head_from_its_own_forwards(pair_dir):
@@ -371,11 +420,14 @@ def test_a_replayed_learning_decode_is_the_live_one_without_the_target(pair_dir,
     """A device that learns from recordings of earlier live decodes (``recordings``) drafts,
     accepts, trains and ends with the same adapter bit for bit as the device that ran the
     target, and the target never runs while it replays."""
-    engine = _engine(pair_dir)
-    store = engine.recordings(tmp_path / "rec")
     online = OnlineConfig(interval=2, lr=2e-2)
     runs = {}
     for mode in ("live", "replay"):
+        # each mode on a drafter as loaded: a learner under bf16 autocast leaves the drafter's
+        # frozen weights in bf16, and an adapter added after that starts from peft's
+        # initialization cast to bf16 (another random start)
+        engine = _engine(pair_dir)
+        store = engine.recordings(tmp_path / "rec")
         torch.manual_seed(7)
         session = DeviceSession(engine, target_name=mode, online=online)
         results = []

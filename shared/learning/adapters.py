@@ -25,6 +25,7 @@ from torch.func import functional_call
 from omnidraft.shared.engine.model_runner import ModelRunner
 from omnidraft.shared.engine.precision import build_drafter_runner
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
+from omnidraft.shared.runtime.heap import release_freed_memory
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -99,6 +100,7 @@ class DrafterAdapters:
         self._base: FastLlamaRunner | None = None  # the base weights, packed once
         self._fresh: set[str] = set()  # adapters whose runner holds their current matrices
         self._frozen: dict[torch.dtype, tuple[dict, dict]] = {}  # low-precision frozen weights (training)
+        self.held_dtype: torch.dtype | None = None  # set once the frozen Linear weights are held in it
 
     @property
     def names(self) -> list[str]:
@@ -233,6 +235,18 @@ class DrafterAdapters:
             layers.append(mods)
         return layers if trained else None
 
+    @property
+    def drafts_on_packing(self) -> bool:
+        """Whether drafting runs on ``FastLlamaRunner`` packings (Llama drafters) rather than
+        on the peft model itself."""
+        return self.drafter_weights != "hf" and self.model.config.model_type == "llama"
+
+    def _base_runner(self) -> FastLlamaRunner:
+        if self._base is None:  # only ever forked: no KV cache of its own
+            self._base = build_drafter_runner(self.peft.get_base_model(), self.drafter_weights)
+            self._base.as_template()
+        return self._base
+
     @torch.no_grad()
     def runner(self):
         """The drafting runner for the active adapter. Llama drafters draft on ``FastLlamaRunner``
@@ -241,13 +255,10 @@ class DrafterAdapters:
         peft model itself."""
         name = self.active
         if name not in self._fresh:
-            if self.drafter_weights == "hf" or self.model.config.model_type != "llama":
+            if not self.drafts_on_packing:
                 self._runners[name] = ModelRunner(self.peft)  # plain transformers forward applies the adapter
             else:
-                if self._base is None:  # only ever forked: no KV cache of its own
-                    self._base = build_drafter_runner(self.peft.get_base_model(), self.drafter_weights)
-                    self._base.as_template()
-                runner = self._runners.get(name) or self._base.fork()
+                runner = self._runners.get(name) or self._base_runner().fork()
                 runner.set_lora(self.lora_layers(name))
                 self._runners[name] = runner
             self._fresh.add(name)
@@ -258,21 +269,40 @@ class DrafterAdapters:
         active adapter applied (for teacher-forced training forwards).
 
         ``frozen_dtype`` (bf16 under bf16 autocast): callables with the same signatures that
-        read copies of the frozen Linear weights in that dtype (the base layers under LoRA and
-        the LM head, made once per drafter and kept: 2 bytes per parameter, ~0.24 GB for
-        SmolLM2-135M). Autocast casts a frozen fp32 weight again at every call (it caches
-        only weights that train); the copies hold exactly those casts, so the forward and its
-        gradients are bit-identical and a training update no longer spends about a fifth of its
-        time re-casting weights. The swap is ``torch.func.functional_call``'s."""
+        read the frozen Linear weights (the base layers under LoRA and the LM head) in that
+        dtype. Autocast casts a frozen fp32 weight again at every call (it caches only weights
+        that train); these hold exactly those casts, so the forward and its gradients are
+        bit-identical and a training update no longer spends about a fifth of its time
+        re-casting weights. The swap is ``torch.func.functional_call``'s.
+
+        Where drafting runs on packings (``drafts_on_packing``), nothing else reads the frozen
+        weights in float32 once the base packing exists: they are converted in place and the
+        float32 originals freed (``held_dtype`` is set; 0.43 GB less for SmolLM2-135M), and
+        adapters merged afterwards are packed from them (``set_lora``), the values training
+        read. A tied LM head (the input embeddings, which stay float32) gets a copy, as do all
+        weights of drafters that run the peft model. Afterwards forwards of the model must run
+        under autocast to ``held_dtype``, and ``frozen_dtype=None`` raises ValueError."""
         base = self.peft.get_base_model()
         decoder, head = base.get_decoder(), base.get_output_embeddings()
         if frozen_dtype is None:
+            if self.held_dtype is not None:
+                raise ValueError(
+                    f"the drafter's frozen weights are held in {self.held_dtype}: run its forwards under "
+                    f"autocast with decoder_and_head({self.held_dtype})"
+                )
             return decoder, head
         if frozen_dtype not in self._frozen:
+            in_place = self.drafts_on_packing and self.held_dtype in (None, frozen_dtype)
+            if in_place:
+                self._base_runner()  # drafting without an adapter keeps the float32 packing
+            tied = base.get_input_embeddings().weight
             self._frozen[frozen_dtype] = (
-                _frozen_linear_weights(decoder, frozen_dtype),
-                _frozen_linear_weights(head, frozen_dtype),
+                _frozen_linear_weights(decoder, frozen_dtype, in_place, tied),
+                _frozen_linear_weights(head, frozen_dtype, in_place, tied),
             )
+            if in_place:
+                self.held_dtype = frozen_dtype
+                release_freed_memory()
         in_decoder, in_head = self._frozen[frozen_dtype]
         return (
             lambda **kwargs: functional_call(decoder, in_decoder, (), kwargs),
@@ -281,11 +311,18 @@ class DrafterAdapters:
 
 
 @torch.no_grad()
-def _frozen_linear_weights(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _frozen_linear_weights(
+    module: torch.nn.Module, dtype: torch.dtype, in_place: bool = False, keep: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """``{name: weight in dtype}`` for every Linear weight in ``module`` that does not train
-    (LoRA's own matrices excluded), names relative to ``module``."""
+    (LoRA's own matrices excluded), names relative to ``module``. ``in_place``: the module's
+    own weights become those tensors (their old storage is freed), except ``keep`` (a tied
+    weight other modules read as it is), which is copied."""
     out = {}
     for name, mod in module.named_modules():
         if isinstance(mod, torch.nn.Linear) and ".lora_" not in f".{name}" and not mod.weight.requires_grad:
-            out[f"{name}.weight" if name else "weight"] = mod.weight.detach().to(dtype)
+            weight = mod.weight.detach().to(dtype)
+            if in_place and mod.weight is not keep:
+                mod.weight.data = weight
+            out[f"{name}.weight" if name else "weight"] = weight
     return out

@@ -138,7 +138,7 @@ def hybrid_loss(
 
 @torch.no_grad()
 def teacher_forced_agreement(
-    decoder: torch.nn.Module, lm_head: torch.nn.Module, samples, k: int = 4
+    decoder: torch.nn.Module, lm_head: torch.nn.Module, samples, k: int = 4, autocast: torch.dtype | None = None
 ) -> dict[str, float]:
     """How well the drafter (``decoder`` + ``lm_head``, adapter applied) predicts the target's
     committed responses in ``samples`` (``TrainingSample``), teacher-forced, without decoding:
@@ -154,14 +154,16 @@ def teacher_forced_agreement(
     * ``dm_top1``: ``top1`` on direct-mapped tokens only.
 
     Under greedy decoding the responses do not depend on the drafter, so the same samples
-    compare adapters without the noise of decoding (or its cost)."""
+    compare adapters without the noise of decoding (or its cost). ``autocast``: run the forwards
+    under CPU autocast to that dtype (needed where ``DrafterAdapters.held_dtype`` is set)."""
     hits = total = dm_hits = dm_total = 0
     runs = 0.0
     accepted = proposed = 0
     for s in samples:
         ids = torch.tensor([s.draft_ids])
-        hidden = decoder(input_ids=ids).last_hidden_state[0]
-        ok = lm_head(hidden[s.seq_start - 1 : -1]).argmax(-1) == ids[0, s.seq_start :]
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            hidden = decoder(input_ids=ids).last_hidden_state[0]
+            ok = lm_head(hidden[s.seq_start - 1 : -1]).argmax(-1) == ids[0, s.seq_start :]
         hits, total = hits + int(ok.sum()), total + ok.numel()
         run, run_from = 0, []  # run of hits starting at each position, from the end
         for hit in reversed(ok.tolist()):
