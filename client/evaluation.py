@@ -13,6 +13,8 @@ from tqdm import tqdm
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared.engine.generation import GenerationConfig, GenerationStats
 from omnidraft.shared.engine.recorded_target import RecordedTarget
+from omnidraft.shared.engine.recordings import Recording
+from omnidraft.shared.wire import MetricKey
 
 
 @dataclass
@@ -102,3 +104,40 @@ def target_alone(session: DeviceSession, prompts: list[str], config: GenerationC
     baseline."""
     decoder = session.engine.ar()
     return [decoder.generate(session.engine.prompt_ids(prompt)[1], config) for prompt in prompts]
+
+
+def evaluate_adaptive(
+    session: DeviceSession,
+    prompts: list[str],
+    config: GenerationConfig,
+    alone: list[dict] | None,
+    replay: list[dict] | None = None,
+) -> dict:
+    """``prompts`` decoded as the device decodes (adaptive draft length), without learning; a
+    round's metrics (``MetricKey``). ``alone``: the target alone's runs on the same prompts, in
+    order (``{"tokens", "s"}``: the speedup). ``replay``: the target's recorded outputs
+    (``{"ids"}``), replayed instead of running it (the speed is then only modelled: no live
+    tok/s or speedup)."""
+    ar_tps = None
+    if alone:
+        runs = alone[: len(prompts)]
+        ar_tps = sum(r["tokens"] for r in runs) / max(sum(r["s"] for r in runs), 1e-9)
+    phase = Phase()
+    for i, prompt in enumerate(prompts):
+        recording = None
+        if replay is not None:
+            _, ids = session.engine.prompt_ids(prompt)
+            recording = Recording(ids + replay[i]["ids"], len(ids))
+        phase.add(session.generate(prompt, config, learn=False, replay=recording))
+    out = phase.summary(ar_tps)
+    st = phase.stats
+    metrics = {
+        MetricKey.ACCEPTANCE: out["acceptance_rate"],
+        MetricKey.TOKENS_PER_CALL: out["tokens_per_target_call"],
+        MetricKey.MODELLED_SPEEDUP: out["modelled_speedup_vs_ar"] or 0.0,
+        MetricKey.MODELLED_TOKENS_PER_S: st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
+        MetricKey.GENERATED_TOKENS: out["new_tokens"],
+    }
+    if replay is None:
+        metrics.update({MetricKey.TOKENS_PER_S: out["tokens_per_s"], MetricKey.SPEEDUP: out["speedup_vs_ar"] or 0.0})
+    return metrics

@@ -39,7 +39,7 @@ from omnidraft.client.device_profile import DeviceProfile
 from omnidraft.client.device_state import sha256 as _sha256
 from omnidraft.client.device_state import slug
 from omnidraft.client.engine_pool import EnginePool
-from omnidraft.client.evaluation import Phase, evaluate_fixed_k, target_alone
+from omnidraft.client.evaluation import Phase, evaluate_adaptive, evaluate_fixed_k, target_alone
 from omnidraft.client.resource_policy import (
     DeviceConditions,
     SystemConditions,
@@ -411,8 +411,12 @@ class FleetDevice:
         alone = self._target_alone(session, p, timed) if replay or timed or replay_adaptive else None
         metrics = {}
         if adaptive:
-            metrics = self._evaluate_adaptive(
-                session, p, alone if measure_ar else None, replay=alone if replay_adaptive else None
+            metrics = evaluate_adaptive(
+                session,
+                p.heldout[: p.speed_prompts or len(p.heldout)],
+                p.generation,
+                alone if measure_ar else None,
+                replay=alone if replay_adaptive else None,
             )
             if p.probe:  # a panel device keeps its rule's counted acceptance from round to round, as a
                 session.save()  # serving device does (re-fitted for each new adapter), not a cold rule each round
@@ -468,37 +472,3 @@ class FleetDevice:
                 _keep(store, prompt, g, recording)
             runs.append({"ids": recording.generated, "tokens": len(recording.generated), "s": 0.0})
         return runs
-
-    def _evaluate_adaptive(
-        self, session: DeviceSession, p: DeviceProfile, alone: list[dict] | None, replay: list[dict] | None = None
-    ) -> dict:
-        """The first ``speed_prompts`` held-out prompts decoded as the device decodes (adaptive
-        draft length); ``alone``: the target alone's runs on the held-out prompts (speedup).
-        ``replay``: the target's recorded outputs of the held-out prompts, replayed instead of
-        running it (the speed is then only modelled: no live tok/s or speedup)."""
-        n = p.speed_prompts or len(p.heldout)
-        ar_tps = None
-        if alone:
-            runs = alone[:n]
-            ar_tps = sum(r["tokens"] for r in runs) / max(sum(r["s"] for r in runs), 1e-9)
-        phase = Phase()
-        for i, prompt in enumerate(p.heldout[:n]):
-            recording = None
-            if replay is not None:
-                _, ids = session.engine.prompt_ids(prompt)
-                recording = Recording(ids + replay[i]["ids"], len(ids))
-            phase.add(session.generate(prompt, p.generation, learn=False, replay=recording))
-        out = phase.summary(ar_tps)
-        st = phase.stats
-        metrics = {
-            MetricKey.ACCEPTANCE: out["acceptance_rate"],
-            MetricKey.TOKENS_PER_CALL: out["tokens_per_target_call"],
-            MetricKey.MODELLED_SPEEDUP: out["modelled_speedup_vs_ar"] or 0.0,
-            MetricKey.MODELLED_TOKENS_PER_S: st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
-            MetricKey.GENERATED_TOKENS: out["new_tokens"],
-        }
-        if replay is None:
-            metrics.update(
-                {MetricKey.TOKENS_PER_S: out["tokens_per_s"], MetricKey.SPEEDUP: out["speedup_vs_ar"] or 0.0}
-            )
-        return metrics

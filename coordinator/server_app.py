@@ -42,21 +42,12 @@ from pathlib import Path
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from omnidraft.coordinator.aggregation import (
-    aggregate_target,
-    check_reply,
-    expand_update,
-    payload_bytes,
-)
 from omnidraft.coordinator.device_replies import EVAL_KEYS, eval_metrics_usable, status_problem
 from omnidraft.coordinator.fleet_config import FleetConfig
-from omnidraft.coordinator.ngram_release import StatsError, decode_stats
 from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
-from omnidraft.coordinator.round_commit import commit_aggregate
+from omnidraft.coordinator.round_aggregate import aggregate_replies
 from omnidraft.coordinator.round_log import finish_round, forget_unfinished, last_round
-from omnidraft.coordinator.secure_aggregation import secure_mean_update
 from omnidraft.shared.wire import FleetKey, MetricKey, Record, StatusKey
 
 log = logging.getLogger("omnidraft.coordinator")
@@ -211,7 +202,9 @@ class Coordinator:
         # reasons that name no target (a garbage status, no status at all) go to the round's first record
         fleet_wide = [r for r in skipped if not any(repr(t) in r or f"({t})" in r for t in self.registry.names())]
         for target, group in sorted(by_target.items()):
-            record = self._aggregate(grid, rnd, target, states[target], group, replies, downlink)
+            record = aggregate_replies(
+                grid, self.context, self.registry, cfg, rnd, target, states[target], group, replies, downlink
+            )
             record.update({"devices": len(members[target]), "switched": switched.get(target, 0)})
             start = states[target].manifest
             if start.HasField("restored_from"):  # the round trained from a rolled-back state
@@ -453,117 +446,6 @@ class Coordinator:
         if missing:
             log.warning("round %d: %d device(s) did not answer %s in time", rnd, len(missing), message_type)
         return by_node
-
-    def _aggregate(
-        self,
-        grid: Grid,
-        rnd: int,
-        target: str,
-        state: GlobalState,
-        group: dict[int, ConfigRecord],
-        replies: dict[int, Message],
-        downlink: dict[int, int],
-    ) -> dict:
-        cfg = self.config
-        secure = cfg.secagg.enabled
-        global_adapter = {k: v.numpy() for k, v in state.adapter.items()}
-        version = int(state.manifest.version)
-        good: list[Message] = []
-        rejected: list[str] = []
-        received: dict[int, int] = {}  # bytes each device sent (before its update is expanded)
-        for node in group:
-            msg = replies.get(node)
-            if msg is None:
-                rejected.append(f"node {node}: no reply (dropped out or timed out)")
-                continue
-            received[id(msg)] = 0 if msg.has_error() else payload_bytes(msg)
-            reason = expand_update(msg, global_adapter) or check_reply(
-                msg, target, version, global_adapter, cfg.aggregation, expect_adapter=not secure
-            )
-            if reason is None:
-                try:
-                    bits = decode_stats(
-                        msg.content[Record.FLEET][FleetKey.NGRAM_STATS], target, state.spec.target_vocab_size
-                    )
-                except (StatsError, KeyError) as exc:
-                    reason = str(exc)
-            if reason is not None:
-                rejected.append(f"node {node}: {reason}")
-                continue
-            good.append((msg, bits))
-        for reason in rejected:
-            log.warning("round %d, %s: update rejected: %s", rnd, target, reason)
-
-        record = {
-            "round": rnd,
-            "target": target,
-            "sampled": len(group),
-            "aggregated": len(good),
-            "rejected": rejected,
-            "version": version,
-            "downlink-bytes-per-device": float(np.mean([downlink[n] for n in group])) if group else 0.0,
-        }
-        if secure and 0 < len(good) < cfg.secagg.min_devices:
-            record["rejected"] += [f"SecAgg+ needs {cfg.secagg.min_devices} devices, {len(good)} replied"]
-            record["aggregated"] = 0
-            good = []
-        if not good:
-            return record
-        msgs = [m for m, _ in good]
-        uplink = [received[id(m)] for m in msgs]
-        tokens = int(sum(m.content[Record.METRICS][MetricKey.TRAINED_TOKENS] for m in msgs))
-        if secure:
-            adapter, metrics, up, down = self._secure_aggregate(grid, rnd, target, version, msgs, global_adapter)
-            if adapter is None:
-                record["rejected"] += ["SecAgg+ halted (too few devices completed the protocol)"]
-                record["aggregated"] = 0
-                return record
-            uplink = [u + up.get(m.metadata.src_node_id, 0) for u, m in zip(uplink, msgs)]
-            record["downlink-bytes-per-device"] += float(np.mean(list(down.values()) or [0]))
-        else:
-            adapter, metrics = aggregate_target(rnd, msgs, global_adapter, cfg.aggregation)
-        problem = commit_aggregate(
-            self.registry,
-            cfg,
-            rnd,
-            target,
-            state,
-            global_adapter,
-            adapter,
-            [b for _, b in good],
-            len(msgs),
-            tokens,
-            record,
-        )
-        if problem is not None:
-            record["rejected"] += [problem]
-            record["aggregated"] = 0
-            return record
-        record.update({f"train-{k}": float(v) for k, v in metrics.items() if not isinstance(v, list)})
-        record["uplink-bytes-per-device"] = float(np.mean(uplink))
-        return record
-
-    def _secure_aggregate(
-        self,
-        grid: Grid,
-        rnd: int,
-        target: str,
-        version: int,
-        msgs: list[Message],
-        global_adapter: dict[str, np.ndarray],
-    ):
-        """SecAgg+ over the devices of ``msgs``: (new adapter or None, metrics, bytes each node sent
-        and received in the protocol)."""
-        weights = {m.metadata.src_node_id: float(m.content[Record.METRICS][MetricKey.TRAINED_TOKENS]) for m in msgs}
-        shapes = {k: global_adapter[k].shape for k in sorted(global_adapter)}
-        mean, down, up = secure_mean_update(
-            grid, self.context, rnd, target, version, weights, shapes, self.config.secagg
-        )
-        metrics = aggregate_metricrecords([m.content for m in msgs], MetricKey.TRAINED_TOKENS)
-        if mean is None:
-            return None, metrics, up, down
-        adapter = {k: (global_adapter[k] + mean[k]).astype(global_adapter[k].dtype) for k in global_adapter}
-        return adapter, metrics, up, down
 
     def evaluate_panels(self, grid: Grid, rnd: int, panels: dict) -> dict:
         """``{key: Panel}`` with disjoint nodes: each panel's devices decode their held-out prompts

@@ -4,12 +4,9 @@
 (``forward`` / ``crop`` / ``reset`` / ``length`` / ``forward_calls``) but runs the decoder
 itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-loaded):
 
-* one fused QKV matrix and one fused gate/up matrix per layer; the RMSNorm gains are folded
-  into the matrix that follows each norm (the final norm into the LM head), and the attention
-  scale ``1/sqrt(head_dim)`` into the query rows;
-* the query/key rows of each head are permuted so that the two RoPE halves ``(i, i + d/2)``
-  sit next to each other: RoPE is then a complex multiply by a precomputed table (q.k is
-  unchanged because queries and keys are permuted alike);
+* one fused QKV matrix and one fused gate/up matrix per layer, with the RMSNorm gains, the
+  attention scale and a RoPE-pairing row order folded in (``layer_folding``; the final norm's
+  gain goes into the LM head);
 * a static, preallocated KV cache (keys ``[layers, kv_heads, max_positions / 16, head_dim, 16]``
   so that one query scores 16 keys with plain FMAs, values ``[layers, kv_heads, max_positions,
   head_dim]``) written in place, resident only in the pages its positions reached
@@ -43,10 +40,9 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   second (bf16) copy of the weights; ``prefill_weights=None`` runs every call on the int8
   kernels, the default with AMX or 8-bit prefill activations (drafters and targets).
 
-Threads: the native kernel splits its matrix products (and attention heads) over ``threads``
-(default ``torch.get_num_threads()`` at each call) OpenMP threads (the same libgomp pool as torch). On a CPU shared
-with other busy processes, prefer one thread: fine-grained barriers stall whenever a helper
-thread is descheduled (torch's own ops suffer the same way).
+Threads: the native kernel splits its matrix products and attention heads over ``threads``
+OpenMP threads (default ``torch.get_num_threads()``; torch's libgomp pool). On a CPU shared with
+busy processes prefer one: barriers stall whenever a helper thread is descheduled.
 
 ``vocab_rows`` prunes the LM head to the given drafter ids: ``forward`` still returns logits
 over the full vocabulary, with ``-inf`` at every pruned id (so argmax / softmax / sampling in
@@ -63,10 +59,11 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from omnidraft.shared.runtime.heap import release_freed_memory, zeros_on_demand
+from omnidraft.shared.runtime.layer_folding import fold_layer, linear_of, lora_deltas, rope_pair_perms
 from omnidraft.shared.runtime.native_kernels import (
+    FdModel,
     cpu_has_native_bf16,
     default_native_isa,
     native_error,
@@ -74,6 +71,7 @@ from omnidraft.shared.runtime.native_kernels import (
     onednn_bf16_linear,
     warn_no_kernels,
 )
+from omnidraft.shared.runtime.torch_decoder import torch_forward
 from omnidraft.shared.runtime.weight_packing import (
     WEIGHT_KINDS,
     make_linear,
@@ -83,19 +81,6 @@ from omnidraft.shared.runtime.weight_packing import (
 
 # Llama and Qwen2 share the decoder (Qwen2 adds biases to q/k/v, which the runner folds in)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-
-
-class _FdModel(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int32) for name in ("D", "H", "KV", "HD", "I", "L", "maxpos", "n_qkv", "n_head")] + [
-        ("eps", ctypes.c_float),
-        ("layer_ptrs", ctypes.c_void_p),
-        ("head_ptrs", ctypes.c_void_p),
-        ("kcache", ctypes.c_void_p),
-        ("vcache", ctypes.c_void_p),
-        ("cos_t", ctypes.c_void_p),
-        ("sin_t", ctypes.c_void_p),
-        ("act8", ctypes.c_int32),
-    ]
 
 
 def _param_name(model: torch.nn.Module, param: torch.Tensor) -> str:
@@ -111,20 +96,6 @@ class _Packing:
     torch_layers: dict[str, list[tuple[Callable, ...]]]
     native_tensors: list[torch.Tensor]
     layer_ptrs: torch.Tensor | None
-
-
-def _linear(layer, name: str) -> torch.nn.Module:
-    """A decoder layer's Linear ``name`` (``q_proj`` ... ``o_proj`` in attention, the rest in the MLP);
-    ValueError when the layer has none of that name."""
-    for parent in (layer.self_attn, layer.mlp):
-        if hasattr(parent, name):
-            return getattr(parent, name)
-    raise ValueError(f"LoRA for unknown Linear {name!r}")
-
-
-def _lora_deltas(mods: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A layer's LoRA matrices ``{name: (A [r, in], B [out, r])}`` as weight deltas ``B A`` [out, in]."""
-    return {name: b.detach().float() @ a.detach().float() for name, (a, b) in mods.items()}
 
 
 class FastLlamaRunner:
@@ -260,12 +231,8 @@ class FastLlamaRunner:
         self._cis = torch.complex(self._cos, self._sin)
 
         # --- per-layer fused, folded weights ------------------------------------------------
-        hd, half = self.head_dim, self.head_dim // 2
-        # new row r of a head <- old row perm[r]: (0, d/2, 1, d/2+1, ...) pairs the RoPE halves
-        perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
-        q_perm = (torch.arange(self.n_heads)[:, None] * hd + perm[None, :]).reshape(-1)
-        k_perm = (torch.arange(self.n_kv)[:, None] * hd + perm[None, :]).reshape(-1)
-        self._q_perm, self._k_perm = q_perm, k_perm
+        hd = self.head_dim
+        self._q_perm, self._k_perm = rope_pair_perms(self.n_heads, self.n_kv, hd)
         self._torch_kinds = torch_kinds
         self._source_layers = decoder.layers  # the model's float weights (a reference): adapters merge into them
         self._layer_weights = (
@@ -327,7 +294,7 @@ class FastLlamaRunner:
             self._head_tensors = [t for t in bufs if t is not None] + [head_ptrs]
             self._head_pad = bufs[0].shape[0] * 16
             n_qkv = (self.n_heads + 2 * self.n_kv) * hd
-            self._fd = _FdModel(
+            self._fd = FdModel(
                 D=self.hidden,
                 H=self.n_heads,
                 KV=self.n_kv,
@@ -351,45 +318,10 @@ class FastLlamaRunner:
         self.held: list[int] = []  # the ids at the cached positions, in order
 
     # ------------------------------------------------------------------------------------------
-    def _layer_mats(self, layer, deltas: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """A decoder layer's four fused float32 matrices ``(weight, bias)`` (qkv, o, gate_up,
-        down) with the norm gains, the query scale and the RoPE row order folded in; each
-        Linear's weight plus its ``deltas[name]`` [out, in] where given (a merged adapter)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        hd = self.head_dim
-
-        def weight(name: str) -> torch.Tensor:
-            w = _linear(layer, name).weight.detach().float()
-            return w + deltas[name] if name in deltas else w
-
-        def bias(name: str) -> torch.Tensor | None:
-            b = getattr(_linear(layer, name), "bias", None)
-            return None if b is None else b.detach().float()
-
-        g_in = layer.input_layernorm.weight.detach().float()
-        g_post = layer.post_attention_layernorm.weight.detach().float()
-        scale = float(getattr(attn, "scaling", hd**-0.5))
-        wq = weight("q_proj")[self._q_perm] * scale
-        wk = weight("k_proj")[self._k_perm]
-        w_qkv = torch.cat([wq, wk, weight("v_proj")]) * g_in[None, :]
-        b_qkv = None
-        if attn.q_proj.bias is not None:
-            b_qkv = torch.cat([bias("q_proj")[self._q_perm] * scale, bias("k_proj")[self._k_perm], bias("v_proj")])
-        w_gu = torch.cat([weight("gate_proj"), weight("up_proj")]) * g_post[None, :]
-        b_gu = None
-        if mlp.gate_proj.bias is not None:
-            b_gu = torch.cat([bias("gate_proj"), bias("up_proj")])
-        return [
-            (w_qkv, b_qkv),
-            (weight("o_proj"), bias("o_proj")),
-            (w_gu, b_gu),
-            (weight("down_proj"), bias("down_proj")),
-        ]
-
     def _pack_layers(
         self, layer_deltas: list[dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]] | None = None
     ) -> _Packing:
-        """Pack every decoder layer's weights (plus ``layer_deltas[i]``, see ``_layer_mats``)
+        """Pack every decoder layer's weights (plus ``layer_deltas[i]``, see ``fold_layer``)
         for the kernels in use; ``layer_deltas`` may hold callables producing the deltas
         (one layer's full-size deltas exist at a time)."""
         torch_layers = {k: [] for k in self._torch_kinds}
@@ -398,7 +330,9 @@ class FastLlamaRunner:
         for i, layer in enumerate(self._source_layers):
             deltas = {} if layer_deltas is None else layer_deltas[i]
             with self._layer_weights(layer):
-                mats = self._layer_mats(layer, deltas() if callable(deltas) else deltas)
+                mats = fold_layer(
+                    layer, deltas() if callable(deltas) else deltas, self._q_perm, self._k_perm, self.head_dim
+                )
             for k in self._torch_kinds:
                 torch_layers[k].append(tuple(make_linear(k, w, b) for w, b in mats))
             if self._lib is not None:
@@ -442,11 +376,11 @@ class FastLlamaRunner:
         r = ranks.pop()
         for mods, layer in zip(layers, self._source_layers):  # shapes checked before anything is packed
             for name, (a, b) in mods.items():
-                out_dim, in_dim = _linear(layer, name).weight.shape
+                out_dim, in_dim = linear_of(layer, name).weight.shape
                 if tuple(a.shape) != (r, in_dim) or tuple(b.shape) != (out_dim, r):
                     raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
         self.reset()
-        self._use_packing(self._pack_layers([partial(_lora_deltas, mods) for mods in layers]))
+        self._use_packing(self._pack_layers([partial(lora_deltas, mods) for mods in layers]))
         self.lora_rank = r
 
     def own_weights(self) -> None:
@@ -468,7 +402,7 @@ class FastLlamaRunner:
         new.forward_calls = 0
         new.held = []
         if self._lib is not None:
-            new._fd = _FdModel.from_buffer_copy(self._fd)
+            new._fd = FdModel.from_buffer_copy(self._fd)
             new._fd.kcache, new._fd.vcache = new._kcache.data_ptr(), new._vcache.data_ptr()
             new._fd.layer_ptrs = self._base_packing.layer_ptrs.data_ptr()
             new._fd_ref = ctypes.addressof(new._fd)
@@ -533,7 +467,20 @@ class FastLlamaRunner:
                 raise MemoryError("native forward failed to allocate its work buffers")
             logits = out[:, : self.head_rows] if self._head_pad != self.head_rows else out
         else:
-            logits = self._forward_torch(kind, h, p, m, logits_to_keep)
+            logits = torch_forward(
+                self._packing.torch_layers[kind],
+                self._head[kind],
+                self._kcache,
+                self._vcache,
+                self._cis,
+                h,
+                p,
+                logits_to_keep,
+                self.n_heads,
+                self.hidden,
+                self.intermediate,
+                self.eps,
+            )
         self._last_residual = h[-1]  # both kernel paths leave the final residual stream in h
         if self.vocab_rows is not None:
             full = torch.full((logits.shape[0], self.vocab), float("-inf"))
@@ -551,60 +498,3 @@ class FastLlamaRunner:
         HF's ``last_hidden_state`` holds): the acceptance head's input."""
         h = self._last_residual
         return torch.rms_norm(h, (self.hidden,), self._final_norm, self.eps)
-
-    def _forward_torch(self, kind: str, h: torch.Tensor, p: int, m: int, logits_to_keep: int) -> torch.Tensor:
-        t = p + m
-        n_kv, g, hd = self.n_kv, self.group, self.head_dim
-        q_width = self.n_heads * hd
-        qk_heads = self.n_heads + self.n_kv
-        inter = self.intermediate
-        eps = self.eps
-        norm_shape = (self.hidden,)
-        rms_norm = torch.rms_norm
-        cis = self._cis[p:t].unsqueeze(1)  # [m, 1, hd/2]
-        mask = None
-        if m > 1:
-            # row (group g, token i) sees keys j <= p + i
-            allowed = torch.ones(m, t, dtype=torch.bool).tril_(p)
-            mask = torch.zeros(m, t).masked_fill_(~allowed, float("-inf")).repeat(g, 1)
-
-        half_cache = self._kcache.dtype == torch.float16
-        positions = torch.arange(p, t)
-        blk, lane = positions // 16, positions % 16
-        nblk = -(-t // 16)
-        for (f_qkv, f_o, f_gu, f_down), k_l, v_l in zip(self._packing.torch_layers[kind], self._kcache, self._vcache):
-            x = rms_norm(h, norm_shape, None, eps)
-            qkv = f_qkv(x)
-            if qkv.dtype != torch.float32:
-                qkv = qkv.float()
-            # RoPE on the (pair-interleaved) q and k heads, in place
-            torch.view_as_complex(qkv[:, : qk_heads * hd].view(m, qk_heads, hd // 2, 2)).mul_(cis)
-            kv_new = qkv[:, q_width:]
-            if half_cache:
-                kv_new = kv_new.clamp(-65504.0, 65504.0).to(torch.float16)
-            k_l[:, blk, :, lane] = kv_new[:, : n_kv * hd].view(m, n_kv, hd)
-            v_l.narrow(1, p, m).copy_(kv_new[:, n_kv * hd :].view(m, n_kv, hd).transpose(0, 1))
-            q = qkv[:, :q_width].view(m, n_kv, g, hd).permute(1, 2, 0, 3).reshape(n_kv, g * m, hd)
-            k_t = k_l.narrow(1, 0, nblk).permute(0, 2, 1, 3).reshape(n_kv, hd, nblk * 16)
-            v_t = v_l.narrow(1, 0, t)
-            if half_cache:
-                k_t, v_t = k_t.float(), v_t.float()
-            scores = torch.bmm(q, k_t).narrow(2, 0, t)  # [n_kv, g*m, t]
-            if mask is not None:
-                scores = scores + mask
-            probs = torch.softmax(scores, dim=-1)
-            o = torch.bmm(probs, v_t)  # [n_kv, g*m, hd]
-            o = o.view(n_kv, g, m, hd).permute(2, 0, 1, 3).reshape(m, q_width)
-            h.add_(f_o(o))
-            x = rms_norm(h, norm_shape, None, eps)
-            gu = f_gu(x)
-            a = F.silu(gu[:, :inter])
-            a.mul_(gu[:, inter:])
-            h.add_(f_down(a))
-
-        if logits_to_keep:
-            h = h[-logits_to_keep:]
-        logits = self._head[kind](rms_norm(h, norm_shape, None, eps))
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        return logits

@@ -38,6 +38,22 @@ OPENMP = ["-fopenmp"]  # OpenMP for 2+ threads; a compiler without it builds sin
 _AARCH64_HWCAPS = {1: "asimd", 20: "asimddp"}
 
 
+class FdModel(ctypes.Structure):
+    """The C kernels' ``fd_model`` (``native/fd_common.h``): dimensions, pointers to the packed
+    weights, KV caches and RoPE tables, and the activation mode."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in ("D", "H", "KV", "HD", "I", "L", "maxpos", "n_qkv", "n_head")] + [
+        ("eps", ctypes.c_float),
+        ("layer_ptrs", ctypes.c_void_p),
+        ("head_ptrs", ctypes.c_void_p),
+        ("kcache", ctypes.c_void_p),
+        ("vcache", ctypes.c_void_p),
+        ("cos_t", ctypes.c_void_p),
+        ("sin_t", ctypes.c_void_p),
+        ("act8", ctypes.c_int32),
+    ]
+
+
 def _aarch64_hwcaps() -> set[str]:
     """The CPU features the kernel reports to this process (``getauxval(AT_HWCAP)``): what the
     CPU runs, also where /proc/cpuinfo is unreadable (Android) or not the emulated CPU's (qemu-user)."""
