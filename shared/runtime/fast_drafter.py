@@ -159,7 +159,6 @@ class FastLlamaRunner:
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.n_heads
-        self.group = self.n_heads // self.n_kv
         self.intermediate = config.intermediate_size
         self.eps = float(decoder.norm.variance_epsilon)
         self._final_norm = decoder.norm.weight.detach().float().clone()
