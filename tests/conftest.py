@@ -169,3 +169,27 @@ def flower_task():
     yield
     for n in names:
         setattr(TaskIdentity, n, old[n])
+
+
+# ---------------------------------------------------------------- tiny models (built here, no download)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The tiny fleet (``ensure_tiny_fleet``: a drafter and two targets with their own tokenizers)
+    that test_registry.py, test_fleet_device.py and test_federation.py read. Building it takes
+    minutes on a busy 2-core machine, so it is built once per session, not once per file."""
+    from omnidraft.benchmarks.tiny_models import ensure_tiny_fleet
+
+    return ensure_tiny_fleet(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def pair_dir(tmp_path_factory):
+    """The tiny drafter/target pair (``build_pair``, as HF directories ``drafter`` and ``target``)
+    that the adaptation tests load (tests/tiny_pair.py); built once per session and only read."""
+    from omnidraft.benchmarks.tiny_models import build_pair
+
+    d = tmp_path_factory.mktemp("tiny_pair")
+    build_pair(d)
+    return d

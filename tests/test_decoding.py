@@ -24,7 +24,7 @@ def pair():
     """The tiny pair with the target in float64: greedy identity is exact in exact arithmetic,
     and fp64 is close enough that a block forward and one-token steps never flip a near-tie on
     any CPU (fp32 ones did on an AMD EPYC, where the matmul kernel changes with the block
-    size). Exact identity in the fast int8 runtime is tested in test_runtime.py."""
+    size). Exact identity in the fast int8 runtime is tested in test_precision.py."""
     p = build_pair()
     p.target.double()
     return p

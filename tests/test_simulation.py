@@ -1,6 +1,9 @@
-"""``python simulations/run.py``: scenarios (flags, TOML), the non-IID split, events, and a smoke
-run of 50 tiny devices whose outputs (metrics, summary, plots, report, device and coordinator
-state) are checked, plus determinism given the seed."""
+"""``python simulations/run.py`` on tiny models: bad input in one line, device profiles with
+rollout, drift and personal codebases, a smoke run of 50 devices whose outputs (metrics,
+summary, plots, report, device and coordinator state) are checked, plus determinism given the
+seed, rollout/drift/rollback events in a run, ``flwr run`` of the repository, and a hostile
+fleet that cannot stop or take over a round. The tiny models (``tiny``, ``home``) and the smoke
+run are module fixtures, built once for the tests here."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -38,160 +40,6 @@ def tiny(tmp_path_factory):
     from omnidraft.benchmarks.tiny_models import ensure_tiny_fleet
 
     return ensure_tiny_fleet(tmp_path_factory.mktemp("home") / "tiny")
-
-
-# -- data ------------------------------------------------------------------------------------------
-
-
-def test_sources_are_real_text_with_labels():
-    corpus = data.load_corpus(None)
-    counts = Counter(corpus.labels)
-    assert counts["humaneval"] == 164 and counts["stdlib"] > 1000 and counts["pydoc"] > 500
-    i = corpus.labels.index("stdlib")
-    assert (
-        corpus.prompts[i].startswith(("def ", "async def "))
-        and '"""' in corpus.prompts[i]
-        or "'''" in corpus.prompts[i]
-    )
-    assert all(len(p) <= data.MAX_CHARS + 2 for p, lab in zip(corpus.prompts, corpus.labels) if lab == "pydoc")
-
-
-def test_dirichlet_split_is_disjoint_deterministic_and_skewed():
-    corpus = data.load_corpus("humaneval,pydoc")
-    parts = data.split(corpus, 40, 5, alpha=0.1, seed=3)
-    flat = [i for p in parts for i in p]
-    assert len(flat) == len(set(flat)) == 40 * 5 and {len(p) for p in parts} == {5}
-    assert parts == data.split(corpus, 40, 5, alpha=0.1, seed=3)
-    assert parts != data.split(corpus, 40, 5, alpha=0.1, seed=4)
-
-    def majority(parts):  # mean share of each device's most common source
-        return sum(Counter(corpus.labels[i] for i in p).most_common(1)[0][1] / len(p) for p in parts) / len(parts)
-
-    assert majority(parts) > majority(data.split(corpus, 40, 5, alpha=100.0, seed=3)) + 0.1
-    with pytest.raises(ValueError, match="need"):
-        data.split(corpus, 400, 5, alpha=0.5, seed=0)
-
-
-def test_jsonl_data_without_labels_is_split_iid(tmp_path):
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"text number {i}"}) + "\n" for i in range(30)))
-    corpus = data.load_corpus(str(path))
-    parts = data.split(corpus, 6, 5, alpha=0.5, seed=0)
-    flat = [i for p in parts for i in p]
-    assert len(flat) == len(set(flat)) == 30
-    (tmp_path / "bad.jsonl").write_text('{"prompt": 3}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
-        data.load_corpus(str(tmp_path / "bad.jsonl"))
-
-
-def test_codebase_projects_split_by_popularity_with_unseen_newcomer():
-    """One project per device, drawn by popularity; a contiguous stretch of its functions;
-    newcomers from known projects, the last one from a project nobody else works in."""
-    sizes = {"a": 100, "b": 60, "c": 30, "d": 20, "e": 10, "f": 10}
-    labels = [f"codebase:{n}" for n, k in sizes.items() for _ in range(k)]
-    corpus = data.Corpus([f"def f{i}(): pass" for i in range(len(labels))], labels)
-    assert data.is_codebases(corpus) and not data.is_codebases(data.Corpus(["x"], ["humaneval"]))
-    newcomers = frozenset(range(26, 30))
-    parts, projects = data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers)
-    flat = [i for p in parts for i in p]
-    assert len(flat) == len(set(flat)) == 150
-    for part, project in zip(parts, projects):
-        assert {labels[i] for i in part} == {project} and part == list(range(part[0], part[0] + 5))
-    counts = Counter(projects[:26])
-    assert counts["codebase:a"] > counts.get("codebase:d", 0) and len(counts) >= 3  # popular ones, and a tail
-    known = set(projects[:26])
-    assert all(projects[d] in known for d in (26, 27, 28))
-    assert projects[29] not in known and projects.count(projects[29]) == 1  # a project the fleet never saw
-    assert (parts, projects) == data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers)
-    assert projects != data.split_projects(corpus, 30, 5, seed=2, newcomers=newcomers)[1]
-    with pytest.raises(ValueError, match="too few.*--share-projects"):
-        data.split_projects(corpus, 60, 5, seed=0)
-    # more devices than disjoint stretches: teammates share a project's stretches, in turn
-    parts, projects = data.split_projects(corpus, 60, 5, seed=0, newcomers=frozenset(range(56, 60)), share=True)
-    assert len(parts) == 60 and len({tuple(p) for p in parts}) < 60  # some devices share a stretch
-    for part, project in zip(parts, projects):
-        assert {labels[i] for i in part} == {project} and part == list(range(part[0], part[0] + 5))
-        assert (part[0] - labels.index(project)) % 5 == 0  # one of the project's own stretches
-    assert projects[59] not in set(projects[:59])  # the unseen project stays unseen
-    assert data.split_projects(corpus, 30, 5, seed=1, newcomers=newcomers, share=True) == data.split_projects(
-        corpus, 30, 5, seed=1, newcomers=newcomers
-    )  # room enough: sharing changes nothing
-
-
-def test_codebase_sources_are_real_projects():
-    corpus = data.load_corpus("codebase:click,codebase:peft")
-    assert set(corpus.labels) == {"codebase:click", "codebase:peft"} and data.is_codebases(corpus)
-    assert all(len([x for x in corpus.labels if x == lab]) <= data.PROJECT_PROMPTS for lab in set(corpus.labels))
-    assert all("def " in p for p in corpus.prompts)
-    with pytest.raises(ValueError, match="not installed"):
-        data.load_corpus("codebase:no_such_package_here")
-
-
-# -- scenarios -------------------------------------------------------------------------------------
-
-
-def test_toml_scenario_and_events(tmp_path):
-    path = tmp_path / "s.toml"
-    path.write_text(
-        'models = "tiny"\ndevices = 20\nrounds = 4\ntargets = "tiny-target-a:1"\n'
-        'rollout = {target = "tiny-target-b", round = 3, share = 0.25}\n'
-        'drift = "pydoc@4"\n[privacy]\nk = 3\nnoise = 0.5\n[aggregation]\nmethod = "median"\n'
-    )
-    s = Scenario.from_toml(path)
-    s.validate()
-    assert s.devices == 20 and s.targets == {"tiny-target-a": 1.0}
-    assert s.rollout == Rollout("tiny-target-b", 3, 0.25) and s.drift == Drift("pydoc", 4)
-    assert s.release.k == 3 and s.release.noise_multiplier == 0.5 and s.aggregation.method == "median"
-    for text, match in (
-        ("devices = 0\n", "devices"),
-        ("bogus = 1\n", "unknown key 'bogus'"),
-        ("gamma = 0.7\n", "unknown key 'gamma'"),
-        ("probe_speed_prompts = 30\n", "speed prompts"),
-        ("rollout = 'x@9:0.5'\nrounds = 3\n", "rollout round"),
-        ("devices = [\n", "s.toml"),
-    ):
-        path.write_text(text)
-        with pytest.raises(ValueError, match=match):
-            Scenario.from_toml(path).validate()
-
-
-def test_shipped_scenarios_are_valid():
-    """Every scenario file under simulations/scenarios parses and validates as run.py reads it
-    (over default.toml, or tiny.toml for tiny models)."""
-    from omnidraft.simulations.run import SCENARIOS, build_parser, scenario_from_args
-
-    files = sorted(SCENARIOS.glob("*.toml"))
-    assert {f.name for f in files} >= {"default.toml", "tiny.toml", "fleet10.toml"}
-    for path in files:
-        scenario_from_args(build_parser().parse_args(["--scenario", str(path)]))
-    fleet = scenario_from_args(build_parser().parse_args(["--scenario", str(SCENARIOS / "fleet10.toml")]))
-    # issue 5's federation: 10 devices from round 1, one fresh device per target at the last round
-    assert fleet.devices - fleet.late_joiners == 10 and fleet.late_joiners == len(fleet.target_shares())
-    assert fleet.fraction == 1.0 and fleet.newcomer_evals == 0 and fleet.join_round is None
-    default = scenario_from_args(build_parser().parse_args([]))
-    # the main job: >= 100 real devices on a Qwen2.5-Coder target, probes scoring 40 prompts per target
-    assert default.models == "real" and default.devices >= 100 and default.rounds >= 3
-    assert all(t.startswith("qwen2.5-coder") for t in default.target_shares())
-    assert default.probes * default.probe_heldout >= 40 and 0 < default.probe_speed_prompts < default.probe_heldout
-    # the runs BENCHMARKS.md records keep their configuration whatever default.toml becomes
-    old = scenario_from_args(build_parser().parse_args(["--scenario", str(SCENARIOS / "two-targets.toml")]))
-    assert set(old.target_shares()) == {"qwen2.5-coder-0.5b", "gemma3-270m"}
-    assert (old.rounds, old.fraction, old.prompts_per_round, old.probe_heldout, old.probe_speed_prompts) == (
-        4,
-        0.1,
-        3,
-        3,
-        0,
-    )
-    learn = scenario_from_args(build_parser().parse_args(["--scenario", str(SCENARIOS / "learning.toml")]))
-    assert (
-        learn.rounds,
-        learn.fraction,
-        learn.prompts_per_round,
-        learn.heldout_per_device,
-        learn.probe_heldout,
-        learn.measure_ar,
-    ) == (4, 0.3, 4, 3, 3, False)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, home):
@@ -457,43 +305,6 @@ def test_rollout_and_drift_events_in_a_run(tmp_path, home):
     assert list((out / "devices" / "device-0000").glob("*--tiny-target-*/state.json"))  # the device's own state
 
 
-def test_a_device_on_a_ray_cluster_started_elsewhere_gets_its_thread_count(tmp_path, monkeypatch):
-    """Workers of a cluster started with `ray start` do not inherit the simulation's environment:
-    the ClientApp takes the device's thread count from the run's scenario."""
-    from flwr.app import Context, RecordDict
-
-    from omnidraft.simulations import flower_app
-
-    out = tmp_path / "run"
-    (out / "devices").mkdir(parents=True)
-    (out / flower_app.SCENARIO_FILE).write_text(json.dumps({**Scenario(cpus_per_device=3).to_dict()}))
-    monkeypatch.delenv("OMNIDRAFT_THREADS", raising=False)
-    monkeypatch.setattr(flower_app, "cached_profile", lambda path: path)
-    monkeypatch.setattr(flower_app, "FleetDevice", lambda profile, pool: (profile, pool))
-    monkeypatch.setattr(flower_app, "shared_pool", lambda dtype, weights: (dtype, weights))
-    context = Context(
-        run_id=1, node_id=1, node_config={"partition-id": 4}, state=RecordDict(), run_config={"run-dir": str(out)}
-    )
-    profile, pool = flower_app.device_for(context)
-    assert os.environ["OMNIDRAFT_THREADS"] == "3" and pool == ("fp32", "int8")
-    assert profile == out / "devices" / "device-0004"
-
-
-def test_an_unreachable_or_malformed_ray_address_is_a_value_error():
-    """run.py turns ValueError into one line and exit 2; Ray alone would retry for minutes."""
-    import socket
-
-    from omnidraft.simulations.flower_runner import _check_reachable
-
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(ValueError, match="cannot reach the Ray cluster"):
-        _check_reachable(f"127.0.0.1:{port}")
-    with pytest.raises(ValueError, match="HOST:PORT"):
-        _check_reachable("nonsense")
-
-
 def test_flwr_run_of_the_repository_runs_a_scenario(tmp_path, home):
     """The repository is a Flower App: `flwr run .` on the local simulation SuperLink that flwr
     starts itself runs a shipped scenario sized to the SuperNodes and writes the report."""
@@ -553,52 +364,7 @@ def test_flwr_run_of_the_repository_runs_a_scenario(tmp_path, home):
         assert saved and all(m["throughput_rule"]["drafted"] > 0 for m in saved), d
 
 
-def test_the_verdict_says_whether_learning_paid_in_speed():
-    def summary(first, last, **kw):
-        base = {
-            "speedup-first": first,
-            "speedup-last": last,
-            "first-round": 0,
-            "last-round": 3,
-            "acceptance-k-first": 0.39,
-            "acceptance-k-last": 0.44,
-            "new-devices": 0,
-        }
-        return {**base, **kw}
-
-    assert "learning paid: 1.20x → 1.35x" in report.verdict({"q": summary(1.2, 1.35)})
-    assert "did not pay" in report.verdict({"q": summary(1.3, 1.1)})
-    assert "slower than the target alone" in report.verdict({"q": summary(0.97, 0.88)})
-    assert "unchanged within 5%" in report.verdict({"q": summary(1.2, 1.22)})
-    assert "not measured" in report.verdict({"q": summary(None, None)})
-    text = report.verdict(
-        {"q": summary(1.2, 1.35, **{"new-devices": 3, "new-warm-acceptance-k": 0.43, "new-cold-acceptance-k": 0.38})}
-    )
-    assert "0.390 → 0.440" in text and "0.430 with the fleet's state vs 0.380 without" in text
-    drift = report.verdict(
-        {"q": summary(1.17, 0.86, **{"modelled-speedup-first": 1.41, "modelled-speedup-last": 1.52})}
-    )
-    assert (
-        "slower than the target alone (1.17x → 0.86x)" in drift
-        and "cost profile, decoding only: 1.41x → 1.52x" in drift
-    )
-
-
 # -- the hostile fleet ------------------------------------------------------------------------------
-
-
-def test_attack_flag_is_checked():
-    from omnidraft.simulations.attacks import KINDS, assign, parse_attacks
-
-    assert parse_attacks(["all:0.1"]) == {k: 0.1 for k in KINDS}
-    for bad in (["nan"], ["nope:0.1"], ["nan:1.5"], ["nan:x"]):
-        with pytest.raises(ValueError):
-            parse_attacks(bad)
-    roles = assign({"nan": 0.1, "crash": 0.1}, 20, seed=0)
-    assert sorted(Counter(roles.values()).values()) == [2, 2] and all(0 <= p < 20 for p in roles)
-    assert roles == assign({"nan": 0.1, "crash": 0.1}, 20, seed=0)  # repeatable
-    with pytest.raises(ValueError):
-        assign({k: 0.1 for k in KINDS}, 8, seed=0)  # more attackers than devices
 
 
 def test_hostile_devices_of_every_kind_cannot_stop_or_take_over_a_round(tmp_path, home):

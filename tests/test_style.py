@@ -50,3 +50,38 @@ def test_product_code_imports_only_the_rooms_it_may(room):
         for other in omnidraft_imports(path) & set(FORBIDDEN[room])
     }
     assert not found, "\n".join(sorted(found))
+
+
+MAX_LINES = 500
+GENERATED = ("_pb2.py", "_pb2_grpc.py")  # protoc's output (proto/generate.py), as pyproject's ruff excludes
+
+
+def python_modules() -> list[Path]:
+    """The repository's tracked Python files; without git (a copied tree), every one outside
+    hidden folders, virtual environments and build output."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        return [ROOT / name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {"build", "dist", "node_modules", "__pycache__"}
+        return [
+            p
+            for p in ROOT.rglob("*.py")
+            if not any(part.startswith(".") or part in skip for part in p.relative_to(ROOT).parts[:-1])
+        ]
+
+
+def test_no_module_is_over_500_lines():
+    """The project's rule: no Python module over 500 lines (generated code excepted); split one
+    that grows past it into modules named for what they hold."""
+    modules = python_modules()
+    assert modules, "no Python modules found"
+    found = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in sorted(modules)
+        if not path.name.endswith(GENERATED)
+        and (n := len(path.read_text(encoding="utf-8", errors="replace").splitlines())) > MAX_LINES
+    ]
+    assert not found, "over 500 lines:\n" + "\n".join(found)

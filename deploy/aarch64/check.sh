@@ -108,12 +108,12 @@ run_arm "/opt/venv/bin/python -c 'import platform; from omnidraft.shared.runtime
          isa = default_native_isa(); print(\"arm64 root:\", platform.machine(), \"native kernels:\", isa, native_error(isa) or \"built\")'" >&2
 
 say "greedy identity on tiny models (arm64)"
-OUT=$(run_arm "/opt/venv/bin/python -m pytest -q -p no:cacheprovider tests/test_runtime.py -k 'bit_identical or greedy_identity'" 2>&1)
+OUT=$(run_arm "/opt/venv/bin/python -m pytest -q -p no:cacheprovider tests/test_precision.py -k 'bit_identical or greedy_identity'" 2>&1)
 echo "$OUT" | tail -3 >&2
 PASSED=$(echo "$OUT" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+' || echo 0)
 FAILED=$(echo "$OUT" | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+' || echo 0)
 IDENT="greedy identical $PASSED/$((PASSED + FAILED))"
-[ "$FAILED" = 0 ] && [ "$PASSED" -gt 0 ] || { STATUS=1 finish "$KERNELS; $IDENT (tests/test_runtime.py in the arm64 root)"; }
+[ "$FAILED" = 0 ] && [ "$PASSED" -gt 0 ] || { STATUS=1 finish "$KERNELS; $IDENT (tests/test_precision.py in the arm64 root)"; }
 
 say "omnidraft generate with a catalog pair (arm64)"
 run_arm "/opt/venv/bin/omnidraft generate --drafter smollm2-135m --target qwen2.5-coder-0.5b --dtype int8 \

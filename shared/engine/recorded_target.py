@@ -11,7 +11,7 @@ the same held-out prompts pays for the target once instead of every round.
 The replayed figures equal a live decode's as long as the target's greedy choice at a position
 does not depend on how many positions one forward pass scores (batched verification against
 one-token steps); the project's kernels keep the rows of a block bit-identical to one-token
-steps (``tests/test_runtime.py``), and ``tests/test_decoding.py`` checks replayed against live
+steps (``tests/test_precision.py``), and ``tests/test_decoding.py`` checks replayed against live
 acceptance.
 """
 

@@ -1,0 +1,144 @@
+"""The cost profile the throughput rule decides with: interpolation and extrapolation, block
+timings that one disturbed trial cannot set, the on-disk cache reused and invalidated by machine
+or model, and a device session (tiny models) that keeps its rule's calibration and lookup
+history and measures the drafter once whatever adapter it merges."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from runtime_models import PROMPTS
+
+from omnidraft.benchmarks.tiny_models import build_pair
+from omnidraft.shared.engine import profiling
+from omnidraft.shared.engine.draft_policy import ThroughputRule
+from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.engine.profiling import CostProfile
+
+
+def test_cost_profile_interpolates_and_extrapolates():
+    p = CostProfile({1: 10.0, 4: 16.0, 8: 24.0}, 1.0)
+    assert p.target_cost(1) == 10.0 and p.target_cost(2) == pytest.approx(12.0)
+    assert p.target_cost(6) == pytest.approx(20.0) and p.target_cost(12) == pytest.approx(32.0)
+    noisy = CostProfile({1: 10.0, 2: 9.0, 4: 16.0}, 1.0)  # a measured dip is noise
+    assert noisy.target_ms == {1: 10.0, 2: 10.0, 4: 16.0}
+    assert p.drafter_block_cost(0) == 0.0 and p.drafter_block_cost(3) == 3.0  # no feed costs: steps
+    fed = CostProfile({1: 10.0}, 2.0, {1: 2.0, 8: 4.0})
+    assert fed.drafter_block_cost(1) == 2.0 and fed.drafter_block_cost(8) == 4.0
+    assert fed.drafter_block_cost(15) == pytest.approx(6.0)  # extrapolated from the last two sizes
+
+
+def test_block_timing_takes_the_median_of_trials_and_retries_outliers(monkeypatch):
+    """One disturbed trial cannot set a figure: each trial keeps its minimum, the median of the
+    trials is kept, and trials continue while they disagree."""
+    trials = iter([9.0, 50.0, 10.0, 11.0, 10.0, 10.5, 10.2])
+    monkeypatch.setattr(profiling, "_time_block", lambda runner, context, block, repeats: next(trials))
+
+    class Runner:
+        max_positions = 512
+
+        def reset(self): ...
+        def forward(self, ids, logits_to_keep=0): ...
+
+    # warm-up pass (1 value), then trials 50, 10, 11 disagree (50 > 1.25 * 10): more until
+    # max_trials; the median of [50, 10, 11, 10, 10.5, 10.2] is 10.35
+    ms = profiling.measure_block_ms(Runner(), (1,), trials=3, max_trials=6)
+    assert ms[1] == pytest.approx(10.35)
+
+
+def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "home" / "profiles"))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"a": 1}')
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"1": float(len(calls))}
+
+    def costs():
+        return profiling.cached({"model": profiling.model_fingerprint(model_dir), "precision": "int8"}, measure)
+
+    assert costs() == {"1": 1.0} and costs() == {"1": 1.0} and len(calls) == 1
+    machine = profiling.machine_fingerprint()
+    monkeypatch.setattr(profiling, "machine_fingerprint", lambda: {**machine, "cpu": "Another CPU"})
+    assert costs() == {"1": 2.0} and len(calls) == 2  # another machine: measured again
+    (model_dir / "config.json").write_text('{"a": 2}')
+    assert costs() == {"1": 3.0} and len(calls) == 3  # the model changed: measured again
+    assert costs() == {"1": 3.0} and len(calls) == 3
+    (tmp_path / "home" / "profiles").joinpath("junk.json").write_text("{")  # unrelated junk is ignored
+    assert costs() == {"1": 3.0}
+
+
+def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path, monkeypatch):
+    from omnidraft.client.session import DeviceSession
+
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
+    build_pair(tmp_path / "pair")
+    engine = Engine.load(
+        str(tmp_path / "pair" / "drafter"),
+        str(tmp_path / "pair" / "target"),
+        "fp64",
+        drafter_weights="fp32",
+        progress=False,
+    )
+    session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
+    for prompt in PROMPTS:
+        session.generate(prompt, GenerationConfig(max_new_tokens=16), learn=False)
+    assert len(session.lookup.history) == 0  # generations that do not learn leave no trace
+    session.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16), learn=True, observe=False)
+    assert len(session.lookup.history) > 0
+    learned = session.rule.calibration()
+    fresh = ThroughputRule(engine.cost_profile()).calibration()
+    assert sum(learned["tables"]["confidence"]["seen"]) > sum(fresh["tables"]["confidence"]["seen"])
+    session.save()
+    again = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
+    again.decoder()
+    assert again.rule.calibration() == learned and not again.problems
+    assert again.lookup.history.tokens == session.lookup.history.tokens
+    # a damaged calibration is reported and replaced, never a crash
+    again._saved_rule, again.rule = {"tables": {"confidence": [1.0]}}, None
+    again.decoder()
+    assert again.problems and again.rule.calibration() == fresh
+
+
+def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch):
+    """A trained adapter is merged into its runner's weights: the drafter costs the same as
+    without it, so the session's rule keeps deciding with the one profile measured (no second
+    drafter measurement), and the profile check compares the adapter's steps with it."""
+    import torch
+
+    from omnidraft.client.session import DeviceSession
+
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
+    build_pair(tmp_path / "pair")
+    engine = Engine.load(
+        str(tmp_path / "pair" / "drafter"),
+        str(tmp_path / "pair" / "target"),
+        "fp64",
+        drafter_weights="fp32",
+        progress=False,
+    )
+    session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
+    session.decoder()
+    base = session.rule.profile
+    untrained = session.adapters.runner()
+    assert untrained.lora_rank == 0  # an untrained adapter drafts on the base weights
+    with torch.no_grad():  # what an update does: the adapter's B matrices move off zero
+        for name, param in session.adapters.peft.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.01)
+    session.adapters.invalidate()
+    session.drafter_changed()
+    session.generate(PROMPTS[0], GenerationConfig(max_new_tokens=8), learn=False)
+    runner = session.adapters.runner()
+    assert runner.lora_rank > 0 and runner._packing is not runner._base_packing  # merged
+    assert session.rule.profile is base and engine.cost_profile() is base
+    drafter_entries = [
+        p for p in (tmp_path / "profiles").glob("*.json") if json.loads(p.read_text())["key"]["role"] == "drafter"
+    ]
+    assert len(drafter_entries) == 1  # measured once, for every adapter
+    assert engine.check_profile()["steps"]  # the adapter's steps are checked against it

@@ -1,0 +1,233 @@
+"""A fleet device taking and using the coordinator's state, on the tiny fleet (conftest's
+``tiny``): it checks the manifest's signature, the parts' hashes and the version before storing
+a state (and refuses a NaN adapter), serves a cold first session and then the global state in
+one process, loses only the replay to an unwritable recording store, and as a probe scores the
+drafter against the target's recorded greedy output, running the target live only on its
+timed speed prompts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from omnidraft.coordinator.registry import TargetRegistry
+from omnidraft.shared.learning.adapters import LoraSpec
+
+pytestmark = pytest.mark.usefixtures("flower_task")  # hand-made Messages need a task identity
+
+
+def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tiny):
+    """A device that pins the coordinator's Ed25519 key stores a state only if the manifest's
+    signature verifies, every part matches its hash and the version is not older than the one
+    it holds; otherwise it keeps what it had."""
+    from dataclasses import replace
+
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice, StateMismatch
+    from omnidraft.proto import fleet_pb2
+
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+    v0 = reg.load("tiny-target-a")
+    reg.commit("tiny-target-a", v0.adapter, v0.cache(), round_=1, devices=1, tokens=1)
+    v1 = reg.load("tiny-target-a")
+    assert v0.signature and v1.signature and v1.manifest.parent_version == 0
+    key_file = tmp_path / "coord" / "keys" / "manifest-ed25519.pem"
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600" and oct(key_file.parent.stat().st_mode & 0o777) == "0o700"
+    profile = DeviceProfile(
+        device_id="d",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=["x"],
+        heldout=["y"],
+        state_dir=tmp_path / "dev",
+        fleet_key=reg.public_key(),
+    )
+    pool = EnginePool("fp32", "fp32")
+    device = FleetDevice(profile, pool)
+    assert device.receive(v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature).version == 1
+    forged = fleet_pb2.StateManifest()
+    forged.ParseFromString(v1.manifest_blob)
+    forged.version = 9
+    bad = [
+        ((v1.spec, forged.SerializeToString(), v1.adapter_blob, v1.cache_blob, v1.signature), "signature"),
+        ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, b""), "signature"),
+        ((v1.spec, v1.manifest_blob, v1.adapter_blob[:-1] + b"!", v1.cache_blob, v1.signature), "checksum"),
+        ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob[:-1] + b"!", v1.signature), "checksum"),
+        ((v0.spec, v0.manifest_blob, v0.adapter_blob, v0.cache_blob, v0.signature), "older"),
+    ]  # a replay
+    for args, reason in bad:
+        with pytest.raises(StateMismatch, match=reason):
+            device.receive(*args)
+        assert device.held_manifest().version == 1  # the previous state is kept, intact
+    # the coordinator itself signs a NaN adapter (a bug, or a poisoned aggregate): the device refuses it
+    nan = {k: torch.full_like(v, float("nan")) for k, v in v1.adapter.items()}
+    reg.commit("tiny-target-a", nan, v1.cache(), round_=2, devices=1, tokens=1)
+    v2 = reg.load("tiny-target-a")
+    with pytest.raises(StateMismatch, match="NaN or Inf"):
+        device.receive(v2.spec, v2.manifest_blob, v2.adapter_blob, v2.cache_blob, v2.signature)
+    assert device.held_manifest().version == 1
+    stranger = FleetDevice(
+        replace(profile, fleet_key=TargetRegistry(tmp_path / "other").public_key(), state_dir=tmp_path / "dev2"), pool
+    )
+    with pytest.raises(StateMismatch, match="signature"):
+        stranger.receive(v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature)
+    assert stranger.held_manifest() is None
+    # a session starts from the same random draws whatever the worker process ran before it
+    heads = []
+    for noise in (0, 1000):
+        torch.rand(noise)
+        heads.append({k: v.clone() for k, v in device.session().head.state_dict().items()})
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+
+def test_a_cold_first_session_then_the_global_state_in_one_process(tmp_path, tiny):
+    """A worker whose first session is a cold one (no global state: the default LoRA shape)
+    then serves the global state (the same shape, read from the wire) and evaluates at a
+    fixed draft length only."""
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
+
+    assert LoraSpec(rank=8) == LoraSpec(rank=8, alpha=16.0)
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=8))
+    state = reg.load("tiny-target-a")
+    profile = DeviceProfile(
+        device_id="d",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=["x"],
+        heldout=["def f(x):"],
+        state_dir=tmp_path / "dev",
+    )
+    device = FleetDevice(profile, EnginePool("fp32", "fp32"))
+    cold = device.evaluate(use_global=False, fixed_k=2, adaptive=False)
+    device.receive(state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature)
+    warm = device.evaluate(fixed_k=2, adaptive=False)
+    for metrics in (cold, warm):
+        assert 0 <= metrics["fixed-k-acceptance"] <= 1 and metrics["generated-tokens"] > 0
+        assert "acceptance" not in metrics and "tokens-per-s" not in metrics
+    with pytest.raises(ValueError, match="fixed draft length"):
+        device.evaluate(adaptive=False)
+
+
+def test_a_recording_store_that_cannot_be_written_costs_only_the_replay(tmp_path, tiny):
+    """A simulated device whose recording store is unwritable (here: a file where the folder
+    should be) still trains and evaluates, with the target running instead of a replay."""
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
+
+    blocked = tmp_path / "recordings"
+    blocked.write_text("not a folder")
+    profile = DeviceProfile(
+        device_id="d",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=["def add(a, b):", "import os\n"],
+        heldout=["def f(x):"],
+        state_dir=tmp_path / "dev",
+        prompts_per_round=2,
+        recordings=str(blocked),
+    )
+    device = FleetDevice(profile, EnginePool("fp32", "fp32"))
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=8))
+    state = reg.load("tiny-target-a")
+    device.receive(state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature)
+    _, _, metrics = device.train_round(1)
+    assert metrics["replayed"] == 0.0 and metrics["trained-tokens"] > 0
+    cold = device.evaluate(use_global=False, fixed_k=2)  # held-out outputs: the target alone, not the store
+    assert 0 <= cold["fixed-k-acceptance"] <= 1 and cold["modelled-speedup"] > 0 and "tokens-per-s" not in cold
+    assert blocked.read_text() == "not a folder"
+
+
+def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_prompts(tmp_path, tiny, monkeypatch):
+    """With a recording store, a probe runs the target alone live (timed: the speed baseline)
+    on its ``speed_prompts`` only; its other held-out outputs come from the store, recorded live
+    the first time, so a fresh probe later runs only its speed prompts. The fixed-k figures are
+    the store-less probe's."""
+    from omnidraft.client import evaluation, fleet_device
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
+
+    heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
+    pool = EnginePool("fp32", "fp32")
+
+    def probe(name: str, recordings: str) -> FleetDevice:
+        return FleetDevice(
+            DeviceProfile(
+                device_id=name,
+                target="tiny-target-a",
+                target_model=str(tiny["tiny-target-a"]),
+                drafter=str(tiny["tiny-drafter"]),
+                prompts=[],
+                heldout=heldout,
+                state_dir=tmp_path / name,
+                speed_prompts=1,
+                probe=True,
+                recordings=recordings,
+            ),
+            pool,
+        )
+
+    runs = []
+    real_alone = evaluation.target_alone
+    monkeypatch.setattr(fleet_device, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    store = str(tmp_path / "recordings")
+    first = probe("p1", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    assert runs == [heldout[:1]] + [[p] for p in heldout[1:]] and first["speedup"] > 0
+    runs.clear()
+    second = probe("p2", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    assert runs == [heldout[:1]]  # the timed baseline only: the rest is in the store
+    plain = probe("p3", "").evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    for key in ("fixed-k-acceptance", "fixed-k-tokens-per-call"):
+        assert first[key] == second[key] == plain[key]
+
+
+def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatch):
+    """A probe's fixed-k pass scores the drafter against the target's greedy output, recorded
+    once per prompt set and kept in fleet.json: the figures equal a live decode's, later
+    evaluations run the target only on the timed speed prompts (the speed baseline is timed in
+    every evaluation), and the adaptive pass decodes only ``speed_prompts``."""
+    from omnidraft.client import evaluation, fleet_device
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
+
+    heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
+    profile = DeviceProfile(
+        device_id="p",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=[],
+        heldout=heldout,
+        state_dir=tmp_path / "probe",
+        speed_prompts=1,
+        probe=True,
+    )
+    device = FleetDevice(profile, EnginePool("fp32", "fp32"))
+    runs = []
+    real_alone = evaluation.target_alone
+    monkeypatch.setattr(fleet_device, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    first = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    again = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    assert runs == [heldout[:1], heldout[1:], heldout[:1]]  # outputs once; the timed baseline each time
+    assert first["fixed-k-acceptance"] == again["fixed-k-acceptance"] and first["speedup"] > 0
+    session = device.session(use_global=False)
+    live = evaluation.evaluate_fixed_k(session, heldout, profile.generation, 3)
+    assert first["fixed-k-acceptance"] == live["acceptance_rate"]
+    assert first["fixed-k-tokens-per-call"] == live["tokens_per_target_call"]
+    assert first["generated-tokens"] <= profile.generation.max_new_tokens < live["new_tokens"]  # adaptive: 1 prompt
+    device.profile = replace(profile, heldout=heldout[:2])  # another prompt set: recorded anew
+    device.evaluate(use_global=False, fixed_k=3, adaptive=False)
+    assert runs == [heldout[:1], heldout[1:], heldout[:1], heldout[:2]]

@@ -1,0 +1,276 @@
+"""Online learning on the tiny drafter/target pair (conftest's ``pair_dir``): LoRA adapters
+(gradients reach only the adapter, two adapters stay independent, one packing serves them all),
+the learner (the loss decreases, epochs and optimizers, bf16 training bit-identical on frozen
+weight copies held in bf16), the acceptance head labelled from the update's own forwards,
+training samples aligned to the response, and greedy output identical to the target's after
+training."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_pair import CONFIG, PROMPTS, _engine
+
+from omnidraft.client.online_learner import OnlineConfig
+from omnidraft.client.session import DeviceSession
+from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
+from omnidraft.shared.learning.distill import LossConfig
+
+
+def test_sequence_loss_covers_every_response_token(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8))
+    sample = session.generate(PROMPTS[0], CONFIG, observe=False).training_sample
+    aligned = torch.cat([sample.dm_pos, sample.ng_pos])
+    assert sample.seq_start == int(aligned.min())
+    # every aligned position is in the sequence loss, and so are the tokens between them
+    assert int(aligned.max()) < len(sample.draft_ids)
+    assert sample.seq_positions == len(sample.draft_ids) - sample.seq_start >= sample.loss_positions
+    assert sample.positions("seq") == sample.seq_positions and sample.positions("hybrid") == sample.loss_positions
+
+
+def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair_dir):
+    engine = _engine(pair_dir)
+    base = {n: p.detach().clone() for n, p in engine.drafter.model.named_parameters()}
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
+    a = DeviceSession(engine, target_name="target-a", adapters=adapters, online=OnlineConfig(interval=2, lr=1e-2))
+    DeviceSession(engine, target_name="target-b", adapters=adapters)  # registers target-b's adapter
+    b_before = adapters.state_dict("target-b")
+    for prompt in PROMPTS[:4]:
+        a.generate(prompt, CONFIG)
+    assert a.learner.updates == 2
+    trainable = {n for n, p in adapters.peft.named_parameters() if p.grad is not None}
+    assert trainable and all("lora_" in n and ".t_target_a." in n for n in trainable)
+    # base weights untouched (compare through the unwrapped names); under bf16 autocast the
+    # frozen Linear weights are held in bf16: exactly the cast of the originals
+    for n, p in adapters.peft.get_base_model().named_parameters():
+        key = n.replace(".base_layer", "")
+        if "lora_" not in n:
+            assert torch.equal(p, base[key].to(p.dtype)), n
+    a_sd, b_sd = adapters.state_dict("target-a"), adapters.state_dict("target-b")
+    assert any(not torch.equal(a_sd[k], b_before[k]) for k in a_sd)  # A learned
+    assert all(torch.equal(b_sd[k], b_before[k]) for k in b_sd)  # B did not move
+    # switching adapters switches the drafting weights, without reloading the drafter
+    adapters.activate("target-a")
+    ra = adapters.runner()
+    adapters.activate("target-b")
+    rb = adapters.runner()
+    ids = engine.drafter.tokenizer.encode(PROMPTS[0])
+    ra.reset(), rb.reset()
+    assert not torch.allclose(ra.forward(ids), rb.forward(ids))
+    assert adapters.peft.get_base_model() is engine.drafter.model
+
+
+@pytest.mark.parametrize("kind", ["seq", "hybrid"])
+def test_loss_decreases_on_a_fixed_stream(pair_dir, kind):
+    engine = _engine(pair_dir)
+    session = DeviceSession(
+        engine,
+        target_name="t",
+        lora=LoraSpec(rank=8),
+        online=OnlineConfig(interval=100, lr=3e-3, loss=LossConfig(kind=kind)),
+    )
+    samples = [session.generate(p, CONFIG).training_sample for p in PROMPTS[:6]]
+    assert all(s.loss_positions > 0 for s in samples)
+    learner = session.learner
+    first = learner.loss_on(samples)
+    for _ in range(8):
+        learner.buffer = list(samples)
+        learner.update()
+    assert learner.loss_on(samples) < 0.8 * first
+
+
+def test_epochs_repeat_the_pass_and_the_optimizer_is_configurable(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(
+        engine,
+        target_name="t",
+        lora=LoraSpec(rank=8),
+        adaptive=False,
+        online=OnlineConfig(interval=100, lr=3e-3, steps_per_update=2, epochs=3),
+    )
+    samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:4]]
+    learner = session.learner
+    steps = []
+    learner.optimizer.register_step_post_hook(lambda opt, args, kwargs: steps.append(1))
+    before = learner.loss_on(samples)
+    learner.buffer = list(samples)
+    report = learner.update()
+    assert len(steps) == 2 * 3  # two batches per pass, three passes
+    assert 0 < learner.loss_on(samples) < report.loss <= 1.01 * before  # the report: the first pass's loss
+    sgd = DeviceSession(
+        engine, target_name="u", lora=LoraSpec(rank=8), adaptive=False, online=OnlineConfig(optimizer="sgd", lr=0.5)
+    )
+    assert isinstance(sgd.learner.optimizer, torch.optim.SGD)
+    for bad, match in (({"epochs": 0}, "epochs"), ({"optimizer": "lion"}, "unknown optimizer")):
+        with pytest.raises(ValueError, match=match):
+            OnlineConfig(**bad).validate()
+
+
+def test_bf16_training_on_frozen_weight_copies_is_bit_identical(pair_dir):
+    """Under bf16 autocast, a training forward that reads bf16 copies of the frozen Linear
+    weights gives the same logits and adapter gradients, bit for bit, as the fp32 weights
+    autocast casts at every call; the copies hold frozen weights only, are made once per
+    drafter and are rebuilt after a respec (other modules carry LoRA then)."""
+    engine = _engine(pair_dir)
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
+    adapters.add("t")
+    with torch.no_grad():  # a trained adapter: B != 0, so the LoRA path counts
+        for n, p in adapters.peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    ids = torch.tensor([engine.drafter.tokenizer.encode(PROMPTS[0] + PROMPTS[1])])
+
+    def forward_backward(frozen_dtype):
+        decoder, head = adapters.decoder_and_head(frozen_dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = head(decoder(input_ids=ids).last_hidden_state).float()
+        logits.logsumexp(-1).sum().backward()
+        grads = {n: p.grad.clone() for n, p in adapters.peft.named_parameters() if p.grad is not None}
+        adapters.peft.zero_grad(set_to_none=True)
+        return logits.detach(), grads
+
+    ref_logits, ref_grads = forward_backward(None)
+    logits, grads = forward_backward(torch.bfloat16)
+    assert ref_grads and torch.equal(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    in_decoder, in_head = copies = adapters._frozen[torch.bfloat16]
+    assert in_decoder and all(".lora_" not in n and t.dtype == torch.bfloat16 for n, t in in_decoder.items())
+    assert list(in_head) == ["weight"]
+    adapters.decoder_and_head(torch.bfloat16)
+    assert adapters._frozen[torch.bfloat16] is copies  # made once
+    adapters.respec(LoraSpec(rank=4, modules="attn"))
+    assert not adapters._frozen
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_under_bf16_autocast_holds_the_frozen_drafter_weights_in_bf16(pair_dir, tied):
+    """Where the drafter drafts on packings, its first bf16 training forward converts the frozen
+    Linear weights in place (the float32 originals are freed; the gradients are bit-identical,
+    see above): the base packing, built before, drafts exactly as before; a tied LM head stays
+    the float32 input embedding; an adapter added afterwards still trains in float32; a
+    float32 forward of the model is refused with a clear error."""
+    engine = _engine(pair_dir)
+    model = engine.drafter.model
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    def frozen_linears():
+        return [
+            m.weight
+            for n, m in model.get_decoder().named_modules()
+            if isinstance(m, torch.nn.Linear) and ".lora_" not in f".{n}"
+        ]
+
+    adapters = DrafterAdapters(model, LoraSpec(rank=4), drafter_weights="fp32")
+    adapters.add("a")
+    ids = engine.drafter.tokenizer.encode(PROMPTS[0])
+    untrained = adapters.runner().forward(ids).clone()
+    fp32_bytes = sum(w.nbytes for w in frozen_linears())
+    adapters.decoder_and_head(torch.bfloat16)
+    assert adapters.held_dtype == torch.bfloat16
+    assert all(w.dtype == torch.bfloat16 for w in frozen_linears())
+    assert sum(w.nbytes for w in frozen_linears()) * 2 == fp32_bytes
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    if tied:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    else:
+        assert model.lm_head.weight.dtype == torch.bfloat16
+    runner = adapters.runner()
+    runner.reset()
+    assert torch.equal(runner.forward(ids), untrained)  # the base packing is the float32 one
+    with pytest.raises(ValueError, match="held in torch.bfloat16"):
+        adapters.decoder_and_head()
+    adapters.add("b")
+    lora = [p for n, p in adapters.peft.named_parameters() if ".t_b." in n]
+    assert lora and all(p.dtype == torch.float32 for p in lora)
+    decoder, head = adapters.decoder_and_head(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = head(decoder(input_ids=torch.tensor([ids])).last_hidden_state).float()
+    logits.logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters.trainable_parameters())
+
+
+def test_the_update_labels_the_acceptance_head_from_its_own_forwards(pair_dir):
+    """The acceptance head's replay rows come from the update's training forwards (one row per
+    labelled DM position of the samples, no forward of their own), with bf16 autocast on."""
+    engine = _engine(pair_dir)
+    session = DeviceSession(
+        engine, target_name="t", lora=LoraSpec(rank=4), online=OnlineConfig(interval=100, lr=3e-3, bf16_autocast=True)
+    )
+    samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:3]]
+    learner = session.learner
+    forwards = []
+    learner._sample_loss = (lambda f: lambda s, grad: (forwards.append(grad), f(s, grad))[1])(learner._sample_loss)
+    learner.buffer = list(samples)
+    report = learner.update()
+    assert forwards == [True] * len(samples)  # the training forwards only
+    assert 0 < report.head_rows == learner.replay.size <= sum(s.dm_pos.numel() for s in samples)
+    assert session.head.trained_steps == 1
+
+
+def test_one_packing_serves_every_adapter(pair_dir):
+    """Adapters draft on forks of one base packing, each with its own KV cache; a trained
+    adapter is merged into its own runner's weights: training, loading and resetting an
+    adapter change its runner's logits and nobody else's."""
+    engine = _engine(pair_dir)
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
+    adapters.add("a")
+    ra = adapters.runner()
+    adapters.add("b")
+    rb = adapters.runner()
+    assert rb is not ra and rb._packing is ra._packing  # shared packed weights, separate runners
+    assert ra.lora_rank == rb.lora_rank == 0  # untrained adapters: the base weights
+    ids = [1, 2, 3]
+    base = rb.forward(ids).clone()
+    tensors = {k: v + 0.05 for k, v in adapters.state_dict("b").items()}
+    adapters.load_state_dict("b", tensors)
+    assert adapters.runner() is rb and rb.lora_rank == 4 and rb._packing is not ra._packing  # merged
+    trained = rb.forward(ids).clone()
+    assert not torch.allclose(trained, base)
+    adapters.activate("a")
+    ra.reset()
+    torch.testing.assert_close(adapters.runner().forward(ids), base)  # a is still untrained
+    adapters.activate("b")
+    adapters.reset("b")
+    assert adapters.runner().lora_rank == 0
+    torch.testing.assert_close(rb.forward(ids), base)
+    adapters.load_state_dict("b", tensors)
+    torch.testing.assert_close(adapters.runner().forward(ids), trained)  # set_lora resets the cache
+
+
+def test_greedy_output_identical_to_target_after_training(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", online=OnlineConfig(interval=2, lr=2e-2))
+    for prompt in PROMPTS[:8]:
+        session.generate(prompt, CONFIG)
+    assert session.learner.updates == 4 and session.head.ready
+    ar = engine.ar()
+    # the throughput rule fed by the learned head, and the confidence rule without it
+    for config in (CONFIG, replace(CONFIG, draft_stop="confidence")):
+        for prompt in PROMPTS[8:14]:
+            text, ids = engine.prompt_ids(prompt)
+            expected = ar.generate(ids, config).token_ids
+            out = session.decoder().generate(text, ids, config)
+            assert out.token_ids == expected
+    assert sum(session.rule.tables["head"].seen) > 0  # the head's predictions were calibrated
+
+
+def test_training_sample_alignment(pair_dir):
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", learn=True)
+    sample = session.generate(PROMPTS[0], CONFIG).training_sample
+    ids = sample.draft_ids
+    d2t, bridge = engine.bridge.d2t, engine.bridge
+    assert sample.target_tokens == CONFIG.max_new_tokens
+    inter_target = session.inter.target_ids
+    for row, j in enumerate(sample.dm_pos.tolist()):
+        # the top-k row's best target id is a shared id, and the aligned drafter token maps 1:1
+        assert d2t[ids[j]] >= 0
+        assert int(sample.dm_top_idx[row].max()) < len(inter_target)
+    for j, d in zip(sample.ng_pos.tolist(), sample.ng_ids.tolist()):
+        assert ids[j] == d
+    assert float(sample.dm_logp_t.max()) <= 0 and float(sample.dm_inter_logmass.max()) <= 1e-5
+    assert bridge is engine.bridge
