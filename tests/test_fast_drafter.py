@@ -361,3 +361,29 @@ def test_prefill_activation_bits(isa):
     assert torch.equal(mixed.forward(ids[10:14]), a16.forward(ids[10:14]))
     with pytest.raises(ValueError, match="activation_bits"):
         make(model, kind, prefill_activation_bits=4)
+
+
+@pytest.mark.parametrize("rows", [300, 32, 7])
+def test_native_packing_in_row_slices_is_the_documented_layout(monkeypatch, rows):
+    """``pack_native`` quantizes a matrix a slice of rows at a time (32 here: ten slices of a
+    300-row matrix, the last padded); the bytes are the documented layout computed whole: per
+    (row, 64 inputs) a scale max|w| / 127, weights round(w / scale) + 128 as uint8 in blocks of
+    16 rows x 4 inputs, padding rows zero."""
+    from omnidraft.shared.runtime import weight_packing
+
+    monkeypatch.setattr(weight_packing, "PACK_SLICE_ROWS", 32)
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(rows, 128, generator=g) * torch.rand(rows, 1, generator=g), torch.randn(rows, generator=g)
+    packed, scales, bias = weight_packing.pack_native(w, b)
+
+    n = -(-rows // 16) * 16
+    whole = torch.cat([w, torch.zeros(n - rows, 128)]).view(n, 2, 64)
+    scale = (whole.abs().amax(-1) / 127.0).clamp_min(1e-30)
+    q = (torch.round(whole / scale[..., None]).clamp(-127, 127) + 128).to(torch.uint8).view(n, 128)
+    for r in (0, rows - 1, n - 1):
+        for c in (0, 63, 64, 127):
+            assert packed[r // 16, c // 4, r % 16, c % 4] == q[r, c]
+            assert scales[r // 16, c // 64, r % 16] == scale[r, c // 64]
+    assert packed.shape == (n // 16, 32, 16, 4) and scales.shape == (n // 16, 2, 16)
+    assert torch.equal(packed.permute(0, 2, 1, 3).reshape(n, 128), q)
+    assert torch.equal(bias, torch.cat([b, torch.zeros(n - rows)]))

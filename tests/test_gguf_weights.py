@@ -155,7 +155,7 @@ def test_a_gguf_missing_a_weight_is_refused(tmp_path):
 def test_int8_runner_packed_layer_by_layer_is_bit_identical(tmp_path, monkeypatch, kind, native):
     if native and native_library() is None:
         pytest.skip(f"native kernels unavailable: {native_error()}")
-    monkeypatch.setattr(weight_packing, "HEAD_SLICE_ROWS", 32)  # 300 rows: ten slices, the last padded
+    monkeypatch.setattr(weight_packing, "PACK_SLICE_ROWS", 32)  # 300 rows: ten slices, the last padded
     write_gguf_dir(tiny(kind), tmp_path / "m")
     full = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
     streamed = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False, stream=True)

@@ -281,7 +281,7 @@ class FastLlamaRunner:
         self._template = False  # ``as_template``: no KV cache, forks only
 
         if lib is not None:
-            if w_head is None:  # from the GGUF, HEAD_SLICE_ROWS rows at a time
+            if w_head is None:  # from the GGUF, PACK_SLICE_ROWS rows at a time
                 head_rows = checkpoint.rows(head_name)
                 bufs = pack_native_slices(
                     lambda lo, hi: head_rows.index_select(0, torch.arange(lo, hi)) * gain, self.vocab
@@ -328,17 +328,18 @@ class FastLlamaRunner:
         ptrs: list[int] = []
         for i, layer in enumerate(self._source_layers):
             deltas = {} if layer_deltas is None else layer_deltas[i]
+            linears = {k: [] for k in self._torch_kinds}
             with self._layer_weights(layer):
-                mats = fold_layer(
-                    layer, deltas() if callable(deltas) else deltas, self._q_perm, self._k_perm, self.head_dim
-                )
+                deltas = deltas() if callable(deltas) else deltas
+                for w, b in fold_layer(layer, deltas, self._q_perm, self._k_perm, self.head_dim):
+                    for k in self._torch_kinds:
+                        linears[k].append(make_linear(k, w, b))
+                    if self._lib is not None:
+                        bufs = pack_native(w, b)
+                        native_tensors += [t for t in bufs if t is not None]
+                        ptrs += [0 if t is None else t.data_ptr() for t in bufs]
             for k in self._torch_kinds:
-                torch_layers[k].append(tuple(make_linear(k, w, b) for w, b in mats))
-            if self._lib is not None:
-                for w, b in mats:
-                    bufs = pack_native(w, b)
-                    native_tensors += [t for t in bufs if t is not None]
-                    ptrs += [0 if t is None else t.data_ptr() for t in bufs]
+                torch_layers[k].append(tuple(linears[k]))
         layer_ptrs = torch.tensor(ptrs, dtype=torch.int64) if self._lib is not None else None
         return _Packing(torch_layers, native_tensors, layer_ptrs)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,11 @@ def tensor_table(path: Path) -> tuple[str, list[_TensorAt]]:
 
 class GgufRows:
     """Rows of one GGUF tensor (token embeddings), dequantized to float32 when read: only the
-    rows read are ever in memory. Has the ``index_select(0, ids)`` of a ``[rows, cols]`` tensor."""
+    rows read are ever in memory. Has the ``index_select(0, ids)`` of a ``[rows, cols]`` tensor.
+
+    The file's pages a read touched leave this process's resident memory after it (they stay
+    in the page cache): an LM head packed from the embeddings reads all 0.2 GB of them once,
+    and would otherwise count them until the map closed."""
 
     def __init__(self, path: Path, at: _TensorAt) -> None:
         self._at, self._data = at, at.map(path)  # mapped once: a forward reads a few rows
@@ -128,7 +133,9 @@ class GgufRows:
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         if dim != 0:
             raise ValueError("GgufRows selects rows only (dim 0)")
-        return torch.from_numpy(self._at.read(self._data, index.numpy()))
+        rows = self._at.read(self._data, index.numpy())
+        self._data._mmap.madvise(mmap.MADV_DONTNEED)  # numpy's memmap keeps its mmap there
+        return torch.from_numpy(rows)
 
     def clone(self) -> GgufRows:
         """Itself: it holds nothing of the checkpoint in memory."""

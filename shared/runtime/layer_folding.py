@@ -12,6 +12,8 @@ the runner packs (qkv, o, gate_up, down).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 
@@ -41,10 +43,12 @@ def lora_deltas(mods: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str,
 
 def fold_layer(
     layer, deltas: dict[str, torch.Tensor], q_perm: torch.Tensor, k_perm: torch.Tensor, head_dim: int
-) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """A decoder layer's four fused float32 matrices ``(weight, bias)`` (qkv, o, gate_up, down)
     with the norm gains, the query scale and the RoPE row order folded in; each Linear's
-    weight plus its ``deltas[name]`` [out, in] where given (a merged adapter)."""
+    weight plus its ``deltas[name]`` [out, in] where given (a merged adapter). Made one at a
+    time as they are asked for, so a caller that packs each and lets it go holds one fused
+    float32 matrix at a time (gate_up of a 1.5B target: 0.11 GB)."""
     attn, mlp = layer.self_attn, layer.mlp
 
     def weight(name: str) -> torch.Tensor:
@@ -58,19 +62,13 @@ def fold_layer(
     g_in = layer.input_layernorm.weight.detach().float()
     g_post = layer.post_attention_layernorm.weight.detach().float()
     scale = float(getattr(attn, "scaling", head_dim**-0.5))
-    wq = weight("q_proj")[q_perm] * scale
-    wk = weight("k_proj")[k_perm]
-    w_qkv = torch.cat([wq, wk, weight("v_proj")]) * g_in[None, :]
     b_qkv = None
     if attn.q_proj.bias is not None:
         b_qkv = torch.cat([bias("q_proj")[q_perm] * scale, bias("k_proj")[k_perm], bias("v_proj")])
-    w_gu = torch.cat([weight("gate_proj"), weight("up_proj")]) * g_post[None, :]
+    yield torch.cat([weight("q_proj")[q_perm] * scale, weight("k_proj")[k_perm], weight("v_proj")]).mul_(g_in), b_qkv
+    yield weight("o_proj"), bias("o_proj")
     b_gu = None
     if mlp.gate_proj.bias is not None:
         b_gu = torch.cat([bias("gate_proj"), bias("up_proj")])
-    return [
-        (w_qkv, b_qkv),
-        (weight("o_proj"), bias("o_proj")),
-        (w_gu, b_gu),
-        (weight("down_proj"), bias("down_proj")),
-    ]
+    yield torch.cat([weight("gate_proj"), weight("up_proj")]).mul_(g_post), b_gu
+    yield weight("down_proj"), bias("down_proj")
