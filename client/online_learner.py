@@ -16,6 +16,7 @@ runs ``observe`` between requests, so an update never blocks a generation in pro
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -28,6 +29,22 @@ from omnidraft.shared.learning.training_signal import Intersection, TrainingSamp
 from omnidraft.shared.runtime.native_kernels import cpu_has_native_bf16
 
 OPTIMIZERS = ("adamw", "sgd")
+
+# a board: where a training forward's activations (about 1 MB per token of a sample for
+# SmolLM2-135M, 0.25 GB for a 250-token sample) matter more than the update's time
+SMALL_MACHINE_BYTES = 8 * 2**30
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_recompute_layers() -> int:
+    """``OnlineConfig.recompute_layers`` when unset: 1 (every layer) on a machine with at most
+    ``SMALL_MACHINE_BYTES`` of memory, 0 elsewhere (a checkpointed update takes about a quarter
+    longer: each layer's forward runs again in the backward pass)."""
+    return 1 if physical_memory_bytes() <= SMALL_MACHINE_BYTES else 0
 
 
 @dataclass
@@ -46,6 +63,10 @@ class OnlineConfig:
     head_batch: int = 256  # replayed rows per head step
     replay_rows: int = 8192  # replay buffer capacity (rows)
     bf16_autocast: bool | None = None  # None: where the CPU has native bf16 (AMX / AVX512-BF16)
+    # recompute every n-th drafter layer's activations in the backward pass instead of holding
+    # them (transformers' activation checkpointing; the same gradients, bit for bit); 0 holds
+    # them all. None: 1 on a machine with at most SMALL_MACHINE_BYTES of memory, else 0
+    recompute_layers: int | None = None
 
     def validate(self) -> None:
         if self.interval < 1:
@@ -56,6 +77,8 @@ class OnlineConfig:
             raise ValueError("steps per update must be >= 1")
         if self.epochs < 1:
             raise ValueError("epochs per update must be >= 1")
+        if self.recompute_layers is not None and self.recompute_layers < 0:
+            raise ValueError("recompute_layers must be >= 0 (0: hold every layer's activations)")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         self.loss.validate()
@@ -106,6 +129,10 @@ class OnlineLearner:
         self.reports: list[UpdateReport] = []
         autocast = self.config.bf16_autocast
         self.autocast = cpu_has_native_bf16() if autocast is None else autocast
+        recompute = self.config.recompute_layers
+        self.recompute_layers = default_recompute_layers() if recompute is None else recompute
+        if self.recompute_layers:  # only in training mode: drafting and scoring forwards keep theirs
+            adapters.peft.get_base_model().activation_checkpointing_enable(every_n_layers=self.recompute_layers)
 
     def new_optimizer(self) -> None:
         """A fresh optimizer (``config.optimizer``) over the target adapter's trainable
@@ -195,7 +222,7 @@ class OnlineLearner:
         ids = torch.tensor([s.draft_ids], dtype=torch.long)
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
         with ctx, self._autocast():
-            hidden = decoder(input_ids=ids).last_hidden_state[0]
+            hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
             dm_hidden = hidden.index_select(0, s.dm_pos - 1)
             if self.config.loss.kind == "seq":  # DM positions are a subset: their logits are rows of these
                 seq_logits = lm_head(hidden[s.seq_start - 1 : -1]).float()

@@ -40,6 +40,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="HumanEval prompts generated")
     ap.add_argument("--interval", type=int, default=2, help="prompts per adapter update")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--recompute-layers",
+        type=int,
+        default=1,
+        help="the learner's recompute_layers (default 1: what a machine with at most 8 GiB gets; 0 holds "
+        "every layer's activations, as on larger machines)",
+    )
     args = ap.parse_args()
 
     from omnidraft.benchmarks.bench import load_prompts
@@ -53,11 +60,13 @@ def main() -> None:
     engine = Engine.load(args.drafter, args.target, "int8", progress=False)
     load_s = time.perf_counter() - start
     after_load = memory_mb()
-    session = DeviceSession(engine, target_name=args.target, online=OnlineConfig(interval=args.interval))
-    updates = 0
+    online = OnlineConfig(interval=args.interval, recompute_layers=args.recompute_layers)
+    session = DeviceSession(engine, target_name=args.target, online=online)
+    updates = []
     for prompt in load_prompts("humaneval", args.prompts):
         session.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens))
-        updates += session.last_update is not None
+        if session.last_update is not None:
+            updates.append(session.last_update.seconds)
     models = {
         name: {
             "format": catalog.pulled_format(name) or "directory",
@@ -74,7 +83,9 @@ def main() -> None:
                 "load_s": round(load_s, 1),
                 "after_load_mb": after_load,
                 "after_generating_and_learning_mb": memory_mb(),
-                "adapter_updates": updates,
+                "adapter_updates": len(updates),
+                "recompute_layers": args.recompute_layers,
+                "update_s": [round(t, 1) for t in updates],
             },
             indent=2,
         )

@@ -145,6 +145,48 @@ def test_bf16_training_on_frozen_weight_copies_is_bit_identical(pair_dir):
     assert not adapters._frozen
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_recomputed_activations_train_exactly_as_held_ones(pair_dir, monkeypatch, autocast):
+    """With ``recompute_layers`` the update runs each drafter layer's forward again in the
+    backward pass (transformers' activation checkpointing) instead of holding its activations:
+    the adapter after an update is the same, bit for bit; drafting forwards are not
+    checkpointed. Unset, it is on only on a machine with little memory (a board)."""
+    from omnidraft.client import online_learner
+
+    states, calls = [], []  # calls: bytes held for the backward pass
+    for recompute in (0, 1):
+        torch.manual_seed(0)  # the same LoRA initialization
+        engine = _engine(pair_dir)
+        session = DeviceSession(
+            engine,
+            target_name="t",
+            lora=LoraSpec(rank=4),
+            online=OnlineConfig(interval=100, lr=1e-2, bf16_autocast=autocast, recompute_layers=recompute),
+        )
+        samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:3]]
+        held_bytes = []  # what the update's forwards keep for the backward pass, outside checkpoints
+
+        def pack(t, held=held_bytes):
+            held.append(t.nbytes)
+            return t
+
+        session.learner.buffer = list(samples)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            report = session.learner.update()
+        calls.append(sum(held_bytes))
+        states.append((report.loss, session.adapters.state_dict("t")))
+    assert calls[1] < 0.6 * calls[0]  # the layers' activations are not held (the rest: the LM head's, the loss's)
+    (loss0, held), (loss1, recomputed) = states
+    assert loss0 == loss1 and held.keys() == recomputed.keys()
+    assert all(torch.equal(held[k], recomputed[k]) for k in held)
+    monkeypatch.setattr(online_learner, "physical_memory_bytes", lambda: 4 * 2**30)
+    assert online_learner.default_recompute_layers() == 1
+    monkeypatch.setattr(online_learner, "physical_memory_bytes", lambda: 24 * 2**30)
+    assert online_learner.default_recompute_layers() == 0
+    with pytest.raises(ValueError, match="recompute_layers"):
+        OnlineConfig(recompute_layers=-1).validate()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_training_under_bf16_autocast_holds_the_frozen_drafter_weights_in_bf16(pair_dir, tied):
     """Where the drafter drafts on packings, its first bf16 training forward converts the frozen
