@@ -42,8 +42,8 @@ def physical_memory_bytes() -> int:
 
 def default_recompute_layers() -> int:
     """``OnlineConfig.recompute_layers`` when unset: 1 (every layer) on a machine with at most
-    ``SMALL_MACHINE_BYTES`` of memory, 0 elsewhere (a checkpointed update takes about a third
-    longer: each layer's forward runs again in the backward pass)."""
+    ``SMALL_MACHINE_BYTES`` of memory, 0 elsewhere (a checkpointed update takes about half as long
+    again: each layer's forward runs again in the backward pass)."""
     return 1 if physical_memory_bytes() <= SMALL_MACHINE_BYTES else 0
 
 
