@@ -19,6 +19,7 @@ import contextlib
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -35,16 +36,28 @@ OPTIMIZERS = ("adamw", "sgd")
 SMALL_MACHINE_BYTES = 8 * 2**30
 
 
-def physical_memory_bytes() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use, in bytes: the machine's physical memory, or its
+    control group's limit where that is lower (a container on a larger host)."""
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
 
 
 def default_recompute_layers() -> int:
-    """``OnlineConfig.recompute_layers`` when unset: 1 (every layer) on a machine with at most
-    ``SMALL_MACHINE_BYTES`` of memory, 0 elsewhere (a checkpointed update takes about half as long
+    """``OnlineConfig.recompute_layers`` when unset: 1 (every layer) where this process may use
+    at most ``SMALL_MACHINE_BYTES`` of memory (``memory_limit_bytes``), 0 elsewhere (a checkpointed update takes about half as long
     again: each layer's forward runs again in the backward pass)."""
-    return 1 if physical_memory_bytes() <= SMALL_MACHINE_BYTES else 0
+    return 1 if memory_limit_bytes() <= SMALL_MACHINE_BYTES else 0
 
 
 @dataclass
@@ -65,7 +78,7 @@ class OnlineConfig:
     bf16_autocast: bool | None = None  # None: where the CPU has native bf16 (AMX / AVX512-BF16)
     # recompute every n-th drafter layer's activations in the backward pass instead of holding
     # them (transformers' activation checkpointing; the same gradients, bit for bit); 0 holds
-    # them all. None: 1 on a machine with at most SMALL_MACHINE_BYTES of memory, else 0
+    # them all. None: 1 where the process may use at most SMALL_MACHINE_BYTES of memory, else 0
     recompute_layers: int | None = None
 
     def validate(self) -> None:

@@ -7,6 +7,7 @@ training."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -179,10 +180,24 @@ def test_recomputed_activations_train_exactly_as_held_ones(pair_dir, monkeypatch
     (loss0, held), (loss1, recomputed) = states
     assert loss0 == loss1 and held.keys() == recomputed.keys()
     assert all(torch.equal(held[k], recomputed[k]) for k in held)
-    monkeypatch.setattr(online_learner, "physical_memory_bytes", lambda: 4 * 2**30)
+    monkeypatch.setattr(online_learner, "memory_limit_bytes", lambda: 4 * 2**30)
     assert online_learner.default_recompute_layers() == 1
-    monkeypatch.setattr(online_learner, "physical_memory_bytes", lambda: 24 * 2**30)
+    monkeypatch.setattr(online_learner, "memory_limit_bytes", lambda: 24 * 2**30)
     assert online_learner.default_recompute_layers() == 0
+
+
+def test_the_memory_limit_is_a_control_groups_where_that_is_lower(tmp_path, monkeypatch):
+    """A device in a container limited to 3 GiB on a larger host counts as a board."""
+    from omnidraft.client import online_learner
+
+    monkeypatch.setattr(online_learner, "CGROUP_LIMITS", (str(tmp_path / "absent"), str(tmp_path / "memory.max")))
+    physical = online_learner.memory_limit_bytes()  # no limit files: the machine's memory
+    assert physical == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    (tmp_path / "memory.max").write_text("max\n")  # cgroup v2 without a limit
+    assert online_learner.memory_limit_bytes() == physical
+    (tmp_path / "memory.max").write_text(f"{3 * 2**30}\n")
+    assert online_learner.memory_limit_bytes() == min(physical, 3 * 2**30)
+    assert online_learner.default_recompute_layers() == 1
     with pytest.raises(ValueError, match="recompute_layers"):
         OnlineConfig(recompute_layers=-1).validate()
 
