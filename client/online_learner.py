@@ -34,8 +34,6 @@ OPTIMIZERS = ("adamw", "sgd")
 # a board: where a training forward's activations (about 1 MB per token of a sample for
 # SmolLM2-135M, 0.25 GB for a 250-token sample) matter more than the update's time
 SMALL_MACHINE_BYTES = 8 * 2**30
-
-
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
 
 
@@ -55,8 +53,9 @@ def memory_limit_bytes() -> int:
 
 def default_recompute_layers() -> int:
     """``OnlineConfig.recompute_layers`` when unset: 1 (every layer) where this process may use
-    at most ``SMALL_MACHINE_BYTES`` of memory (``memory_limit_bytes``), 0 elsewhere (a checkpointed update takes about half as long
-    again: each layer's forward runs again in the backward pass)."""
+    at most ``SMALL_MACHINE_BYTES`` of memory (``memory_limit_bytes``), 0 elsewhere (a
+    checkpointed update takes about half as long again: each layer's forward runs again in
+    the backward pass)."""
     return 1 if memory_limit_bytes() <= SMALL_MACHINE_BYTES else 0
 
 

@@ -29,6 +29,13 @@ def memory_mb() -> dict[str, int]:
     return fields
 
 
+def non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0 (else argparse's one-line usage error, exit 2)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
 def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -42,7 +49,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument(
         "--recompute-layers",
-        type=int,
+        type=non_negative,
         default=1,
         help="the learner's recompute_layers (default 1: what a machine with at most 8 GiB gets; 0 holds "
         "every layer's activations, as on larger machines)",
