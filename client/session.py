@@ -12,6 +12,8 @@ persist everything (``DeviceState``).
 
 from __future__ import annotations
 
+import hashlib
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -29,6 +31,21 @@ from omnidraft.shared.learning.acceptance_head import AcceptanceHead
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.learning.training_signal import Intersection, ReplayedSignal, SignalRecorder
 from omnidraft.shared.runtime.heap import release_freed_memory
+
+
+@contextmanager
+def _seeded(drafter: str, target: str, own: bool):
+    """Where a session builds its own adapters, what it initialises at random (a new adapter's
+    LoRA A, a new acceptance head) comes from a seed of the drafter and target names, so two
+    runs of one command start from the same state; torch's global generator is left as it was.
+    A caller that hands in the adapters (``client.fleet_device``) seeds the generator itself."""
+    if not own:
+        yield
+        return
+    seed = int.from_bytes(hashlib.sha256(f"{drafter}/{target}".encode()).digest()[:8], "little")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 class DeviceSession:
@@ -81,11 +98,14 @@ class DeviceSession:
         self.adaptive = adaptive
         self.grow_cache = grow_cache
         self._owns_adapters = adapters is None  # its own: it may rebuild them with saved LoRA settings
-        self.adapters = adapters or DrafterAdapters(engine.drafter.model, lora, drafter_weights=engine.drafter_weights)
-        self.adapters.add(self.target)
+        with _seeded(self.drafter_name, self.target, own=self._owns_adapters):
+            self.adapters = adapters or DrafterAdapters(
+                engine.drafter.model, lora, drafter_weights=engine.drafter_weights
+            )
+            self.adapters.add(self.target)
+            hidden = engine.drafter.model.config.hidden_size
+            self.head = AcceptanceHead(hidden) if adaptive else None
         self.inter = Intersection(engine.bridge, engine.drafter.logit_rows)
-        hidden = engine.drafter.model.config.hidden_size
-        self.head = AcceptanceHead(hidden) if adaptive else None
         self.lookup = lookup_drafter(lookup)
         config = online or OnlineConfig()
         if not adaptive:

@@ -331,3 +331,24 @@ def test_training_sample_alignment(pair_dir):
         assert ids[j] == d
     assert float(sample.dm_logp_t.max()) <= 0 and float(sample.dm_inter_logmass.max()) <= 1e-5
     assert bridge is engine.bridge
+
+
+def test_a_new_session_starts_from_the_same_state_whatever_ran_before(pair_dir):
+    """A session that builds its own adapters initialises the LoRA matrices and the acceptance
+    head from a seed of the drafter and target names, not from whatever torch's global generator
+    holds after earlier work; and it leaves that generator as it found it."""
+
+    def fresh(draws: int) -> tuple[dict, dict]:
+        torch.manual_seed(draws)
+        torch.rand(draws)  # earlier work in the process moved the global generator
+        before = torch.random.get_rng_state()
+        session = DeviceSession(_engine(pair_dir), target_name="t", online=OnlineConfig(interval=2, lr=1e-2))
+        assert torch.equal(torch.random.get_rng_state(), before)
+        return session.adapters.state_dict("t"), {k: v.clone() for k, v in session.head.state_dict().items()}
+
+    (lora1, head1), (lora2, head2) = fresh(3), fresh(1000)
+    assert any("lora_A" in k for k in lora1) and lora1.keys() == lora2.keys()
+    assert all(torch.equal(lora1[k], lora2[k]) for k in lora1)
+    assert all(torch.equal(head1[k], head2[k]) for k in head1)
+    other = DeviceSession(_engine(pair_dir), target_name="u").adapters.state_dict("u")
+    assert any(not torch.equal(other[k], lora1[k]) for k in lora1 if "lora_A" in k)
