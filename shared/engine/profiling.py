@@ -34,7 +34,7 @@ from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
 CONTEXT_TOKENS = 256
 PROFILE_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16)
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
-PROFILE_VERSION = 3  # bump when a kernel or the method changes: every cached measurement is taken again
+PROFILE_VERSION = 4  # bump when a kernel or the method changes: every cached measurement is taken again
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree

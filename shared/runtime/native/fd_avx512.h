@@ -289,11 +289,15 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
         const int n0 = nb * 16;
         const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
         int m = 0;
-        for (; m + 4 <= M; m += 4) {
+        // 2+ rows: four at a time, the last group padded (fd_forward allocates the activation rows
+        // in whole groups of four; a padding row's results are not stored). The 4-row kernel
+        // reads each weight block once for four rows, where one row at a time would read it
+        // again per row: a block of 2 or 3 tokens costs what a block of 4 does, not more.
+        for (; M >= 2 && m < M; m += 4) {
             __m512 acc[4];
             if (a->act8) block8_rows4(K, w, sc, a, m, acc);
             else block_rows4(K, w, sc, a, m, acc);
-            for (int r = 0; r < 4; r++) {
+            for (int r = 0; r < 4 && m + r < M; r++) {
                 __m512 v = _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a->s[m + r]), bv);
                 float* yo = y + (size_t)(m + r) * ldy + n0;
                 if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yo));

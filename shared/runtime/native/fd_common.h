@@ -39,3 +39,8 @@ typedef struct {  // quantized activation rows
 } qact;
 
 static void* amalloc(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
+static void* zalloc(size_t n) {  // amalloc, zeroed
+    void* p = amalloc(n);
+    if (p) memset(p, 0, (n + 63) / 64 * 64);
+    return p;
+}
