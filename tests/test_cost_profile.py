@@ -30,6 +30,28 @@ def test_cost_profile_interpolates_and_extrapolates():
     assert fed.drafter_block_cost(15) == pytest.approx(6.0)  # extrapolated from the last two sizes
 
 
+def test_the_profile_check_flags_a_profile_whose_drafter_to_target_ratio_is_off():
+    """Each figure within STALE_RATIO of use but the drafter step 1.3x dearer, relative to a target
+    step, than the profile says (it was measured in a slow spell of the target's measurement):
+    the rule would draft too long, so the profile is measured again next time. Both slower or
+    faster alike is not stale."""
+    profile = CostProfile({1: 78.0, 4: 78.0}, 7.5)
+
+    def check(target_ms: float, drafter_ms: float) -> dict:
+        timings = profiling.StepTimings()
+        for _ in range(6):
+            timings.record_target(1, target_ms)
+            timings.record_drafter_step(drafter_ms)
+        return timings.check(profile)
+
+    skewed = check(58.0, 7.2)  # target 0.74x its figure, drafter 0.96x: relative 1.29
+    assert all(1 / profiling.STALE_RATIO <= r["ratio"] <= profiling.STALE_RATIO for r in skewed["steps"].values())
+    assert skewed["drafter_vs_target"] == pytest.approx(1.291, abs=1e-3) and skewed["stale"]
+    both = check(58.0, 5.6)  # both 0.74-0.75x: the rule's ratios hold
+    assert not both["stale"] and both["drafter_vs_target"] == pytest.approx(1.0, abs=0.02)
+    assert "drafter_vs_target" not in profiling.StepTimings().check(profile)  # nothing timed yet
+
+
 def test_block_timing_takes_the_median_of_trials_and_retries_outliers(monkeypatch):
     """One disturbed trial cannot set a figure: each trial keeps its minimum, the median of the
     trials is kept, and trials continue while they disagree."""

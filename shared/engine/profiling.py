@@ -39,6 +39,12 @@ TRIALS = 3  # trials per measurement (each the minimum of its repeats); the medi
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree
 STALE_RATIO = 1.5  # a profile whose steps in use differ from it by more than this is measured again
+# The rule weighs drafter steps against target steps: a profile measured while the machine was
+# slower for one than for the other (a busy spell during one of the two measurements) drafts too
+# long or too short however close each figure is on its own. A profile whose drafter step costs,
+# relative to one target step, more than this times (or less than 1/this of) what it costs in
+# use is measured again.
+RELATIVE_STALE_RATIO = 1.2
 
 
 def _ids(n: int, offset: int = 0) -> list[int]:
@@ -319,7 +325,9 @@ class StepTimings:
 
     def check(self, profile: CostProfile, min_samples: int = 5) -> dict:
         """In-use medians against the profile, per block size with at least ``min_samples``
-        samples; ``stale`` when one differs by more than ``STALE_RATIO`` either way."""
+        samples; ``stale`` when one differs by more than ``STALE_RATIO`` either way, or when the
+        drafter step's ratio differs from the one-token target step's by more than
+        ``RELATIVE_STALE_RATIO`` (``drafter_vs_target``: the first over the second)."""
         rows = {}
         for block, samples in sorted(self.target.items()):
             if len(samples) >= min_samples:
@@ -340,7 +348,13 @@ class StepTimings:
             for name, (used, cached, n) in rows.items()
         }
         stale = any(r["ratio"] is not None and not 1 / STALE_RATIO <= r["ratio"] <= STALE_RATIO for r in out.values())
-        return {"steps": out, "stale": stale}
+        report = {"steps": out, "stale": stale}
+        drafter, target = out.get("drafter:1", {}).get("ratio"), out.get("target:1", {}).get("ratio")
+        if drafter and target:
+            relative = drafter / target
+            report["drafter_vs_target"] = round(relative, 3)
+            report["stale"] = stale or not 1 / RELATIVE_STALE_RATIO <= relative <= RELATIVE_STALE_RATIO
+        return report
 
 
 def verification_score(target_ms: dict[int, float]) -> float:
