@@ -25,7 +25,6 @@ one after the other in the same process swap only their adapters, caches and dat
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -46,7 +45,7 @@ from omnidraft.client.resource_policy import (
     UplinkLedger,
     busy_reason,
 )
-from omnidraft.client.session import DeviceSession
+from omnidraft.client.session import DeviceSession, name_seed
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.engine.generation import GenerationConfig
 from omnidraft.shared.engine.pair import Engine
@@ -266,9 +265,7 @@ class FleetDevice:
         # loaded, a new acceptance head) must not depend on what this worker process ran before
         # (models loaded, adapters added, other devices): a simulation is reproducible only then
         held = f"{manifest.version}:{manifest.adapter_sha256}" if manifest is not None else "local"
-        torch.manual_seed(
-            int.from_bytes(hashlib.sha256(f"{self.profile.device_id}/{held}".encode()).digest()[:8], "little")
-        )
+        torch.manual_seed(name_seed(f"{self.profile.device_id}/{held}"))
         adapters.reset(local)  # nothing of the previous device in this process
         session = DeviceSession(
             engine,

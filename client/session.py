@@ -13,7 +13,7 @@ persist everything (``DeviceState``).
 from __future__ import annotations
 
 import hashlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import torch
@@ -33,16 +33,14 @@ from omnidraft.shared.learning.training_signal import Intersection, ReplayedSign
 from omnidraft.shared.runtime.heap import release_freed_memory
 
 
+def name_seed(name: str) -> int:
+    """A 64-bit seed for torch's generator from a name (the first 8 bytes of its sha256)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
 @contextmanager
-def _seeded(drafter: str, target: str, own: bool):
-    """Where a session builds its own adapters, what it initialises at random (a new adapter's
-    LoRA A, a new acceptance head) comes from a seed of the drafter and target names, so two
-    runs of one command start from the same state; torch's global generator is left as it was.
-    A caller that hands in the adapters (``client.fleet_device``) seeds the generator itself."""
-    if not own:
-        yield
-        return
-    seed = int.from_bytes(hashlib.sha256(f"{drafter}/{target}".encode()).digest()[:8], "little")
+def seeded(seed: int):
+    """Inside, torch's global generator starts from ``seed``; afterwards it is as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
@@ -98,7 +96,11 @@ class DeviceSession:
         self.adaptive = adaptive
         self.grow_cache = grow_cache
         self._owns_adapters = adapters is None  # its own: it may rebuild them with saved LoRA settings
-        with _seeded(self.drafter_name, self.target, own=self._owns_adapters):
+        # a session that builds its own adapters starts a new adapter's LoRA A and a new head from
+        # a seed of the drafter and target names (two runs of one command start alike); a caller
+        # that hands in the adapters (client.fleet_device) seeds torch's generator itself
+        start = seeded(name_seed(f"{self.drafter_name}/{self.target}")) if adapters is None else nullcontext()
+        with start:
             self.adapters = adapters or DrafterAdapters(
                 engine.drafter.model, lora, drafter_weights=engine.drafter_weights
             )

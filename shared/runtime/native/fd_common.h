@@ -39,8 +39,5 @@ typedef struct {  // quantized activation rows
 } qact;
 
 static void* amalloc(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
-static void* zalloc(size_t n) {  // amalloc, zeroed
-    void* p = amalloc(n);
-    if (p) memset(p, 0, (n + 63) / 64 * 64);
-    return p;
-}
+// Zero rows [M, MP) of a buffer of MP rows of `row` bytes (padding a kernel may read).
+static void zero_rows(void* p, size_t row, int M, int MP) { memset((char*)p + row * M, 0, row * (size_t)(MP - M)); }

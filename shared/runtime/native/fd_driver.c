@@ -71,17 +71,17 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
     const int qw = H * HD, half = HD / 2;
     int KMAX = D > I ? D : I;
     if (qw > KMAX) KMAX = qw;
-    // activation rows in whole groups of four, the padding zeroed: a kernel may compute four
-    // rows at a time and drop what it computed for the padding
+    // activation rows in whole groups of four, the padding zeroed (below): a kernel may compute
+    // four rows at a time and drop what it computed for the padding
     const int MP = (M + 3) / 4 * 4;
     qact a;
     a.ld = KMAX;
     a.act8 = md->act8;
-    a.gsc = (float*)zalloc(sizeof(float) * (size_t)MP * (KMAX / 64));
-    a.hi = (int8_t*)zalloc((size_t)MP * KMAX);
-    a.lo = (int8_t*)zalloc((size_t)MP * KMAX);
-    a.gs = (int32_t*)zalloc(sizeof(int32_t) * (size_t)MP * (KMAX / 64));
-    a.s = (float*)zalloc(sizeof(float) * MP);
+    a.gsc = (float*)amalloc(sizeof(float) * (size_t)MP * (KMAX / 64));
+    a.hi = (int8_t*)amalloc((size_t)MP * KMAX);
+    a.lo = (int8_t*)amalloc((size_t)MP * KMAX);
+    a.gs = (int32_t*)amalloc(sizeof(int32_t) * (size_t)MP * (KMAX / 64));
+    a.s = (float*)amalloc(sizeof(float) * MP);
     float* qkv = (float*)amalloc(sizeof(float) * (size_t)M * NQ);
     float* att = (float*)amalloc(sizeof(float) * (size_t)M * qw);
     float* gu = (float*)amalloc(sizeof(float) * (size_t)M * 2 * I);
@@ -93,6 +93,11 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
         rc = -1;
         goto done;
     }
+    zero_rows(a.gsc, sizeof(float) * (KMAX / 64), M, MP);
+    zero_rows(a.hi, KMAX, M, MP);
+    zero_rows(a.lo, KMAX, M, MP);
+    zero_rows(a.gs, sizeof(int32_t) * (KMAX / 64), M, MP);
+    zero_rows(a.s, sizeof(float), M, MP);
     const size_t head_stride = (size_t)md->maxpos * HD;
 
     for (int l = 0; l < md->L; l++) {
