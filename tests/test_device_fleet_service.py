@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from omnidraft.benchmarks.tiny_models import corpus, ensure_tiny_fleet
+from omnidraft.benchmarks.tiny_models import corpus
 from omnidraft.client import owner_token
 from omnidraft.client.device_profile import DeviceProfile
 from omnidraft.client.engine_pool import EnginePool
@@ -32,11 +32,6 @@ from omnidraft.shared.engine.pair import Engine
 from omnidraft.shared.learning.adapters import LoraSpec
 
 TEXTS = [t[:40] for t in corpus(10, seed=5)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return ensure_tiny_fleet(tmp_path_factory.mktemp("tiny"))
 
 
 def _profile(tiny, state_dir, fleet_key: str, **kw) -> DeviceProfile:
