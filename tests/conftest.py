@@ -177,8 +177,9 @@ def flower_task():
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """The tiny fleet (``ensure_tiny_fleet``: a drafter and two targets with their own tokenizers)
-    that test_registry.py, test_fleet_device.py and test_federation.py read. Building it takes
-    minutes on a busy 2-core machine, so it is built once per session, not once per file."""
+    that test_registry.py, test_fleet_device.py, test_federation.py and test_device_fleet_service.py
+    read. Building it takes minutes on a busy 2-core machine, so it is built once per session,
+    not once per file."""
     from omnidraft.benchmarks.tiny_models import ensure_tiny_fleet
 
     return ensure_tiny_fleet(tmp_path_factory.mktemp("tiny"))
