@@ -99,7 +99,7 @@ class DeviceSession:
         # a session that builds its own adapters starts a new adapter's LoRA A and a new head from
         # a seed of the drafter and target names (two runs of one command start alike); a caller
         # that hands in the adapters (client.fleet_device) seeds torch's generator itself
-        start = seeded(name_seed(f"{self.drafter_name}/{self.target}")) if adapters is None else nullcontext()
+        start = seeded(name_seed(f"{self.drafter_name}/{self.target}")) if self._owns_adapters else nullcontext()
         with start:
             self.adapters = adapters or DrafterAdapters(
                 engine.drafter.model, lora, drafter_weights=engine.drafter_weights
