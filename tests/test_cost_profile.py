@@ -70,7 +70,7 @@ def test_block_timing_takes_the_median_of_trials_and_retries_outliers(monkeypatc
     assert ms[1] == pytest.approx(10.35)
 
 
-def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, monkeypatch):
+def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "home" / "profiles"))
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -85,6 +85,10 @@ def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, m
         return profiling.cached({"model": profiling.model_fingerprint(model_dir), "precision": "int8"}, measure)
 
     assert costs() == {"1": 1.0} and costs() == {"1": 1.0} and len(calls) == 1
+    # a measurement says what it measures (a first run must not look stalled); a cached read is silent
+    assert capsys.readouterr().err.splitlines() == [
+        "measuring this machine's costs: measurement int8 (cached for later runs)"
+    ]
     machine = profiling.machine_fingerprint()
     monkeypatch.setattr(profiling, "machine_fingerprint", lambda: {**machine, "cpu": "Another CPU"})
     assert costs() == {"1": 2.0} and len(calls) == 2  # another machine: measured again

@@ -132,7 +132,7 @@ class ModelRunner:
         input_ids = torch.tensor([ids], dtype=torch.long)
         out = self.model(
             input_ids=input_ids,
-            past_key_values=self.cache,
+            cache=self.cache,  # transformers 5.24 renamed past_key_values
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )

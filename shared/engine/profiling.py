@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -169,7 +170,9 @@ def cached(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dic
     """The measurement stored under ``key`` (machine fingerprint added), or ``measure()``'s
     result, stored atomically for next time. ``refresh`` measures again. Processes that need the
     same measurement at once (a simulation's workers) take it once: the first measures under a
-    lock, the others wait and read it, so they all decide from the same profile."""
+    lock, the others wait and read it, so they all decide from the same profile. A measurement
+    takes from seconds to minutes (an fp32 candidate of ``--dtype auto`` on a slow CPU): one line
+    on stderr says what is being measured, so a first run does not look stalled."""
     key = _full_key(key)
     path = _cache_file(key)
     if not refresh:
@@ -179,9 +182,18 @@ def cached(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dic
     with file_lock(path.with_suffix(".lock")):
         value = None if refresh else _stored(path, key)
         if value is None:
+            print(f"measuring this machine's costs: {_describe(key)} (cached for later runs)", file=sys.stderr)
             value = measure()
             write_bytes_atomic(path, json.dumps({"key": key, "value": value}, indent=1).encode())
     return value
+
+
+def _describe(key: dict) -> str:
+    """What a cache key measures, in a few words (``target int8, native-int8-avx2-a8``)."""
+    parts = [key.get("role", "measurement")]
+    parts += [str(key[f]) for f in ("precision", "backend") if key.get(f)]
+    parts += [str(b) for b in key.get("backends", ())]
+    return " ".join(parts[:1]) + (" " + ", ".join(parts[1:]) if parts[1:] else "")
 
 
 def target_key(model_path: str | Path, precision: str, backend: str, blocks: tuple[int, ...] = PROFILE_BLOCKS) -> dict:
