@@ -8,6 +8,7 @@ training."""
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -108,6 +109,16 @@ def test_epochs_repeat_the_pass_and_the_optimizer_is_configurable(pair_dir):
     for bad, match in (({"epochs": 0}, "epochs"), ({"optimizer": "lion"}, "unknown optimizer")):
         with pytest.raises(ValueError, match=match):
             OnlineConfig(**bad).validate()
+
+
+def test_adding_an_adapter_raises_no_future_warning(pair_dir):
+    """Wrapping the drafter in peft shows a device's user no FutureWarning (peft reads
+    transformers' deprecated ``is_gradient_checkpointing`` alias while wrapping)."""
+    engine = _engine(pair_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
+        assert adapters.add("t") in adapters.names
 
 
 def test_bf16_training_on_frozen_weight_copies_is_bit_identical(pair_dir):

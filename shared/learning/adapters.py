@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,7 +116,11 @@ class DrafterAdapters:
         if self.peft is None:
             from peft import get_peft_model
 
-            self.peft = get_peft_model(self.model, config, adapter_name=name)
+            with warnings.catch_warnings():
+                # peft reads transformers' deprecated ``is_gradient_checkpointing`` alias while
+                # wrapping: a FutureWarning on every device start that no user can act on
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                self.peft = get_peft_model(self.model, config, adapter_name=name)
         else:
             self.peft.add_adapter(name, config)
         self.activate(target)
