@@ -190,10 +190,9 @@ def cached(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dic
 
 def _describe(key: dict) -> str:
     """What a cache key measures, in a few words (``target int8, native-int8-avx2-a8``)."""
-    parts = [key.get("role", "measurement")]
-    parts += [str(key[f]) for f in ("precision", "backend") if key.get(f)]
-    parts += [str(b) for b in key.get("backends", ())]
-    return " ".join(parts[:1]) + (" " + ", ".join(parts[1:]) if parts[1:] else "")
+    role = key.get("role", "measurement")
+    details = [str(key[f]) for f in ("precision", "backend") if key.get(f)] + list(key.get("backends", ()))
+    return f"{role} {', '.join(details)}" if details else role
 
 
 def target_key(model_path: str | Path, precision: str, backend: str, blocks: tuple[int, ...] = PROFILE_BLOCKS) -> dict:
