@@ -9,7 +9,10 @@ them stays in this process's group (the SuperLink runs with ``--isolation proces
 SuperExec that launches the simulation is started here, not in a session of its own), so
 killing the group stops the whole fleet; on Linux they are also told to stop when this process
 dies (``PR_SET_PDEATHSIG``). Flower's output
-goes to ``<flwr_home>/flower.log``.
+goes to ``<flwr_home>/flower.log``. ``flwr run`` is given a copy of the files the app's bundle
+holds (``<flwr_home>/app``), not the app's own directory: it reads every file under the directory
+it is given before it keeps the bundle's few, and the repository, the simulation's app, holds
+the virtual environment (52,000 files and about 10 s a run).
 
 Environment given to the SuperLink, and so to the simulation and its Ray workers: Ray binds to
 127.0.0.1 only and its accelerator warning is silenced, each worker runs torch with as many
@@ -26,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,6 +63,7 @@ def run_app(
     is going (and once at its end). Raises ``FlowerRunError`` when Flower reports a failure."""
     home = Path(flwr_home).resolve()
     home.mkdir(parents=True, exist_ok=True)
+    app = _bundle_files(Path(app_dir), home / "app")
     env = _environment(home, cpus_per_device, verbose)
     if ray_address:
         _check_reachable(ray_address)
@@ -115,7 +120,7 @@ def run_app(
                 [
                     _executable("flwr", env),
                     "run",
-                    str(app_dir),
+                    str(app),
                     CONNECTION,
                     "--stream",
                     "--run-config",
@@ -142,6 +147,20 @@ def run_app(
             for proc in (superexec, superlink):
                 if proc is not None:
                     _stop(proc)
+
+
+def _bundle_files(app_dir: Path, dest: Path) -> Path:
+    """Copy what the app bundle of ``app_dir`` holds (its ``pyproject.toml`` and the files its
+    ``[tool.flwr.app] fab-include`` patterns name) into ``dest``, emptied first; return ``dest``."""
+    config = tomllib.loads((app_dir / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = config.get("tool", {}).get("flwr", {}).get("app", {}).get("fab-include", [])
+    if dest.exists():
+        shutil.rmtree(dest)
+    for path in {app_dir / "pyproject.toml", *(f for pattern in patterns for f in app_dir.glob(pattern))}:
+        if path.is_file():
+            (dest / path.relative_to(app_dir)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest / path.relative_to(app_dir))
+    return dest
 
 
 def _environment(home: Path, cpus_per_device: int, verbose: bool) -> dict[str, str]:

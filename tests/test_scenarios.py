@@ -1,7 +1,7 @@
 """What a simulation is given, checked without running one: TOML scenarios and their events,
 the shipped scenario files, the ``--attack`` flag, the Ray cluster's address and the thread
-count its workers take from the scenario, and the report's verdict on whether learning paid in
-speed."""
+count its workers take from the scenario, the app bundle ``flwr run`` is given, and the report's
+verdict on whether learning paid in speed."""
 
 from __future__ import annotations
 
@@ -113,6 +113,23 @@ def test_a_device_on_a_ray_cluster_started_elsewhere_gets_its_thread_count(tmp_p
     profile, pool = flower_app.device_for(context)
     assert os.environ["OMNIDRAFT_THREADS"] == "3" and pool == ("fp32", "int8")
     assert profile == out / "devices" / "device-0004"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Flower's FAB build uses deprecated pathspec patterns
+def test_flwr_run_is_given_the_bundle_the_repository_would_make(tmp_path):
+    """The copy of the app that the simulation hands `flwr run` builds the same app bundle (the
+    same bytes, so the same hash) as Flower builds from the repository itself, where it reads
+    every file of the checkout first."""
+    from flwr.cli.build import build_fab_from_disk
+
+    from omnidraft.simulations.flower_runner import _bundle_files
+    from omnidraft.simulations.scenario import APP_DIR
+
+    staged = _bundle_files(APP_DIR, tmp_path / "app")
+    assert sorted(p.name for p in staged.iterdir()) == ["README.md", "pyproject.toml"]
+    assert build_fab_from_disk(staged) == build_fab_from_disk(APP_DIR)
+    (staged / "stale.py").write_text("")
+    assert not (_bundle_files(APP_DIR, staged) / "stale.py").exists()  # staged afresh each run
 
 
 def test_an_unreachable_or_malformed_ray_address_is_a_value_error():
