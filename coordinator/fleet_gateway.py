@@ -99,12 +99,22 @@ def serve_gateway(
         lifespan="on",
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="fleet-gateway", daemon=True)
+    failed: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except (OSError, SystemExit) as exc:  # uvicorn exits when it cannot bind: one line below, no traceback
+            failed.append(exc.__context__ if isinstance(exc, SystemExit) else exc)
+
+    thread = threading.Thread(target=run, name="fleet-gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_S
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if not server.started:  # uvicorn logged why (the port is taken, a bad certificate)
+    if not server.started:  # the port is taken, a bad certificate (uvicorn logs the latter)
         server.should_exit = True
-        raise OSError(f"the gateway did not start on {host}:{port}")
+        cause = failed[0] if failed else None
+        why = f": {cause.strerror or cause}" if isinstance(cause, OSError) else ""
+        raise OSError(f"the gateway did not start on {host}:{port}{why}")
     return server, thread
