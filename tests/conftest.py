@@ -8,7 +8,25 @@ Toy tokenizers (built in memory with ``tokenizers``) need no download.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (``-n N``, as README's test command runs) each worker and the processes
+    it starts get cores // N threads, unless ``$OMNIDRAFT_THREADS`` says otherwise: N workers with
+    a thread per core each would share every core between spinning OpenMP threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMNIDRAFT_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMNIDRAFT_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+_share_the_cores_between_workers()
 
 
 @pytest.fixture(autouse=True, scope="session")
