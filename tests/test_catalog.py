@@ -145,10 +145,12 @@ def test_default_format_comes_from_the_environment(tmp_path, monkeypatch):
         catalog.pull("gemma3-270m", progress=False)
 
 
-def test_processes_pulling_the_same_model_take_turns(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("force", [False, True])
+def test_processes_pulling_the_same_model_take_turns(tmp_path, monkeypatch, capsys, force):
     """A second pull of a model being pulled waits (and says so on stderr), then finds it pulled:
-    one download, nothing replaced under the first. The lock is an OS file lock, so threads
-    with their own lock objects contend as processes do."""
+    one download, nothing replaced under the first, a forced pull (``pull --force`` twice at
+    once) included. The lock is an OS file lock, so threads with their own descriptors contend
+    as processes do."""
     import threading
     import time
 
@@ -160,24 +162,36 @@ def test_processes_pulling_the_same_model_take_turns(tmp_path, monkeypatch, caps
         pulls.append((entry.name, fmt))
         inside.set()
         assert finish.wait(30)
-        target.mkdir(parents=True)
+        target.mkdir(parents=True, exist_ok=True)
         (target / catalog.MARKER).write_text("{}")
 
+    if force:  # pulled before: only a forced pull fetches it again
+        catalog.model_dir(name).mkdir(parents=True)
+        (catalog.model_dir(name) / catalog.MARKER).write_text("{}")
     monkeypatch.setattr(catalog, "_pull_into", held_pull)
     results = []
-    first = threading.Thread(target=lambda: results.append(catalog.pull(name, progress=True)))
-    second = threading.Thread(target=lambda: results.append(catalog.pull(name, progress=True)))
+    first = threading.Thread(target=lambda: results.append(catalog.pull(name, force=force)))
+    second = threading.Thread(target=lambda: results.append(catalog.pull(name, force=force)))
     first.start()
     assert inside.wait(30)
     second.start()
     err, deadline = "", time.monotonic() + 30
-    while "waiting for another process to finish pulling gemma3-270m" not in err and time.monotonic() < deadline:
+    while "waiting for another process to finish fetching gemma3-270m" not in err and time.monotonic() < deadline:
         err += capsys.readouterr().err
         time.sleep(0.02)
-    assert "waiting for another process to finish pulling gemma3-270m" in err
+    assert "waiting for another process to finish fetching gemma3-270m" in err
     assert not results  # the second waits while the first holds the lock
     finish.set()
     first.join(30)
     second.join(30)
     assert results == [catalog.model_dir(name)] * 2
     assert pulls == [(name, "safetensors")]  # one download; the waiter found the model pulled
+    assert catalog.pull(name, force=force, progress=False) == catalog.model_dir(name)
+    assert len(pulls) == (2 if force else 1)  # alone, a forced pull fetches again; a plain one does not
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    (tmp_path / "models" / ".gemma3-270m.lock").mkdir(parents=True)  # a directory where the lock file goes
+    with pytest.raises(CatalogError, match="^could not pull gemma3-270m: Is a directory$"):
+        catalog.pull("gemma3-270m", progress=False)

