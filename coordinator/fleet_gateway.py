@@ -88,7 +88,10 @@ def serve_gateway(
 ) -> tuple[uvicorn.Server, threading.Thread]:
     """Start the gateway on ``host:port`` with TLS (``certfile``/``keyfile``) in a daemon
     thread; returns the server (``should_exit = True`` stops it) and its thread once it
-    listens. OSError when it cannot start (the port is taken)."""
+    listens. OSError when it cannot start (a certificate or key file missing, the port taken)."""
+    for path in (ca_cert, certfile, keyfile):
+        if not Path(path).is_file():
+            raise OSError(f"the gateway did not start on {host}:{port}: no file {path}")
     config = uvicorn.Config(
         gateway_app(upstream, ca_cert),
         host=host,
@@ -104,15 +107,17 @@ def serve_gateway(
     def run() -> None:
         try:
             server.run()
-        except (OSError, SystemExit) as exc:  # uvicorn exits when it cannot bind: one line below, no traceback
-            failed.append(exc.__context__ if isinstance(exc, SystemExit) else exc)
+        except (OSError, SystemExit) as exc:  # a bad certificate raises; a taken port: uvicorn logs it and exits
+            if server.started:
+                raise
+            failed.append(exc.__context__ if isinstance(exc, SystemExit) else exc)  # said below in one line
 
     thread = threading.Thread(target=run, name="fleet-gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_S
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if not server.started:  # the port is taken, a bad certificate (uvicorn logs the latter)
+    if not server.started:
         server.should_exit = True
         cause = failed[0] if failed else None
         why = f": {cause.strerror or cause}" if isinstance(cause, OSError) else ""

@@ -172,6 +172,19 @@ def test_the_gateway_serves_the_fleet_api_and_refuses_the_control_api(tmp_path):
         upstream.shutdown()
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_gateway_without_its_certificate_says_which_file_in_one_line(tmp_path):
+    from omnidraft.coordinator.fleet_gateway import serve_gateway
+
+    assert cli(["fleet", "init", "--root", str(tmp_path / "c"), "--superlink", "127.0.0.1:9"]) == 0
+    pki = deployment.Deployment(tmp_path / "c").pki
+    missing = tmp_path / "gone.crt"
+    with pytest.raises(OSError, match=f"did not start on 127.0.0.1:0: no file {missing}$"):
+        serve_gateway(
+            "127.0.0.1", 0, "https://127.0.0.1:1", ca_cert=pki.ca_cert, certfile=missing, keyfile=pki.server_key
+        )
+
+
 def test_a_device_makes_its_own_key_and_the_coordinator_keeps_only_the_public_half(tmp_path, capsys, monkeypatch):
     """``device keygen`` writes the device's pair (private 0600, kept when run again);
     ``fleet register-node --public-key`` stores only the public line, refuses a private key,
