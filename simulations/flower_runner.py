@@ -150,16 +150,23 @@ def run_app(
 
 
 def _bundle_files(app_dir: Path, dest: Path) -> Path:
-    """Copy what the app bundle of ``app_dir`` holds (its ``pyproject.toml`` and the files its
-    ``[tool.flwr.app] fab-include`` patterns name) into ``dest``, emptied first; return ``dest``."""
+    """Copy what the app bundle of ``app_dir`` holds into ``dest``, emptied first; return ``dest``:
+    its ``pyproject.toml`` and the files its ``[tool.flwr.app] fab-include`` names. Only plain
+    file names are taken (ValueError otherwise): Flower reads patterns the way ``.gitignore``
+    does, and a pattern matched here would have to walk the whole directory again."""
     config = tomllib.loads((app_dir / "pyproject.toml").read_text(encoding="utf-8"))
-    patterns = config.get("tool", {}).get("flwr", {}).get("app", {}).get("fab-include", [])
+    names = config.get("tool", {}).get("flwr", {}).get("app", {}).get("fab-include")
+    if names is None:
+        raise ValueError(f"{app_dir / 'pyproject.toml'}: [tool.flwr.app] fab-include must name the bundle's files")
+    for name in names:
+        if any(c in name for c in "*?[]!\\") or name.startswith("/") or not (app_dir / name).is_file():
+            raise ValueError(f"fab-include {name!r} in {app_dir / 'pyproject.toml'}: not a file of the app")
     if dest.exists():
         shutil.rmtree(dest)
-    for path in {app_dir / "pyproject.toml", *(f for pattern in patterns for f in app_dir.glob(pattern))}:
-        if path.is_file():
-            (dest / path.relative_to(app_dir)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, dest / path.relative_to(app_dir))
+    dest.mkdir(parents=True)
+    for name in ["pyproject.toml", *names]:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(app_dir / name, dest / name)
     return dest
 
 

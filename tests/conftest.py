@@ -13,22 +13,6 @@ import os
 import pytest
 
 
-def _share_the_cores_between_workers() -> None:
-    """Under pytest-xdist (``-n N``, as README's test command runs) each worker and the processes
-    it starts get cores // N threads, unless ``$OMNIDRAFT_THREADS`` says otherwise: N workers with
-    a thread per core each would share every core between spinning OpenMP threads."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and "OMNIDRAFT_THREADS" not in os.environ:
-        threads = max(1, len(os.sched_getaffinity(0)) // workers)
-        os.environ["OMNIDRAFT_THREADS"] = str(threads)
-        import torch
-
-        torch.set_num_threads(threads)
-
-
-_share_the_cores_between_workers()
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _profiles_in_a_temporary_dir(tmp_path_factory):
     """Cost profiles measured for the tests' tiny models (at temporary paths) go to a temporary
@@ -169,10 +153,15 @@ def toy_metaspace_tokenizer():
 
 
 def pytest_configure(config):
-    """Tiny test models gain nothing from several threads; one avoids oversubscribing CI's cores."""
+    """Tiny test models gain nothing from several threads; one avoids oversubscribing CI's cores.
+    Under pytest-xdist (README's ``-n 2``) the processes the tests start (simulated devices,
+    services) run one thread each too, unless ``$OMNIDRAFT_THREADS`` says otherwise: each of the
+    workers would otherwise give them a thread per core."""
     import torch
 
     torch.set_num_threads(1)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMNIDRAFT_THREADS", "1")
 
 
 @pytest.fixture

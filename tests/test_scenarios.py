@@ -130,6 +130,13 @@ def test_flwr_run_is_given_the_bundle_the_repository_would_make(tmp_path):
     assert build_fab_from_disk(staged) == build_fab_from_disk(APP_DIR)
     (staged / "stale.py").write_text("")
     assert not (_bundle_files(APP_DIR, staged) / "stale.py").exists()  # staged afresh each run
+    other = tmp_path / "other"
+    other.mkdir()
+    for include, message in ((None, "must name the bundle's files"), ('["*.md"]', "not a file of the app")):
+        line = "" if include is None else f"fab-include = {include}\n"
+        (other / "pyproject.toml").write_text(f"[tool.flwr.app]\npublisher = 'x'\n{line}")
+        with pytest.raises(ValueError, match=message):  # a pattern would need the walk this copy avoids
+            _bundle_files(other, tmp_path / "staged")
 
 
 def test_an_unreachable_or_malformed_ray_address_is_a_value_error():
