@@ -190,7 +190,7 @@ def _superlink(dep, listen_host: str | None, database: str | None) -> int:
             keyfile=pki.server_key,
         )
     except OSError as exc:
-        raise UsageError(f"omnidraft fleet superlink: cannot listen on {listen_host or host}:{port}: {exc}") from None
+        raise UsageError(f"omnidraft fleet superlink: {exc}") from None  # it names the address and why
     try:
         code = run_foreground(dep.superlink_command(database), dep.env())
     finally:
