@@ -143,16 +143,39 @@ class DeviceSession:
         return session
 
     # -- decoding -------------------------------------------------------------------------------
-    def decoder(self, target=None) -> CrossVocabDecoder:
+    def decoder(self, target=None, rule: bool = True) -> CrossVocabDecoder:
         """A decoder with the current adapter (merged into the drafting runner), the device's
         throughput rule (fed by the acceptance head once it has trained) and its model-free
         lookups. ``target``: a runner that stands in for the engine's target
-        (``RecordedTarget``)."""
+        (``RecordedTarget``); ``rule=False``: no throughput rule, so no cost profile is read or
+        measured (``draft_stop="confidence"`` decodes without it)."""
         self.adapters.activate(self.target)
         e = self.engine
         head = self.head if self.head is not None and self.head.ready else None
         runner = self.adapters.runner()
-        profile = e.cost_profile(runner)
+        if rule:
+            self._prepare_rule(runner)
+        return CrossVocabDecoder(
+            runner,
+            e.drafter.tokenizer,
+            target or e.target_runner,
+            e.bridge,
+            e.cache,
+            expand_map=e.expand_map,
+            translate=self.translate,
+            target_tokenizer=e.target.tokenizer,
+            head=head,
+            grow_cache=self.grow_cache,
+            rule=self.rule if rule else None,
+            lookup=self.lookup,
+            heal=self.heal,
+            timings=e.timings if target is None else None,
+        )
+
+    def _prepare_rule(self, runner) -> None:
+        """Build the throughput rule on the cost profile of ``runner`` (measured on first use),
+        or move the existing one onto it; a saved calibration and a pending re-fit apply here."""
+        profile = self.engine.cost_profile(runner)
         if self.rule is not None and self.rule.profile is not profile:
             self.rule.use_profile(profile)
         elif self.rule is None:
@@ -165,22 +188,6 @@ class DeviceSession:
             if self._refit_pending:
                 self.rule.drafter_changed()
                 self._refit_pending = False
-        return CrossVocabDecoder(
-            runner,
-            e.drafter.tokenizer,
-            target or e.target_runner,
-            e.bridge,
-            e.cache,
-            expand_map=e.expand_map,
-            translate=self.translate,
-            target_tokenizer=e.target.tokenizer,
-            head=head,
-            grow_cache=self.grow_cache,
-            rule=self.rule,
-            lookup=self.lookup,
-            heal=self.heal,
-            timings=e.timings if target is None else None,
-        )
 
     @torch.inference_mode(False)
     def generate(
@@ -216,7 +223,7 @@ class DeviceSession:
                 if replay.signal is None:
                     raise ValueError("a replayed learning decode needs the recording's training signal")
                 recorder = ReplayedSignal(self.inter, replay.generated, replay.signal)
-        result = self.decoder(target).generate(
+        result = self.decoder(target, rule=config.draft_stop != "confidence").generate(
             text, ids, config, recorder=recorder, on_tokens=on_tokens, remember=learn
         )
         self.last_recording = None

@@ -168,3 +168,33 @@ def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch):
     ]
     assert len(drafter_entries) == 1  # measured once, for every adapter
     assert engine.check_profile()["steps"]  # the adapter's steps are checked against it
+
+
+def test_confidence_drafting_measures_no_cost_profile(tmp_path, monkeypatch):
+    """``draft_stop="confidence"`` decodes without the throughput rule, so neither the engine
+    nor a device session reads or measures this machine's costs (under emulation, or on a slow
+    board, a first measurement takes most of an hour); the output is the target alone's."""
+    from omnidraft.client.session import DeviceSession
+
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
+    build_pair(tmp_path / "pair")
+    engine = Engine.load(
+        str(tmp_path / "pair" / "drafter"),
+        str(tmp_path / "pair" / "target"),
+        "fp64",
+        drafter_weights="fp32",
+        progress=False,
+    )
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cost profile was measured")
+
+    monkeypatch.setattr(profiling, "cached", refuse)
+    config = GenerationConfig(max_new_tokens=16, draft_stop="confidence")
+    ar = engine.generate(PROMPTS[0], config, method="ar")
+    assert engine.generate(PROMPTS[0], config).token_ids == ar.token_ids
+    session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
+    assert session.generate(PROMPTS[0], config, learn=False).token_ids == ar.token_ids
+    assert session.rule is None and not (tmp_path / "profiles").exists()
+    with pytest.raises(AssertionError, match="a cost profile was measured"):  # the rule still measures
+        engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16, draft_stop="cost"))

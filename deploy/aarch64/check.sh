@@ -10,11 +10,11 @@
 #    build's (tests/test_native_kernels.py).
 # 2. Userland: a Debian arm64 root (debootstrap + qemu-user-static through binfmt_misc) installs
 #    the device package as docs/deployment.md says (torch==2.13.0 first, then the project; pytest
-#    beside it), runs
-#    the greedy-identity tests on tiny models there (N/N), `omnidraft generate` with a catalog
-#    pair, and `omnidraft device serve` answering `omnidraft device ask`.
-# The last line says what passed, e.g. `aarch64: kernels ok, greedy identical 12/12, device answered`,
-# or what failed; the exit status is non-zero on any failure. Needs root for apt-get, mount
+#    beside it), runs the greedy-identity tests on tiny models there, `omnidraft generate` with a
+#    catalog pair speculatively and with the target alone (the same tokens, checked), and
+#    `omnidraft device serve` answering `omnidraft device ask`.
+# The last line says what passed, e.g. `aarch64: kernels ok, greedy identical 13/13 (...), device
+# answered`, or what failed; the exit status is non-zero on any failure. Needs root for apt-get, mount
 # and chroot. The arm64 root is kept in $OMNIDRAFT_ARM64_ROOT (default ~/.cache/omnidraft/arm64-root).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -115,15 +115,29 @@ FAILED=$(echo "$OUT" | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+' || echo 0)
 IDENT="greedy identical $PASSED/$((PASSED + FAILED))"
 [ "$FAILED" = 0 ] && [ "$PASSED" -gt 0 ] || { STATUS=1 finish "$KERNELS; $IDENT (tests/test_precision.py in the arm64 root)"; }
 
-say "omnidraft generate with a catalog pair (arm64)"
-run_arm "/opt/venv/bin/omnidraft generate --drafter smollm2-135m --target qwen2.5-coder-0.5b --dtype int8 \
-         --max-new-tokens 16 --prompt 'def fibonacci(n):'" >&2 \
-  || { STATUS=1 finish "$KERNELS; $IDENT; generate FAILED"; }
+say "greedy identity with a catalog pair (arm64): omnidraft generate, speculative and the target alone"
+# --draft-stop confidence: the throughput rule would first measure this machine's cost profile
+# (about an hour under emulation)
+GEN="/opt/venv/bin/omnidraft generate --drafter smollm2-135m --target qwen2.5-coder-0.5b --dtype int8 \
+     --draft-stop confidence --max-new-tokens 24 --prompt 'def fibonacci(n):' --json"
+run_arm "$GEN --method omnidraft > /root/gen-omnidraft.json && $GEN --method ar > /root/gen-ar.json \
+         && /opt/venv/bin/python -c 'import json; a, b = (json.load(open(f\"/root/gen-{m}.json\")) for m in (\"ar\", \"omnidraft\")); \
+            print(\"omnidraft:\", repr(b[\"text\"]), b[\"stats\"][\"target_calls\"], \"target calls; ar:\", a[\"stats\"][\"target_calls\"]); \
+            raise SystemExit(a[\"token_ids\"] != b[\"token_ids\"])'" >&2
+case $? in
+  0) PAIR=1 ;;
+  1) PAIR=0 ;;
+  *) STATUS=1 finish "$KERNELS; $IDENT; generate FAILED" ;;
+esac
+IDENT="greedy identical $((PASSED + PAIR))/$((PASSED + FAILED + 1)) (tiny models $PASSED/$((PASSED + FAILED)), smollm2-135m -> qwen2.5-coder-0.5b $PAIR/1)"
+[ $PAIR = 1 ] || { STATUS=1 finish "$KERNELS; $IDENT: the catalog pair's speculative output differs from the target alone"; }
 
 say "omnidraft device serve + ask (arm64)"
-# --dtype int8: `auto` would time every candidate precision first (over 35 min under emulation)
+# --dtype int8: `auto` would time every candidate precision first (over 35 min under emulation);
+# --draft-stop confidence: the throughput rule would measure the pair's cost profile on the first
+# request (about an hour under emulation)
 run_arm "(/opt/venv/bin/omnidraft device serve --drafter smollm2-135m --target qwen2.5-coder-0.5b --dtype int8 \
-            --state-dir /root/state > /root/serve.log 2>&1 &) ; \
+            --draft-stop confidence --state-dir /root/state > /root/serve.log 2>&1 &) ; \
          for i in \$(seq 600); do /opt/venv/bin/omnidraft device ask 'def add(a, b):' --max-new-tokens 8 2>/dev/null && exit 0; sleep 2; done; \
          tail -5 /root/serve.log; exit 1" >&2
 ASK=$?

@@ -61,7 +61,8 @@ def pair_args(sp) -> None:
         "model-free draft from the device's own text or a drafter draft, whichever "
         "commits the most tokens per second by this machine's cached costs and the "
         "counted acceptance); confidence = always the drafter, stopping under the "
-        "--confidence threshold; auto = cost (confidence where no profile exists)",
+        "--confidence threshold, nothing measured; auto = cost (this machine's costs are "
+        "measured on first use and cached under $OMNIDRAFT_HOME/profiles)",
     )
     sp.add_argument(
         "--lookup",

@@ -293,7 +293,9 @@ class Engine:
             self._rule = ThroughputRule(self.cost_profile())
         return self._rule
 
-    def omnidraft(self, translate: str = "text") -> CrossVocabDecoder:
+    def omnidraft(self, translate: str = "text", rule: bool = True) -> CrossVocabDecoder:
+        """The speculative decoder; ``rule=False`` leaves out the throughput rule, so nothing is
+        measured (``draft_stop="confidence"`` decodes without it)."""
         return CrossVocabDecoder(
             self.drafter_runner,
             self.drafter.tokenizer,
@@ -303,7 +305,7 @@ class Engine:
             expand_map=self.expand_map,
             translate=translate,
             target_tokenizer=self.target.tokenizer,
-            rule=self.rule(),
+            rule=self.rule() if rule else None,
             lookup=self.lookup,
             timings=self.timings,
         )
@@ -320,5 +322,5 @@ class Engine:
         if method == "ar":
             return self.ar().generate(ids, config)
         if method == "omnidraft":
-            return self.omnidraft(translate).generate(text, ids, config)
+            return self.omnidraft(translate, rule=config.draft_stop != "confidence").generate(text, ids, config)
         raise ValueError(f"unknown method {method!r}: choose omnidraft or ar")
