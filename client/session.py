@@ -95,6 +95,12 @@ class DeviceSession:
         self.learn = learn
         self.adaptive = adaptive
         self.grow_cache = grow_cache
+        # the adapters peft injected into this drafter model (another session's on the same
+        # engine) are shared, as handed-in ones are: a second wrap would reset them
+        if adapters is None and (carried := DrafterAdapters.of(engine.drafter.model)) is not None:
+            if carried.spec != lora:
+                raise ValueError(f"this engine's drafter already carries adapters with {carried.spec}, not {lora}")
+            adapters = carried
         self._owns_adapters = adapters is None  # its own: it may rebuild them with saved LoRA settings
         # a session that builds its own adapters starts a new adapter's LoRA A and a new head from
         # a seed of the drafter and target names (two runs of one command start alike); a caller

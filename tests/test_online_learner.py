@@ -363,3 +363,32 @@ def test_a_new_session_starts_from_the_same_state_whatever_ran_before(pair_dir):
     assert all(torch.equal(head1[k], head2[k]) for k in head1)
     other = DeviceSession(_engine(pair_dir), target_name="u").adapters.state_dict("u")
     assert any(not torch.equal(other[k], lora1[k]) for k in lora1 if "lora_A" in k)
+
+
+def test_a_second_session_on_one_engine_shares_the_drafters_adapters_and_keeps_their_training(pair_dir):
+    """peft injects the LoRA layers into the drafter model itself: a second session on the same
+    engine used to wrap it again, which re-initialized the first session's adapter (its training
+    lost, with peft's 'modify a model with PEFT for a second time' warning). It now shares the
+    adapters the model carries; another LoRA shape on that model, or a second
+    ``DrafterAdapters`` on it, is a ValueError."""
+    engine = _engine(pair_dir)
+    first = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=4))
+    with torch.no_grad():  # what an update does: B moves off zero
+        for name, param in first.adapters.peft.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.25)
+    trained = {k: v.clone() for k, v in first.adapters.state_dict("t").items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # peft's double-wrap warnings would fail here
+        second = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=4))
+        other = DeviceSession(engine, target_name="u", lora=LoraSpec(rank=4))
+    assert (
+        second.adapters is first.adapters is other.adapters
+        and DrafterAdapters.of(engine.drafter.model) is first.adapters
+    )
+    assert all(torch.equal(v, first.adapters.state_dict("t")[k]) for k, v in trained.items())
+    assert len(first.adapters.names) == 2  # one adapter per target: t's and u's
+    with pytest.raises(ValueError, match="already carries adapters"):
+        DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8))
+    with pytest.raises(ValueError, match="already carries adapters"):
+        DrafterAdapters(engine.drafter.model, LoraSpec(rank=4))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,10 +88,25 @@ def adapter_name(target: str) -> str:
     return "t_" + "".join(c if c.isalnum() else "_" for c in target)
 
 
+_ADAPTERS_OF: weakref.WeakKeyDictionary[torch.nn.Module, DrafterAdapters] = weakref.WeakKeyDictionary()
+
+
 class DrafterAdapters:
-    """One drafter model, one LoRA adapter per target (see the module docstring)."""
+    """One drafter model, one LoRA adapter per target (see the module docstring).
+
+    A drafter model carries one ``DrafterAdapters``: peft injects the LoRA layers into the
+    model itself, so a second wrap of the same model would re-initialize the first one's
+    adapters of the same name (a trained adapter silently lost). ``of(model)`` returns the
+    model's adapters; constructing another on a model that has them is a ValueError."""
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> DrafterAdapters | None:
+        """The adapters ``model`` carries, if any."""
+        return _ADAPTERS_OF.get(model)
 
     def __init__(self, model: torch.nn.Module, spec: LoraSpec = LoraSpec(), *, drafter_weights: str = "int8") -> None:
+        if model in _ADAPTERS_OF:
+            raise ValueError("this drafter model already carries adapters: share them (DrafterAdapters.of)")
         spec.validate()
         self.spec = spec
         self.drafter_weights = drafter_weights
@@ -102,6 +118,7 @@ class DrafterAdapters:
         self._fresh: set[str] = set()  # adapters whose runner holds their current matrices
         self._frozen: dict[torch.dtype, tuple[dict, dict]] = {}  # low-precision frozen weights (training)
         self.held_dtype: torch.dtype | None = None  # set once the frozen Linear weights are held in it
+        _ADAPTERS_OF[model] = self
 
     @property
     def names(self) -> list[str]:
