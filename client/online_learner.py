@@ -51,6 +51,12 @@ def memory_limit_bytes() -> int:
     return limit
 
 
+def default_training_autocast() -> torch.dtype | None:
+    """The dtype the learner's forwards autocast to unless ``OnlineConfig.bf16_autocast`` says
+    otherwise: bf16 where the CPU has native bf16 (AMX, AVX512-BF16), else None (float32)."""
+    return torch.bfloat16 if cpu_has_native_bf16() else None
+
+
 def default_recompute_layers() -> int:
     """``OnlineConfig.recompute_layers`` when unset: 1 (every layer) where this process may use
     at most ``SMALL_MACHINE_BYTES`` of memory (``memory_limit_bytes``), 0 elsewhere (a
@@ -140,7 +146,7 @@ class OnlineLearner:
         self.updates = 0
         self.reports: list[UpdateReport] = []
         autocast = self.config.bf16_autocast
-        self.autocast = cpu_has_native_bf16() if autocast is None else autocast
+        self.autocast = default_training_autocast() is not None if autocast is None else autocast
         recompute = self.config.recompute_layers
         self.recompute_layers = default_recompute_layers() if recompute is None else recompute
         if self.recompute_layers:  # only in training mode: drafting and scoring forwards keep theirs

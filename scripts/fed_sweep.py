@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from omnidraft.client.online_learner import OPTIMIZERS, OnlineConfig, OnlineLearner
+from omnidraft.client.online_learner import OPTIMIZERS, OnlineConfig, OnlineLearner, default_training_autocast
 from omnidraft.client.session import DeviceSession
 from omnidraft.coordinator.server_opt import ServerOptConfig, ServerOptimizer
 from omnidraft.shared.engine.catalog import CatalogError
@@ -161,7 +161,7 @@ def probe_samples(saved: dict) -> list:
 def score(adapters: DrafterAdapters, name: str, samples) -> dict:
     adapters.activate(name)
     return teacher_forced_agreement(
-        *adapters.decoder_and_head(adapters.held_dtype), samples, autocast=adapters.held_dtype
+        *adapters.decoder_and_head(default_training_autocast()), samples, autocast=default_training_autocast()
     )
 
 

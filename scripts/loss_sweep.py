@@ -39,7 +39,7 @@ import time
 import torch
 
 from omnidraft.benchmarks import bench
-from omnidraft.client.online_learner import OnlineConfig, OnlineLearner
+from omnidraft.client.online_learner import OnlineConfig, OnlineLearner, default_training_autocast
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared.engine.catalog import CatalogError
 from omnidraft.shared.engine.generation import GenerationConfig
@@ -128,7 +128,7 @@ class VariantLearner(OnlineLearner):
 def agreement(adapters: DrafterAdapters, name: str, samples) -> dict:
     adapters.activate(name)
     return teacher_forced_agreement(
-        *adapters.decoder_and_head(adapters.held_dtype), samples, autocast=adapters.held_dtype
+        *adapters.decoder_and_head(default_training_autocast()), samples, autocast=default_training_autocast()
     )
 
 

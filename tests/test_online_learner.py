@@ -45,10 +45,10 @@ def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair
     assert a.learner.updates == 2
     trainable = {n for n, p in adapters.peft.named_parameters() if p.grad is not None}
     assert trainable and all("lora_" in n and ".t_target_a." in n for n in trainable)
-    # base weights untouched (compare through the unwrapped names); under bf16 autocast the
-    # frozen Linear weights are held in bf16: exactly the cast of the originals
+    # base weights untouched (compare through the unwrapped names); after the first training
+    # forward the frozen Linear weights are held in bf16: exactly the cast of the originals
     for n, p in adapters.peft.get_base_model().named_parameters():
-        key = n.replace(".base_layer", "")
+        key = n.replace(".base_layer", "").replace(".parametrizations.weight.original", ".weight")
         if "lora_" not in n:
             assert torch.equal(p, base[key].to(p.dtype)), n
     a_sd, b_sd = adapters.state_dict("target-a"), adapters.state_dict("target-b")
@@ -121,11 +121,15 @@ def test_adding_an_adapter_raises_no_future_warning(pair_dir):
         assert adapters.add("t") in adapters.names
 
 
-def test_bf16_training_on_frozen_weight_copies_is_bit_identical(pair_dir):
-    """Under bf16 autocast, a training forward that reads bf16 copies of the frozen Linear
-    weights gives the same logits and adapter gradients, bit for bit, as the fp32 weights
-    autocast casts at every call; the copies hold frozen weights only, are made once per
-    drafter and are rebuilt after a respec (other modules carry LoRA then)."""
+def test_training_on_frozen_weights_held_in_bf16_is_bit_identical(pair_dir):
+    """The first training forward holds the frozen Linear weights in bf16 (in place). Under bf16
+    autocast, training on them gives the same logits and adapter gradients, bit for bit, as
+    the float32 weights autocast casts at every call; without autocast (CPUs without native
+    bf16), the forward computes in float32 on the bf16 values: bit for bit what float32
+    weights rounded to bf16 give. The tied LM head's bf16 copy is made once per drafter and
+    again after a respec (test below)."""
+    import copy
+
     engine = _engine(pair_dir)
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
     adapters.add("t")
@@ -135,22 +139,37 @@ def test_bf16_training_on_frozen_weight_copies_is_bit_identical(pair_dir):
                 p.normal_(0, 0.05)
     ids = torch.tensor([engine.drafter.tokenizer.encode(PROMPTS[0] + PROMPTS[1])])
 
-    def forward_backward(frozen_dtype):
-        decoder, head = adapters.decoder_and_head(frozen_dtype)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    def forward_backward(peft_model, decoder, head, autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = head(decoder(input_ids=ids).last_hidden_state).float()
         logits.logsumexp(-1).sum().backward()
-        grads = {n: p.grad.clone() for n, p in adapters.peft.named_parameters() if p.grad is not None}
-        adapters.peft.zero_grad(set_to_none=True)
+        grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
+        peft_model.zero_grad(set_to_none=True)
         return logits.detach(), grads
 
-    ref_logits, ref_grads = forward_backward(None)
-    logits, grads = forward_backward(torch.bfloat16)
-    assert ref_grads and torch.equal(logits, ref_logits)
-    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    def plain(peft_model):
+        base = peft_model.get_base_model()
+        return base.get_decoder(), base.get_output_embeddings()
+
+    rounded = copy.deepcopy(adapters.peft)  # the float32 model with its frozen weights rounded to bf16
+    base = rounded.get_base_model()
+    with torch.no_grad():
+        for n, m in base.named_modules():
+            if (
+                isinstance(m, torch.nn.Linear)
+                and ".lora_" not in f".{n}"
+                and m.weight is not base.get_input_embeddings().weight
+            ):
+                m.weight.copy_(m.weight.to(torch.bfloat16).float())
+    ref_autocast = forward_backward(adapters.peft, *plain(adapters.peft), autocast=True)  # before holding
+    ref_fp32 = forward_backward(rounded, *plain(rounded), autocast=False)
+    for autocast, (ref_logits, ref_grads) in ((True, ref_autocast), (False, ref_fp32)):
+        decoder, head = adapters.decoder_and_head(torch.bfloat16 if autocast else None)
+        logits, grads = forward_backward(adapters.peft, decoder, head, autocast)
+        assert adapters.held_dtype == torch.bfloat16 and ref_grads and torch.equal(logits, ref_logits)
+        assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
     in_decoder, in_head = copies = adapters._frozen[torch.bfloat16]
-    assert in_decoder and all(".lora_" not in n and t.dtype == torch.bfloat16 for n, t in in_decoder.items())
-    assert list(in_head) == ["weight"]
+    assert not in_decoder and not in_head  # every frozen weight is held and read as held: no copies
     adapters.decoder_and_head(torch.bfloat16)
     assert adapters._frozen[torch.bfloat16] is copies  # made once
     adapters.respec(LoraSpec(rank=4, modules="attn"))
@@ -214,12 +233,14 @@ def test_the_memory_limit_is_a_control_groups_where_that_is_lower(tmp_path, monk
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_training_under_bf16_autocast_holds_the_frozen_drafter_weights_in_bf16(pair_dir, tied):
-    """Where the drafter drafts on packings, its first bf16 training forward converts the frozen
-    Linear weights in place (the float32 originals are freed; the gradients are bit-identical,
-    see above): the base packing, built before, drafts exactly as before; a tied LM head stays
-    the float32 input embedding; an adapter added afterwards still trains in float32; a
-    float32 forward of the model is refused with a clear error."""
+def test_the_first_training_forward_holds_the_frozen_drafter_weights_in_bf16(pair_dir, tied):
+    """Where the drafter drafts on packings, its first training forward (with or without bf16
+    autocast) holds the frozen Linear weights in bf16 in place (the float32 originals are
+    freed), read as float32 outside autocast: the base packing, built before, drafts exactly as
+    before; a tied LM head stays the float32 input embedding; an adapter added afterwards still
+    trains in float32."""
+    from torch.nn.utils import parametrize
+
     engine = _engine(pair_dir)
     model = engine.drafter.model
     if tied:
@@ -227,34 +248,40 @@ def test_training_under_bf16_autocast_holds_the_frozen_drafter_weights_in_bf16(p
 
     def frozen_linears():
         return [
-            m.weight
-            for n, m in model.get_decoder().named_modules()
-            if isinstance(m, torch.nn.Linear) and ".lora_" not in f".{n}"
+            m
+            for n, m in list(model.get_decoder().named_modules()) + [("lm_head", model.lm_head)]
+            if isinstance(m, torch.nn.Linear) and ".lora_" not in f".{n}" and not (tied and n == "lm_head")
         ]
+
+    def held(m):
+        return m.parametrizations.weight.original if parametrize.is_parametrized(m, "weight") else m.weight
 
     adapters = DrafterAdapters(model, LoraSpec(rank=4), drafter_weights="fp32")
     adapters.add("a")
     ids = engine.drafter.tokenizer.encode(PROMPTS[0])
     untrained = adapters.runner().forward(ids).clone()
-    fp32_bytes = sum(w.nbytes for w in frozen_linears())
-    adapters.decoder_and_head(torch.bfloat16)
+    fp32_bytes = sum(held(m).nbytes for m in frozen_linears())
+    decoder, head = adapters.decoder_and_head()
     assert adapters.held_dtype == torch.bfloat16
-    assert all(w.dtype == torch.bfloat16 for w in frozen_linears())
-    assert sum(w.nbytes for w in frozen_linears()) * 2 == fp32_bytes
+    assert all(held(m).dtype == torch.bfloat16 and m.weight.dtype == torch.float32 for m in frozen_linears())
+    assert sum(held(m).nbytes for m in frozen_linears()) * 2 == fp32_bytes
     assert model.get_input_embeddings().weight.dtype == torch.float32
     if tied:
         assert model.lm_head.weight is model.get_input_embeddings().weight
-    else:
-        assert model.lm_head.weight.dtype == torch.bfloat16
     runner = adapters.runner()
     runner.reset()
     assert torch.equal(runner.forward(ids), untrained)  # the base packing is the float32 one
-    with pytest.raises(ValueError, match="held in torch.bfloat16"):
-        adapters.decoder_and_head()
+    logits = head(decoder(input_ids=torch.tensor([ids])).last_hidden_state)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     adapters.add("b")
     lora = [p for n, p in adapters.peft.named_parameters() if ".t_b." in n]
     assert lora and all(p.dtype == torch.float32 for p in lora)
     decoder, head = adapters.decoder_and_head(torch.bfloat16)
+    if tied:  # autocast would cast the float32 embedding at every call: a bf16 copy, made once
+        (weight,) = adapters._frozen[torch.bfloat16][1].values()
+        assert (
+            weight.dtype == torch.bfloat16 and adapters.decoder_and_head(torch.bfloat16) and len(adapters._frozen) == 1
+        )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = head(decoder(input_ids=torch.tensor([ids])).last_hidden_state).float()
     logits.logsumexp(-1).sum().backward()

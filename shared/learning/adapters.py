@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch.func import functional_call
+from torch.nn.utils import parametrize
 
 from omnidraft.shared.engine.model_runner import ModelRunner
 from omnidraft.shared.engine.precision import build_drafter_runner
@@ -290,41 +291,38 @@ class DrafterAdapters:
         """The HF decoder (``last_hidden_state`` after the final norm) and the LM head, with the
         active adapter applied (for teacher-forced training forwards).
 
-        ``frozen_dtype`` (bf16 under bf16 autocast): callables with the same signatures that
-        read the frozen Linear weights (the base layers under LoRA and the LM head) in that
-        dtype. Autocast casts a frozen fp32 weight again at every call (it caches only weights
-        that train); these hold exactly those casts, so the forward and its gradients are
-        bit-identical and a training update no longer spends about a fifth of its time
-        re-casting weights. The swap is ``torch.func.functional_call``'s.
-
         Where drafting runs on packings (``drafts_on_packing``), nothing else reads the frozen
-        weights in float32 once the base packing exists: they are converted in place and the
-        float32 originals freed (``held_dtype`` is set; 0.43 GB less for SmolLM2-135M), and
-        adapters merged afterwards are packed from them (``set_lora``), the values training
-        read. A tied LM head (the input embeddings, which stay float32) gets a copy, as do all
-        weights of drafters that run the peft model. Afterwards forwards of the model must run
-        under autocast to ``held_dtype``, and ``frozen_dtype=None`` raises ValueError."""
+        Linear weights (the base layers under LoRA and an untied LM head) once the base packing
+        exists: the first call holds them in bf16, in place (``held_dtype``; the float32
+        originals are freed: 0.22 GB less for SmolLM2-135M), and they read as float32
+        (``torch.nn.utils.parametrize``), so a float32 training forward (CPUs without native
+        bf16: AVX2, most Arm boards) computes in float32 on the bf16 values. Adapters merged
+        afterwards are packed from them (``set_lora``), the values training read. A tied LM
+        head (the input embeddings) stays float32.
+
+        ``frozen_dtype`` (bf16 under bf16 autocast): callables with the same signatures that
+        read the frozen weights in that dtype: held weights read as held under autocast, the
+        others (a tied LM head; every weight where nothing is held) from copies made once.
+        Autocast casts a frozen float32 weight again at every call (it caches only weights that
+        train); these give the same forward and gradients, bit for bit, without a fifth of an
+        update's time spent re-casting weights. The swap is ``torch.func.functional_call``'s."""
         base = self.peft.get_base_model()
         decoder, head = base.get_decoder(), base.get_output_embeddings()
+        tied = base.get_input_embeddings().weight
+        if self.drafts_on_packing and self.held_dtype is None:
+            self._base_runner()  # drafting without an adapter keeps the float32 packing
+            for module in (decoder, head):
+                _hold_frozen_weights(module, torch.bfloat16, keep=tied)
+            self.held_dtype = torch.bfloat16
+            self._frozen.clear()
+            release_freed_memory()
         if frozen_dtype is None:
-            if self.held_dtype is not None:
-                raise ValueError(
-                    f"the drafter's frozen weights are held in {self.held_dtype}: run its forwards under "
-                    f"autocast with decoder_and_head({self.held_dtype})"
-                )
             return decoder, head
         if frozen_dtype not in self._frozen:
-            in_place = self.drafts_on_packing and self.held_dtype in (None, frozen_dtype)
-            if in_place:
-                self._base_runner()  # drafting without an adapter keeps the float32 packing
-            tied = base.get_input_embeddings().weight
             self._frozen[frozen_dtype] = (
-                _frozen_linear_weights(decoder, frozen_dtype, in_place, tied),
-                _frozen_linear_weights(head, frozen_dtype, in_place, tied),
+                _frozen_linear_weights(decoder, frozen_dtype),
+                _frozen_linear_weights(head, frozen_dtype),
             )
-            if in_place:
-                self.held_dtype = frozen_dtype
-                release_freed_memory()
         in_decoder, in_head = self._frozen[frozen_dtype]
         return (
             lambda **kwargs: functional_call(decoder, in_decoder, (), kwargs),
@@ -332,19 +330,41 @@ class DrafterAdapters:
         )
 
 
-@torch.no_grad()
-def _frozen_linear_weights(
-    module: torch.nn.Module, dtype: torch.dtype, in_place: bool = False, keep: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
-    """``{name: weight in dtype}`` for every Linear weight in ``module`` that does not train
-    (LoRA's own matrices excluded), names relative to ``module``. ``in_place``: the module's
-    own weights become those tensors (their old storage is freed), except ``keep`` (a tied
-    weight other modules read as it is), which is copied."""
-    out = {}
+class _ReadAsFloat32(torch.nn.Module):
+    """A weight held in a lower precision (``torch.nn.utils.parametrize``): it reads as held
+    under CPU autocast to that dtype (which would cast it to that anyway), else as float32."""
+
+    def forward(self, held: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == held.dtype:
+            return held
+        return held.float()
+
+
+def _frozen_linears(module: torch.nn.Module):
+    """``(name, Linear)`` for every Linear in ``module`` whose weight does not train (LoRA's own
+    matrices excluded), names relative to ``module``."""
     for name, mod in module.named_modules():
         if isinstance(mod, torch.nn.Linear) and ".lora_" not in f".{name}" and not mod.weight.requires_grad:
-            weight = mod.weight.detach().to(dtype)
-            if in_place and mod.weight is not keep:
-                mod.weight.data = weight
-            out[f"{name}.weight" if name else "weight"] = weight
+            yield name, mod
+
+
+@torch.no_grad()
+def _hold_frozen_weights(module: torch.nn.Module, dtype: torch.dtype, keep: torch.Tensor) -> None:
+    """Hold every frozen Linear weight of ``module`` in ``dtype``, in place (the old storage is
+    freed), read as float32; ``keep`` (a tied weight other modules read as it is) stays."""
+    for _, mod in list(_frozen_linears(module)):
+        if mod.weight is keep or parametrize.is_parametrized(mod, "weight"):
+            continue
+        mod.weight.data = mod.weight.detach().to(dtype)
+        parametrize.register_parametrization(mod, "weight", _ReadAsFloat32(), unsafe=True)  # unsafe: a dtype change
+
+
+@torch.no_grad()
+def _frozen_linear_weights(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``{name: copy of the weight in dtype}`` for every frozen Linear weight in ``module`` that
+    is not held in ``dtype`` (held ones read as held under autocast to it: ``_ReadAsFloat32``)."""
+    out = {}
+    for name, mod in _frozen_linears(module):
+        if not parametrize.is_parametrized(mod, "weight"):
+            out[f"{name}.weight" if name else "weight"] = mod.weight.detach().to(dtype)
     return out

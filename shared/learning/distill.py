@@ -155,7 +155,8 @@ def teacher_forced_agreement(
 
     Under greedy decoding the responses do not depend on the drafter, so the same samples
     compare adapters without the noise of decoding (or its cost). ``autocast``: run the forwards
-    under CPU autocast to that dtype (needed where ``DrafterAdapters.held_dtype`` is set)."""
+    under CPU autocast to that dtype (as the learner trains:
+    ``omnidraft.client.online_learner.default_training_autocast``)."""
     hits = total = dm_hits = dm_total = 0
     runs = 0.0
     accepted = proposed = 0
