@@ -9,12 +9,11 @@ import json
 
 import pytest
 from runtime_models import PROMPTS
+from tiny_pair import _engine
 
-from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.shared.engine import profiling
 from omnidraft.shared.engine.draft_policy import ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig
-from omnidraft.shared.engine.pair import Engine
 from omnidraft.shared.engine.profiling import CostProfile
 
 
@@ -99,18 +98,11 @@ def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, m
     assert costs() == {"1": 3.0}
 
 
-def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path, monkeypatch):
+def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path, monkeypatch, pair_dir):
     from omnidraft.client.session import DeviceSession
 
     monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
-    build_pair(tmp_path / "pair")
-    engine = Engine.load(
-        str(tmp_path / "pair" / "drafter"),
-        str(tmp_path / "pair" / "target"),
-        "fp64",
-        drafter_weights="fp32",
-        progress=False,
-    )
+    engine = _engine(pair_dir)
     session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
     for prompt in PROMPTS:
         session.generate(prompt, GenerationConfig(max_new_tokens=16), learn=False)
@@ -131,7 +123,7 @@ def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path
     assert again.problems and again.rule.calibration() == fresh
 
 
-def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch):
+def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch, pair_dir):
     """A trained adapter is merged into its runner's weights: the drafter costs the same as
     without it, so the session's rule keeps deciding with the one profile measured (no second
     drafter measurement), and the profile check compares the adapter's steps with it."""
@@ -140,14 +132,7 @@ def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch):
     from omnidraft.client.session import DeviceSession
 
     monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
-    build_pair(tmp_path / "pair")
-    engine = Engine.load(
-        str(tmp_path / "pair" / "drafter"),
-        str(tmp_path / "pair" / "target"),
-        "fp64",
-        drafter_weights="fp32",
-        progress=False,
-    )
+    engine = _engine(pair_dir)
     session = DeviceSession(engine, state_dir=tmp_path / "state", learn=False, adaptive=False)
     session.decoder()
     base = session.rule.profile
@@ -170,21 +155,14 @@ def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch):
     assert engine.check_profile()["steps"]  # the adapter's steps are checked against it
 
 
-def test_confidence_drafting_measures_no_cost_profile(tmp_path, monkeypatch):
+def test_confidence_drafting_measures_no_cost_profile(tmp_path, monkeypatch, pair_dir):
     """``draft_stop="confidence"`` decodes without the throughput rule, so neither the engine
     nor a device session reads or measures this machine's costs (under emulation, or on a slow
     board, a first measurement takes most of an hour); the output is the target alone's."""
     from omnidraft.client.session import DeviceSession
 
     monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
-    build_pair(tmp_path / "pair")
-    engine = Engine.load(
-        str(tmp_path / "pair" / "drafter"),
-        str(tmp_path / "pair" / "target"),
-        "fp64",
-        drafter_weights="fp32",
-        progress=False,
-    )
+    engine = _engine(pair_dir)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a cost profile was measured")
