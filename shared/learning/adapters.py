@@ -294,7 +294,7 @@ class DrafterAdapters:
         Where drafting runs on packings (``drafts_on_packing``), nothing else reads the frozen
         Linear weights (the base layers under LoRA and an untied LM head) once the base packing
         exists: the first call holds them in bf16, in place (``held_dtype``; the float32
-        originals are freed: 0.22 GB less for SmolLM2-135M), and they read as float32
+        originals are freed: about 0.2 GB for SmolLM2-135M), and they read as float32
         (``torch.nn.utils.parametrize``), so a float32 training forward (CPUs without native
         bf16: AVX2, most Arm boards) computes in float32 on the bf16 values. Adapters merged
         afterwards are packed from them (``set_lora``), the values training read. A tied LM
