@@ -20,8 +20,6 @@ this is a small Starlette app on uvicorn and httpx, the libraries Flower itself 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import ssl
 import threading
 import time
@@ -94,14 +92,6 @@ def serve_gateway(
     for path in (ca_cert, certfile, keyfile):
         if not Path(path).is_file():
             raise OSError(f"the gateway did not start on {host}:{port}: no file {path}")
-    try:  # bound here, not by uvicorn, which logs its own error line and exits on a taken port
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((host, port), family=family)
-    except OSError as exc:
-        # the system's words for it, without Python's "(while attempting to bind on ...)"
-        why = exc.strerror if isinstance(exc, socket.gaierror) or not exc.errno else os.strerror(exc.errno)
-        why = (why or str(exc)).lower()
-        raise OSError(f"the gateway did not start on {host}:{port}: {why}") from None
     config = uvicorn.Config(
         gateway_app(upstream, ca_cert),
         host=host,
@@ -116,8 +106,8 @@ def serve_gateway(
 
     def run() -> None:
         try:
-            server.run(sockets=[sock])
-        except (OSError, SystemExit) as exc:  # a bad certificate raises
+            server.run()
+        except (OSError, SystemExit) as exc:  # a bad certificate raises; a taken port: uvicorn logs it and exits
             if server.started:
                 raise
             failed.append(exc.__context__ if isinstance(exc, SystemExit) else exc)  # said below in one line
@@ -129,7 +119,6 @@ def serve_gateway(
         time.sleep(0.05)
     if not server.started:
         server.should_exit = True
-        sock.close()
         cause = failed[0] if failed else None
         why = f": {cause.strerror or cause}" if isinstance(cause, OSError) else ""
         raise OSError(f"the gateway did not start on {host}:{port}{why}")

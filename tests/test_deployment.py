@@ -81,7 +81,7 @@ def test_fleet_init_creates_a_ca_a_server_certificate_and_node_keys(tmp_path, ca
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a taken port: no thread traceback
-def test_the_gateway_serves_the_fleet_api_and_refuses_the_control_api(tmp_path, capfd):
+def test_the_gateway_serves_the_fleet_api_and_refuses_the_control_api(tmp_path):
     """What devices reach (the gateway on the devices' address) forwards the Fleet API to the
     loopback SuperLink byte for byte, headers included (SuperNode authentication still happens
     there), and refuses the Control and Runtime APIs and anything else with 403, over TLS with
@@ -166,7 +166,6 @@ def test_the_gateway_serves_the_fleet_api_and_refuses_the_control_api(tmp_path, 
                 certfile=pki.server_cert,
                 keyfile=pki.server_key,
             )
-        assert "rrno" not in capfd.readouterr().err  # and uvicorn printed no error line of its own
     finally:
         gateway.should_exit = True
         thread.join(timeout=10)
