@@ -160,9 +160,8 @@ def probe_samples(saved: dict) -> list:
 
 def score(adapters: DrafterAdapters, name: str, samples) -> dict:
     adapters.activate(name)
-    return teacher_forced_agreement(
-        *adapters.decoder_and_head(default_training_autocast()), samples, autocast=default_training_autocast()
-    )
+    dtype = default_training_autocast()
+    return teacher_forced_agreement(*adapters.decoder_and_head(dtype), samples, autocast=dtype)
 
 
 def sweep(args) -> None:

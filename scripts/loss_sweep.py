@@ -127,9 +127,8 @@ class VariantLearner(OnlineLearner):
 
 def agreement(adapters: DrafterAdapters, name: str, samples) -> dict:
     adapters.activate(name)
-    return teacher_forced_agreement(
-        *adapters.decoder_and_head(default_training_autocast()), samples, autocast=default_training_autocast()
-    )
+    dtype = default_training_autocast()
+    return teacher_forced_agreement(*adapters.decoder_and_head(dtype), samples, autocast=dtype)
 
 
 def parse_variant(name: str) -> tuple[str, LossConfig, dict]:

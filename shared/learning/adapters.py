@@ -314,7 +314,6 @@ class DrafterAdapters:
             for module in (decoder, head):
                 _hold_frozen_weights(module, torch.bfloat16, keep=tied)
             self.held_dtype = torch.bfloat16
-            self._frozen.clear()
             release_freed_memory()
         if frozen_dtype is None:
             return decoder, head
