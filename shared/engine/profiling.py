@@ -33,9 +33,13 @@ from omnidraft.shared.engine import catalog
 from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
 
 CONTEXT_TOKENS = 256
-PROFILE_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16)
+# Verification blocks measured. The native kernels compute rows in groups (the AVX-512 ones in
+# groups of 4 and 8), so a block's cost rises in steps, not in a line: both edges of each step
+# are measured (4 | 5, 8 | 9, 12 | 13), or interpolating across one would price a 5-token
+# block like the mean of 4 and 6 when it costs what 8 do.
+PROFILE_BLOCKS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16)
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
-PROFILE_VERSION = 4  # bump when a kernel or the method changes: every cached measurement is taken again
+PROFILE_VERSION = 5  # bump when a kernel or the method changes: every cached measurement is taken again
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree

@@ -190,7 +190,8 @@ static inline void block_row1x2(int K, const uint8_t* w, const float* sc, const 
     f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(H, _mm512_set1_epi32(128 * (gsum)))), \
                         _mm512_mul_ps(_mm512_loadu_ps(sc + g * 16), _mm512_set1_ps(gscale)), f)
 
-static inline void block8_rows4(int K, const uint8_t* w, const float* sc, const qact* a, int m, __m512* acc) {
+static inline void block8_rows4(int K, const uint8_t* w, const float* sc, const qact* a, int m, __m512* acc,
+                                const uint8_t* pf) {
     const int8_t* h0 = a->hi + (size_t)m * a->ld;
     const size_t ld = a->ld, ldg = a->ld / 64;
     const int32_t* g0 = a->gs + (size_t)m * ldg;
@@ -200,7 +201,7 @@ static inline void block8_rows4(int K, const uint8_t* w, const float* sc, const 
         __m512i H0 = _mm512_setzero_si512(), H1 = H0, H2 = H0, H3 = H0;
 #pragma GCC unroll 16
         for (int k = g * 64; k < g * 64 + 64; k += 4) {
-            _mm_prefetch((const char*)(w + (size_t)k * 16 + PF_DIST), _MM_HINT_T0);
+            _mm_prefetch((const char*)(pf + (size_t)k * 16), _MM_HINT_T0);
             const __m512i wv = _mm512_loadu_si512(w + (size_t)k * 16);
             H0 = _mm512_dpbusd_epi32(H0, wv, BCAST(h0 + k));
             H1 = _mm512_dpbusd_epi32(H1, wv, BCAST(h0 + ld + k));
@@ -213,6 +214,45 @@ static inline void block8_rows4(int K, const uint8_t* w, const float* sc, const 
         FIN8(H3, f3, g0[3 * ldg + g], c0[3 * ldg + g]);
     }
     acc[0] = f0; acc[1] = f1; acc[2] = f2; acc[3] = f3;
+}
+
+// Eight rows against one weight block: each 64-byte weight vector, streamed from memory once,
+// serves eight rows. A block of 5-8 tokens then costs about what one of four does where the
+// weights' memory traffic, not the arithmetic, sets the time (one 4-row pass would leave the
+// memory idle while a second pass over the cached block computes the other rows).
+static inline void block8_rows8(int K, const uint8_t* w, const float* sc, const qact* a, int m, __m512* acc,
+                                const uint8_t* pf) {
+    const int8_t* h0 = a->hi + (size_t)m * a->ld;
+    const size_t ld = a->ld, ldg = a->ld / 64;
+    const int32_t* g0 = a->gs + (size_t)m * ldg;
+    const float* c0 = a->gsc + (size_t)m * ldg;
+    __m512 f[8];
+    for (int r = 0; r < 8; r++) f[r] = _mm512_setzero_ps();
+    for (int g = 0; g < K / 64; g++) {
+        __m512i H0 = _mm512_setzero_si512(), H1 = H0, H2 = H0, H3 = H0, H4 = H0, H5 = H0, H6 = H0, H7 = H0;
+#pragma GCC unroll 16
+        for (int k = g * 64; k < g * 64 + 64; k += 4) {
+            _mm_prefetch((const char*)(pf + (size_t)k * 16), _MM_HINT_T0);
+            const __m512i wv = _mm512_loadu_si512(w + (size_t)k * 16);
+            H0 = _mm512_dpbusd_epi32(H0, wv, BCAST(h0 + k));
+            H1 = _mm512_dpbusd_epi32(H1, wv, BCAST(h0 + ld + k));
+            H2 = _mm512_dpbusd_epi32(H2, wv, BCAST(h0 + 2 * ld + k));
+            H3 = _mm512_dpbusd_epi32(H3, wv, BCAST(h0 + 3 * ld + k));
+            H4 = _mm512_dpbusd_epi32(H4, wv, BCAST(h0 + 4 * ld + k));
+            H5 = _mm512_dpbusd_epi32(H5, wv, BCAST(h0 + 5 * ld + k));
+            H6 = _mm512_dpbusd_epi32(H6, wv, BCAST(h0 + 6 * ld + k));
+            H7 = _mm512_dpbusd_epi32(H7, wv, BCAST(h0 + 7 * ld + k));
+        }
+        FIN8(H0, f[0], g0[g], c0[g]);
+        FIN8(H1, f[1], g0[ldg + g], c0[ldg + g]);
+        FIN8(H2, f[2], g0[2 * ldg + g], c0[2 * ldg + g]);
+        FIN8(H3, f[3], g0[3 * ldg + g], c0[3 * ldg + g]);
+        FIN8(H4, f[4], g0[4 * ldg + g], c0[4 * ldg + g]);
+        FIN8(H5, f[5], g0[5 * ldg + g], c0[5 * ldg + g]);
+        FIN8(H6, f[6], g0[6 * ldg + g], c0[6 * ldg + g]);
+        FIN8(H7, f[7], g0[7 * ldg + g], c0[7 * ldg + g]);
+    }
+    for (int r = 0; r < 8; r++) acc[r] = f[r];
 }
 
 static inline __m512 block8_row1(int K, const uint8_t* w, const float* sc, const qact* a, int m) {
@@ -293,9 +333,20 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
         // in whole groups of four; a padding row's results are not stored). The 4-row kernel
         // reads each weight block once for four rows, where one row at a time would read it
         // again per row: a block of 2 or 3 tokens costs what a block of 4 does, not more.
+        // 8-bit activations, 5+ rows: eight at a time while more than four remain
+        for (; a->act8 && M - m > 4; m += 8) {
+            __m512 acc[8];
+            block8_rows8(K, w, sc, a, m, acc, m == 0 ? w + PF_DIST : w + (size_t)16 * K);
+            for (int r = 0; r < 8 && m + r < M; r++) {
+                __m512 v = _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a->s[m + r]), bv);
+                float* yo = y + (size_t)(m + r) * ldy + n0;
+                if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yo));
+                _mm512_storeu_ps(yo, v);
+            }
+        }
         for (; M >= 2 && m < M; m += 4) {
             __m512 acc[4];
-            if (a->act8) block8_rows4(K, w, sc, a, m, acc);
+            if (a->act8) block8_rows4(K, w, sc, a, m, acc, m == 0 ? w + PF_DIST : w + (size_t)16 * K);
             else block_rows4(K, w, sc, a, m, acc);
             for (int r = 0; r < 4 && m + r < M; r++) {
                 __m512 v = _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a->s[m + r]), bv);

@@ -71,9 +71,9 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
     const int qw = H * HD, half = HD / 2;
     int KMAX = D > I ? D : I;
     if (qw > KMAX) KMAX = qw;
-    // activation rows in whole groups of four, the padding zeroed (below): a kernel may compute
-    // four rows at a time and drop what it computed for the padding
-    const int MP = (M + 3) / 4 * 4;
+    // activation rows in whole groups of eight, the padding zeroed (below): a kernel may compute
+    // four or eight rows at a time and drop what it computed for the padding
+    const int MP = (M + 7) / 8 * 8;
     qact a;
     a.ld = KMAX;
     a.act8 = md->act8;
