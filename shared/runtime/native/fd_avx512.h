@@ -216,10 +216,10 @@ static inline void block8_rows4(int K, const uint8_t* w, const float* sc, const 
     acc[0] = f0; acc[1] = f1; acc[2] = f2; acc[3] = f3;
 }
 
-// Eight rows against one weight block: each 64-byte weight vector, streamed from memory once,
-// serves eight rows. A block of 5-8 tokens then costs about what one of four does where the
-// weights' memory traffic, not the arithmetic, sets the time (one 4-row pass would leave the
-// memory idle while a second pass over the cached block computes the other rows).
+// Eight rows against one weight block: each 64-byte weight vector serves eight rows, where two
+// 4-row passes load it twice (the second time from cache). On a Zen 4 EPYC a block of 5-8
+// tokens costs 1.25-1.4x one of 4 this way, 1.5-1.65x in two passes (BENCHMARKS.md).
+// pf: where this pass prefetches from (its k-th step prefetches pf + 16 k).
 static inline void block8_rows8(int K, const uint8_t* w, const float* sc, const qact* a, int m, __m512* acc,
                                 const uint8_t* pf) {
     const int8_t* h0 = a->hi + (size_t)m * a->ld;
@@ -329,11 +329,13 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
         const int n0 = nb * 16;
         const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
         int m = 0;
-        // 2+ rows: four at a time, the last group padded (fd_forward allocates the activation rows
-        // in whole groups of four; a padding row's results are not stored). The 4-row kernel
-        // reads each weight block once for four rows, where one row at a time would read it
-        // again per row: a block of 2 or 3 tokens costs what a block of 4 does, not more.
-        // 8-bit activations, 5+ rows: eight at a time while more than four remain
+        // 2+ rows: eight at a time (8-bit activations) while more than four remain, then four at
+        // a time, the last group padded (fd_forward allocates the activation rows in whole groups
+        // of eight; a padding row's results are not stored). One weight load serves all the rows
+        // of a pass, where one row at a time would read the block again per row: a block of 2 or
+        // 3 tokens costs what a block of 4 does, one of 5-7 what one of 8 does. The first pass
+        // over a block prefetches ahead in the weight stream; a later pass, which finds this
+        // block in cache, prefetches the next block.
         for (; a->act8 && M - m > 4; m += 8) {
             __m512 acc[8];
             block8_rows8(K, w, sc, a, m, acc, m == 0 ? w + PF_DIST : w + (size_t)16 * K);
