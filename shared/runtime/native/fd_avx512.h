@@ -190,69 +190,36 @@ static inline void block_row1x2(int K, const uint8_t* w, const float* sc, const 
     f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(H, _mm512_set1_epi32(128 * (gsum)))), \
                         _mm512_mul_ps(_mm512_loadu_ps(sc + g * 16), _mm512_set1_ps(gscale)), f)
 
-static inline void block8_rows4(int K, const uint8_t* w, const float* sc, const qact* a, int m, __m512* acc,
-                                const uint8_t* pf) {
-    const int8_t* h0 = a->hi + (size_t)m * a->ld;
-    const size_t ld = a->ld, ldg = a->ld / 64;
-    const int32_t* g0 = a->gs + (size_t)m * ldg;
-    const float* c0 = a->gsc + (size_t)m * ldg;
-    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
-    for (int g = 0; g < K / 64; g++) {
-        __m512i H0 = _mm512_setzero_si512(), H1 = H0, H2 = H0, H3 = H0;
-#pragma GCC unroll 16
-        for (int k = g * 64; k < g * 64 + 64; k += 4) {
-            _mm_prefetch((const char*)(pf + (size_t)k * 16), _MM_HINT_T0);
-            const __m512i wv = _mm512_loadu_si512(w + (size_t)k * 16);
-            H0 = _mm512_dpbusd_epi32(H0, wv, BCAST(h0 + k));
-            H1 = _mm512_dpbusd_epi32(H1, wv, BCAST(h0 + ld + k));
-            H2 = _mm512_dpbusd_epi32(H2, wv, BCAST(h0 + 2 * ld + k));
-            H3 = _mm512_dpbusd_epi32(H3, wv, BCAST(h0 + 3 * ld + k));
-        }
-        FIN8(H0, f0, g0[g], c0[g]);
-        FIN8(H1, f1, g0[ldg + g], c0[ldg + g]);
-        FIN8(H2, f2, g0[2 * ldg + g], c0[2 * ldg + g]);
-        FIN8(H3, f3, g0[3 * ldg + g], c0[3 * ldg + g]);
-    }
-    acc[0] = f0; acc[1] = f1; acc[2] = f2; acc[3] = f3;
-}
-
-// Eight rows against one weight block: each 64-byte weight vector serves eight rows, where two
-// 4-row passes load it twice (the second time from cache). On a Zen 4 EPYC a block of 5-8
-// tokens costs 1.25-1.4x one of 4 this way, 1.5-1.65x in two passes (BENCHMARKS.md).
-// pf: where this pass prefetches from (its k-th step prefetches pf + 16 k).
-static inline void block8_rows8(int K, const uint8_t* w, const float* sc, const qact* a, int m, __m512* acc,
-                                const uint8_t* pf) {
+// R (4 or 8, a constant after inlining) activation rows against one weight block: each 64-byte
+// weight vector serves R rows. Eight rows, where two 4-row passes would load each vector twice
+// (the second time from cache): on a Zen 4 EPYC a block of 5-8 tokens costs 1.25-1.4x one of 4
+// this way, 1.5-1.65x in two passes (BENCHMARKS.md). pf: where this pass prefetches from (its
+// k-th step prefetches pf + 16 k).
+static inline __attribute__((always_inline)) void block8_rows(const int R, int K, const uint8_t* w, const float* sc,
+                                                              const qact* a, int m, __m512* acc, const uint8_t* pf) {
     const int8_t* h0 = a->hi + (size_t)m * a->ld;
     const size_t ld = a->ld, ldg = a->ld / 64;
     const int32_t* g0 = a->gs + (size_t)m * ldg;
     const float* c0 = a->gsc + (size_t)m * ldg;
     __m512 f[8];
-    for (int r = 0; r < 8; r++) f[r] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps();
     for (int g = 0; g < K / 64; g++) {
-        __m512i H0 = _mm512_setzero_si512(), H1 = H0, H2 = H0, H3 = H0, H4 = H0, H5 = H0, H6 = H0, H7 = H0;
+        __m512i H[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) H[r] = _mm512_setzero_si512();
 #pragma GCC unroll 16
         for (int k = g * 64; k < g * 64 + 64; k += 4) {
             _mm_prefetch((const char*)(pf + (size_t)k * 16), _MM_HINT_T0);
             const __m512i wv = _mm512_loadu_si512(w + (size_t)k * 16);
-            H0 = _mm512_dpbusd_epi32(H0, wv, BCAST(h0 + k));
-            H1 = _mm512_dpbusd_epi32(H1, wv, BCAST(h0 + ld + k));
-            H2 = _mm512_dpbusd_epi32(H2, wv, BCAST(h0 + 2 * ld + k));
-            H3 = _mm512_dpbusd_epi32(H3, wv, BCAST(h0 + 3 * ld + k));
-            H4 = _mm512_dpbusd_epi32(H4, wv, BCAST(h0 + 4 * ld + k));
-            H5 = _mm512_dpbusd_epi32(H5, wv, BCAST(h0 + 5 * ld + k));
-            H6 = _mm512_dpbusd_epi32(H6, wv, BCAST(h0 + 6 * ld + k));
-            H7 = _mm512_dpbusd_epi32(H7, wv, BCAST(h0 + 7 * ld + k));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) H[r] = _mm512_dpbusd_epi32(H[r], wv, BCAST(h0 + r * ld + k));
         }
-        FIN8(H0, f[0], g0[g], c0[g]);
-        FIN8(H1, f[1], g0[ldg + g], c0[ldg + g]);
-        FIN8(H2, f[2], g0[2 * ldg + g], c0[2 * ldg + g]);
-        FIN8(H3, f[3], g0[3 * ldg + g], c0[3 * ldg + g]);
-        FIN8(H4, f[4], g0[4 * ldg + g], c0[4 * ldg + g]);
-        FIN8(H5, f[5], g0[5 * ldg + g], c0[5 * ldg + g]);
-        FIN8(H6, f[6], g0[6 * ldg + g], c0[6 * ldg + g]);
-        FIN8(H7, f[7], g0[7 * ldg + g], c0[7 * ldg + g]);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) FIN8(H[r], f[r], g0[r * ldg + g], c0[r * ldg + g]);
     }
-    for (int r = 0; r < 8; r++) acc[r] = f[r];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = f[r];
 }
 
 static inline __m512 block8_row1(int K, const uint8_t* w, const float* sc, const qact* a, int m) {
@@ -336,26 +303,20 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
         // 3 tokens costs what a block of 4 does, one of 5-7 what one of 8 does. The first pass
         // over a block prefetches ahead in the weight stream; a later pass, which finds this
         // block in cache, prefetches the next block.
-        for (; a->act8 && M - m > 4; m += 8) {
+        while (M >= 2 && m < M) {
+            const int R = a->act8 && M - m > 4 ? 8 : 4;
+            const uint8_t* pf = m == 0 ? w + PF_DIST : w + (size_t)16 * K;
             __m512 acc[8];
-            block8_rows8(K, w, sc, a, m, acc, m == 0 ? w + PF_DIST : w + (size_t)16 * K);
-            for (int r = 0; r < 8 && m + r < M; r++) {
-                __m512 v = _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a->s[m + r]), bv);
-                float* yo = y + (size_t)(m + r) * ldy + n0;
-                if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yo));
-                _mm512_storeu_ps(yo, v);
-            }
-        }
-        for (; M >= 2 && m < M; m += 4) {
-            __m512 acc[4];
-            if (a->act8) block8_rows4(K, w, sc, a, m, acc, m == 0 ? w + PF_DIST : w + (size_t)16 * K);
+            if (R == 8) block8_rows(8, K, w, sc, a, m, acc, pf);
+            else if (a->act8) block8_rows(4, K, w, sc, a, m, acc, pf);
             else block_rows4(K, w, sc, a, m, acc);
-            for (int r = 0; r < 4 && m + r < M; r++) {
+            for (int r = 0; r < R && m + r < M; r++) {
                 __m512 v = _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a->s[m + r]), bv);
                 float* yo = y + (size_t)(m + r) * ldy + n0;
                 if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yo));
                 _mm512_storeu_ps(yo, v);
             }
+            m += R;
         }
         for (; m < M; m++) {
             const __m512 r1 = a->act8 ? block8_row1(K, w, sc, a, m) : block_row1(K, w, sc, a, m);
