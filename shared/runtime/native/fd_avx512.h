@@ -84,6 +84,9 @@ static void quant_row(const float* x, int K, qact* a, int m, float mult) {
     a->s[m] = s * mult;
 }
 
+#ifndef PF_DIST_L2
+#define PF_DIST_L2 16384  // how far ahead an 8-row pass streaming from memory prefetches, into L2
+#endif
 #ifndef PF_DIST
 #define PF_DIST 4096
 #endif
@@ -163,9 +166,10 @@ static inline __m512 block_row1(int K, const uint8_t* w, const float* sc, const 
 // weight vector serves R rows. Eight rows, where two 4-row passes would load each vector twice
 // (the second time from cache): on a Zen 4 EPYC a block of 5-8 tokens costs 1.25-1.4x one of 4
 // this way, 1.5-1.65x in two passes (BENCHMARKS.md). pf: where this pass prefetches from (its
-// k-th step prefetches pf + 16 k).
+// k-th step prefetches pf + 16 k), into L2 where to_l2 is set, else into L1.
 static inline __attribute__((always_inline)) void block8_rows(const int R, int K, const uint8_t* w, const float* sc,
-                                                              const qact* a, int m, __m512* acc, const uint8_t* pf) {
+                                                              const qact* a, int m, __m512* acc, const uint8_t* pf,
+                                                              const int to_l2) {
     const int8_t* h0 = a->hi + (size_t)m * a->ld;
     const size_t ld = a->ld, ldg = a->ld / 64;
     const int32_t* g0 = a->gs + (size_t)m * ldg;
@@ -179,7 +183,8 @@ static inline __attribute__((always_inline)) void block8_rows(const int R, int K
         for (int r = 0; r < R; r++) H[r] = _mm512_setzero_si512();
 #pragma GCC unroll 16
         for (int k = g * 64; k < g * 64 + 64; k += 4) {
-            _mm_prefetch((const char*)(pf + (size_t)k * 16), _MM_HINT_T0);
+            if (to_l2) _mm_prefetch((const char*)(pf + (size_t)k * 16), _MM_HINT_T1);
+            else _mm_prefetch((const char*)(pf + (size_t)k * 16), _MM_HINT_T0);
             const __m512i wv = _mm512_loadu_si512(w + (size_t)k * 16);
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) H[r] = _mm512_dpbusd_epi32(H[r], wv, BCAST(h0 + r * ld + k));
@@ -232,10 +237,15 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
         // block in cache, prefetches the next block.
         while (M >= 2 && m < M) {
             const int R = a->act8 && M - m > 4 ? 8 : 4;
-            const uint8_t* pf = m == 0 ? w + PF_DIST : w + (size_t)16 * K;
+            // the first pass streams this block from memory: eight rows compute long enough per
+            // weight vector that prefetching far ahead into L2 hides the stream (on a Zen 4 EPYC
+            // an 8-token block 0.80-0.85x the time of prefetching 4 KB ahead into L1, which four
+            // rows do better with); a later pass finds the block in cache and fetches the next
+            const int first = m == 0, to_l2 = first && R == 8;
+            const uint8_t* pf = first ? w + (to_l2 ? PF_DIST_L2 : PF_DIST) : w + (size_t)16 * K;
             __m512 acc[8];
-            if (R == 8) block8_rows(8, K, w, sc, a, m, acc, pf);
-            else if (a->act8) block8_rows(4, K, w, sc, a, m, acc, pf);
+            if (R == 8) block8_rows(8, K, w, sc, a, m, acc, pf, to_l2);
+            else if (a->act8) block8_rows(4, K, w, sc, a, m, acc, pf, to_l2);
             else block_rows4(K, w, sc, a, m, acc);
             for (int r = 0; r < R && m + r < M; r++) {
                 __m512 v = _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a->s[m + r]), bv);
