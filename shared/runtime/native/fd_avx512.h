@@ -256,8 +256,8 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
             m += R;
         }
         // one row (a one-token step): one weight block at a time, a single prefetched stream.
-        // On a Zen 4 EPYC this runs a step 15-20 % faster than two blocks side by side (two
-        // streams sharing each activation load), which the kernels did before (BENCHMARKS.md).
+        // On a Zen 4 EPYC this runs a step 10-20 % faster than two blocks side by side (two
+        // streams sharing each activation load), which the kernels did before (docs/findings.md).
         for (; m < M; m++) {
             const __m512 r1 = a->act8 ? block8_row1(K, w, sc, a, m) : block_row1(K, w, sc, a, m);
             __m512 v = _mm512_fmadd_ps(r1, _mm512_set1_ps(a->s[m]), bv);
