@@ -361,3 +361,49 @@ def test_modelled_speed_charges_each_round_its_profiled_cost(pair, bridge):
         assert s.modelled_speedup == pytest.approx(s.tokens_per_target_call)
         c = spd(pair, bridge, charged).generate(prompt, ids, config).stats
         assert c.modelled_s > c.target_calls * 0.010 and c.modelled_speedup < c.tokens_per_target_call
+
+
+def test_lookup_acceptance_is_measured_in_rounds_that_verified_no_lookup(pair, bridge, monkeypatch):
+    """While drafter rounds win every plan, each round still scores the model-free candidate
+    against the tokens the target committed: the lookup tables hold exactly what verifying the
+    candidates would have counted (recomputed here from the output), so a lookup source the plan
+    never tries is not left at its prior."""
+    decoder = spd(pair, bridge, CostProfile({1: 10.0, 4: 12.0, 16: 20.0}, 1.0))
+    rule, lookup = decoder.rule, decoder.lookup
+    monkeypatch.setattr(rule, "plan", lambda found=None, drafter=True: (DRAFTER, 0))
+    rounds, position = [], [0]  # (tokens generated when proposed, candidate), per round
+    propose, commit = lookup.propose, lookup.commit
+
+    def recording_propose(k):
+        found = propose(k)
+        rounds.append((position[0], found))
+        return found
+
+    def counting_commit(ids):
+        position[0] += len(ids)
+        commit(ids)
+
+    monkeypatch.setattr(lookup, "propose", recording_propose)
+    monkeypatch.setattr(lookup, "commit", counting_commit)
+    expected = {"context": [[0.0, 0.0] for _ in range(8)], "history": [[0.0, 0.0] for _ in range(8)]}
+    for prompt in REPETITIVE:
+        rounds.clear()
+        position[0] = 0
+        out = decoder.generate(prompt, pair.target_tokenizer.encode(prompt), GenerationConfig(max_new_tokens=40))
+        assert out.stats.lookup_rounds == 0
+        ends = [pos for pos, _ in rounds[1:]] + [len(out.token_ids)]
+        for (pos, found), end in zip(rounds, ends):
+            if found is None or not found.ids:
+                continue
+            cell = expected[found.source][min(found.match, 8) - 1]
+            committed = out.token_ids[pos:end]
+            for i in range(min(len(found.ids), len(committed))):  # up to and including the first miss
+                cell[0] += found.ids[i] == committed[i]
+                cell[1] += 1
+                if found.ids[i] != committed[i]:
+                    break
+    got = {s: [[a, n] for a, n in zip(t.accepted, t.seen)] for s, t in rule.lookup.items()}
+    assert got == expected
+    seen = sum(n for cells in expected.values() for _, n in cells)
+    accepted = sum(a for cells in expected.values() for a, _ in cells)
+    assert seen > 20 and accepted / seen > 0.5  # repetitive text: its lookups are mostly right

@@ -65,6 +65,19 @@ class Draft:
 LOOKUP_TOKENS = 16  # longest model-free draft looked up per round (the rule may verify fewer)
 
 
+def _agreement(draft: list[int], committed: list[int]) -> tuple[int, int]:
+    """How a draft of target tokens fares against the tokens a round committed: ``(proposed,
+    accepted)``, ``proposed`` the draft's tokens that ``committed`` can judge and ``accepted`` its
+    leading ones equal to them. The target commits its greedy token, or under sampling one drawn
+    from its distribution, at each position, so an equal token is exactly what verification
+    would have accepted (under sampling: with the probability verification accepts it)."""
+    proposed = min(len(draft), len(committed))
+    accepted = 0
+    while accepted < proposed and draft[accepted] == committed[accepted]:
+        accepted += 1
+    return proposed, accepted
+
+
 def _decode_bytes(token_bytes, ids: list[int]) -> str:
     return b"".join(token_bytes[i] or b"" for i in ids).decode("utf-8", errors="replace")
 
@@ -323,6 +336,7 @@ class CrossVocabDecoder:
         while not stop.done:
             budget = config.max_new_tokens - len(stop.generated)
             kind, n = DRAFTER, 0
+            found = None
             if rule is not None:
                 found = lookup.propose(min(LOOKUP_TOKENS, budget - 1)) if lookup is not None and budget > 1 else None
                 kind, n = rule.plan(found)
@@ -369,9 +383,12 @@ class CrossVocabDecoder:
                         stats.ngram_hits += 1
                         self.cache.record_hit(draft.ids[unit.draft_start : unit.draft_start + unit.draft_len])
             elif kind == LOOKUP:
-                rule.observe_lookup(found.source, found.match, len(proposal), accepted)
                 stats.lookup_proposed += len(proposal)
                 stats.lookup_accepted += accepted
+            if found is not None and found.ids:
+                # the model-free candidate is scored against what the target committed, whichever
+                # round ran: its acceptance is measured even while drafter rounds win every plan
+                rule.observe_lookup(found.source, found.match, *_agreement(found.ids, proposal[:accepted] + [nxt]))
             committed = stop.extend(proposal[:accepted] + [nxt])
             if recorder is not None:
                 recorder.record(logits, committed)

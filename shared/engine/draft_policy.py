@@ -6,7 +6,11 @@ Every round of speculative decoding picks one of three things (``ThroughputRule.
 - **a model-free draft** of ``j`` target tokens (``omnidraft.shared.engine.lookup_drafts``):
   ``1 + a + a^2 + ... + a^j`` tokens expected for ``T(1 + j) + s`` ms, with ``a`` the measured
   acceptance of lookups from that source (this generation / the device's history) and of that
-  match length; ``j`` is the best prefix of the looked-up continuation;
+  match length; ``j`` is the best prefix of the looked-up continuation. That acceptance is
+  counted every round, whichever kind ran: the round's candidate is scored against the tokens
+  the target committed (``decoding._agreement``), so a source is measured even while drafter
+  rounds win every plan (counted only from its own rounds, a source whose prior undersold it
+  was never tried again: a learned state's fast drafter rounds kept the device's history unused);
 - **a drafter draft**: expected at the rate of recent drafter rounds (a decayed ratio of the
   tokens they committed to their modelled cost). Feeding the drafter the ``b`` tokens committed
   since it last ran (``D(b)``) is not charged to the choice: it is paid once for all the drafter
@@ -293,7 +297,8 @@ class ThroughputRule:
         self._rate_ms = self._rate_ms * RATE_DECAY + cost
 
     def observe_lookup(self, source: str, match: int, proposed: int, accepted: int) -> None:
-        """After verifying a model-free draft of ``proposed`` tokens, ``accepted`` of them kept."""
+        """A model-free draft scored after a round: of its first ``proposed`` tokens (those the
+        round could judge), the first ``accepted`` would be (or were) kept."""
         table, cell = self.lookup[source], min(match, LOOKUP_MATCH_MAX) - 1
         for i in range(min(accepted + 1, proposed)):
             table.count(cell, i < accepted)
