@@ -63,7 +63,7 @@ def run_adapt(
         warm_up(session, test[0])
     ar = Phase()
     before = evaluate(session, test, config, "held-out before", ar=ar)
-    ar_tps = ar.summary()["tokens_per_s"]
+    ar_tps, ar_decode_tps = ar.stats.tokens_per_s, ar.stats.decode_tokens_per_s
     before_k = evaluate_fixed_k(session, test, config, fixed_k, f"held-out before, k={fixed_k}") if fixed_k else None
 
     curve, updates = [], []
@@ -90,7 +90,8 @@ def run_adapt(
     after_k = evaluate_fixed_k(session, test, config, fixed_k, f"held-out after, k={fixed_k}") if fixed_k else None
     identical = sum(a == b for a, b in zip(after.token_ids, ar.token_ids))
     update_s = [u["seconds"] for u in updates]
-    before_s, after_s = before.summary(ar_tps), after.summary(ar_after.summary()["tokens_per_s"])
+    before_s = before.summary(ar_tps, ar_decode_tps)
+    after_s = after.summary(ar_after.stats.tokens_per_s, ar_after.stats.decode_tokens_per_s)
     return {
         "before": {**before_s, "fixed_k": before_k},
         "after": {**after_s, "fixed_k": after_k},
@@ -106,6 +107,7 @@ def run_adapt(
         "ar_deterministic": ar_after.token_ids == ar.token_ids,
         "speed_after_over_before": _ratio(after_s["speedup_vs_ar"], before_s["speedup_vs_ar"]),
         "tokens_per_s_after_over_before": _ratio(after_s["tokens_per_s"], before_s["tokens_per_s"]),
+        "decode_speed_after_over_before": _ratio(after_s["decode_speedup_vs_ar"], before_s["decode_speedup_vs_ar"]),
         "modelled_speed_after_over_before": _ratio(
             after_s["modelled_speedup_vs_ar"], before_s["modelled_speedup_vs_ar"]
         ),
@@ -157,6 +159,11 @@ def format_table(report: dict) -> str:
         lines.append(
             f"held-out speedup over ar, after / before: {report['speed_after_over_before']:.3f} "
             f"(raw tok/s ratio {report['tokens_per_s_after_over_before']:.3f}"
+            + (
+                f"; after the prompt's prefill: {decode:.3f}"
+                if (decode := report.get("decode_speed_after_over_before"))
+                else ""
+            )
             + (f"; modelled from the cost profile, decoding only: {modelled:.3f}" if modelled else "")
             + ")"
         )

@@ -4,7 +4,10 @@
 - ``uag``: transformers' universal assisted generation (``generate`` with ``assistant_model``,
   ``tokenizer`` and ``assistant_tokenizer``), the drafter as assistant.
 - ``pld``: transformers' prompt lookup decoding (``prompt_lookup_num_tokens``).
-- ``omnidraft``: cross-vocabulary speculative decoding (this project).
+- ``omnidraft``: cross-vocabulary speculative decoding (this project), with ``--state-dir`` a
+  device's learned state (adapter, acceptance head, lookup history, rule calibration).
+- ``omnidraft-cold`` (with ``--state-dir``): the same decoder without that state, interleaved
+  with it: whether the learned state is faster than a cold drafter on these prompts.
 - ``llamacpp``: the target's original GGUF (Q4_K_M) alone in llama.cpp (``llama-cpp-python``,
   the optional ``[llamacpp]`` extra), greedy, same prompt ids and threads: what an edge user
   would otherwise run. Skipped with a note when the package is not installed.
@@ -36,7 +39,8 @@ from omnidraft.shared.engine.pair import Engine
 from omnidraft.shared.engine.precision import runner_backend
 from omnidraft.shared.engine.profiling import cpu_name
 
-METHODS = ("ar", "uag", "pld", "omnidraft", "llamacpp", "llamacpp-pld")
+METHODS = ("ar", "uag", "pld", "omnidraft", "omnidraft-cold", "llamacpp", "llamacpp-pld")
+ENGINE_METHODS = ("ar", "omnidraft", "omnidraft-cold")  # decoded by this project's engine (its counters)
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")
 PLD_TOKENS = 10
 
@@ -248,11 +252,16 @@ def run_bench(
     progress: bool = True,
     session=None,
 ) -> dict:
-    """Run every method on every prompt; return the JSON-able report. With ``session``
-    (``omnidraft.client.session.DeviceSession``), ``omnidraft`` decodes with its learned state."""
+    """Run every method on every prompt (the methods in turn on each prompt, so a machine whose
+    speed drifts moves them alike); return the JSON-able report. With ``session``
+    (``omnidraft.client.session.DeviceSession``), ``omnidraft`` decodes with its learned state
+    and ``omnidraft-cold`` without it (the base drafter, its own fresh throughput rule and
+    lookups): learned against cold on the same prompts, interleaved."""
 
     def runner(m: str) -> Callable[[str], dict]:
-        if m in ("ar", "omnidraft"):
+        if m == "omnidraft-cold":  # the base drafter, a fresh rule, no head or saved history
+            return _engine_runner(engine, "omnidraft", config, translate)
+        if m in ENGINE_METHODS:
             return _engine_runner(engine, m, config, translate, session)
         if m in LLAMACPP_METHODS:
             return _llamacpp_runner(engine, config.max_new_tokens, lookup=m == "llamacpp-pld")
@@ -288,8 +297,10 @@ def run_bench(
                 if p["wall_s"] > 0 and r["methods"]["ar"]["wall_s"] > 0 and r["methods"]["ar"]["new_tokens"]
             ]
             entry["worst_prompt_vs_ar"] = min(ratios) if ratios else None
-        if m in ("ar", "omnidraft"):
+        if m in ENGINE_METHODS:
             st = [p["stats"] for p in per]
+            decode_s = wall - sum(s["prefill_s"] for s in st)
+            entry["decode_tokens_per_s"] = tokens / decode_s if decode_s > 0 else None
             prop = sum(s["proposed_tokens"] for s in st)
             calls = sum(s["target_calls"] for s in st)
             entry["acceptance_rate"] = sum(s["accepted_tokens"] for s in st) / prop if prop else None
@@ -315,6 +326,10 @@ def run_bench(
                 entry[f"speedup_vs_{name}"] = (
                     entry["tokens_per_s"] / summary[base]["tokens_per_s"] if entry["tokens_per_s"] else None
                 )
+    ar_decode = summary.get("ar", {}).get("decode_tokens_per_s")
+    for m in ENGINE_METHODS:  # the speedup once each method has the prompt (its prefill left out)
+        if m in summary and ar_decode and summary[m]["decode_tokens_per_s"]:
+            summary[m]["decode_speedup_vs_ar"] = summary[m]["decode_tokens_per_s"] / ar_decode
     if "ar" in summary and config.greedy:
         for m, entry in summary.items():
             same = [r["methods"][m]["token_ids"] == r["methods"]["ar"]["token_ids"] for r in rows]
@@ -368,7 +383,7 @@ def format_table(report: dict) -> str:
     """A plain-text table of the per-method summary."""
     best = report["config"].get("best_llamacpp")
     header = (
-        f"{'method':<13} {'tok/s':>7} {'vs ar':>7} {'worst':>7} "
+        f"{'method':<14} {'tok/s':>7} {'vs ar':>7} {'worst':>7} {'decode':>7} "
         + (f"{'vs llama*':>9} " if best else "")
         + f"{'accept':>7} {'tok/call':>9} {'identical':>10}"
     )
@@ -376,19 +391,22 @@ def format_table(report: dict) -> str:
     n = report["config"]["prompts"]
 
     def fmt(v, spec):
-        return format(v, spec) if v is not None else "-"
+        return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
+
+    def ratio(v, width: int = 7) -> str:
+        return (f"{v:.2f}x" if v is not None else "-").rjust(width)
 
     for m, e in report["methods"].items():
         ident = "-" if e["identical_to_ar"] is None else f"{e.get('identical_prompts', 0)}/{n}"
-        vs = f"{fmt(e.get('speedup_vs_best_llamacpp'), '8.2f')}x " if best else ""
+        vs = f"{ratio(e.get('speedup_vs_best_llamacpp'), 9)} " if best else ""
         lines.append(
-            f"{m:<13} {fmt(e['tokens_per_s'], '7.2f')} {fmt(e['speedup_vs_ar'], '6.2f')}x "
-            f"{fmt(e.get('worst_prompt_vs_ar'), '6.2f')}x {vs}"
+            f"{m:<14} {fmt(e['tokens_per_s'], '7.2f')} {ratio(e['speedup_vs_ar'])} "
+            f"{ratio(e.get('worst_prompt_vs_ar'))} {ratio(e.get('decode_speedup_vs_ar'))} {vs}"
             f"{fmt(e['acceptance_rate'], '7.2f')} {fmt(e['tokens_per_target_call'], '9.2f')} {ident:>10}"
         )
     lines.append(
-        "worst: the slowest prompt's tok/s over ar's on that prompt"
-        + (f"; llama*: the faster llama.cpp method ({best})" if best else "")
+        "worst: the slowest prompt's tok/s over ar's on that prompt; decode: tok/s over ar's after the "
+        "target's prompt prefill" + (f"; llama*: the faster llama.cpp method ({best})" if best else "")
     )
     check = report["config"].get("profile_check")
     if check and check.get("steps"):

@@ -28,14 +28,18 @@ class Phase:
         self.stats.add(result.stats)
         self.token_ids.append(result.token_ids)
 
-    def summary(self, ar_tokens_per_s: float | None = None) -> dict:
+    def summary(self, ar_tokens_per_s: float | None = None, ar_decode_tokens_per_s: float | None = None) -> dict:
+        """Totals; the speedups divide by the target alone's tok/s (``ar_tokens_per_s``) and its
+        tok/s after the prompt's prefill (``ar_decode_tokens_per_s``), when given."""
         st = self.stats
-        tps = st.tokens_per_s or 0.0
+        tps, decode_tps = st.tokens_per_s or 0.0, st.decode_tokens_per_s or 0.0
         return {
             "acceptance_rate": st.acceptance_rate or 0.0,
             "tokens_per_target_call": st.tokens_per_target_call or 0.0,
             "tokens_per_s": tps,
             "speedup_vs_ar": tps / ar_tokens_per_s if ar_tokens_per_s else None,
+            "decode_tokens_per_s": decode_tps,
+            "decode_speedup_vs_ar": decode_tps / ar_decode_tokens_per_s if ar_decode_tokens_per_s else None,
             "drafter_steps_per_target_call": st.drafter_steps / st.target_calls if st.target_calls else 0.0,
             "modelled_speedup_vs_ar": st.modelled_speedup,
             "new_tokens": st.new_tokens,

@@ -93,6 +93,7 @@ def test_doctor_names_the_kernels_and_what_is_missing(capsys, monkeypatch, tmp_p
         ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--methods", "ar,magic"),
         ("bench", "--drafter", "a", "--target", "b", "--dataset", "/no/such/file.jsonl"),
         ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--limit", "0"),
+        ("bench", "--drafter", "a", "--target", "b", "--dataset", "humaneval", "--methods", "ar,omnidraft-cold"),
         ("bench", "--drafter", "a", "--target", "/no/such/dir", "--dataset", "humaneval", "--methods", "ar,llamacpp"),
     ],
 )
@@ -196,3 +197,35 @@ def test_bench_writes_report(capsys, tiny_dirs, tmp_path):
     assert report["methods"]["omnidraft"]["identical_to_ar"] is True
     assert report["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert len(report["prompts"]) == 2
+
+    # a device's state against the cold decoder, interleaved in one bench
+    state = tmp_path / "state"
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "--drafter",
+        str(drafter),
+        "--target",
+        str(target),
+        "--dtype",
+        "fp64",
+        "--dataset",
+        str(data),
+        "--max-new-tokens",
+        "16",
+        "--methods",
+        "ar,omnidraft,omnidraft-cold",
+        "--state-dir",
+        str(state),
+        "--out",
+        str(out_file),
+    )
+    assert code == 0 and "omnidraft-cold" in out
+    report = json.loads(out_file.read_text())
+    assert report["config"]["state_dir"] is not None
+    for m in ("ar", "omnidraft", "omnidraft-cold"):
+        e = report["methods"][m]
+        assert e["identical_to_ar"] is True
+        assert e["decode_tokens_per_s"] > e["tokens_per_s"]  # the prompt's prefill left out
+        assert e["decode_speedup_vs_ar"] > 0
+        assert m == "ar" or e["drafter_steps"] > 0

@@ -47,7 +47,11 @@ def add_parsers(sub) -> None:
     gen.add_argument("--chat", action="store_true", help="apply the target's chat template")
     gen.add_argument("--json", action="store_true")
 
-    bench = sub.add_parser("bench", help="compare ar, uag, pld, omnidraft, llamacpp and llamacpp-pld on a dataset")
+    bench = sub.add_parser(
+        "bench",
+        help="compare ar, uag, pld, omnidraft, llamacpp and llamacpp-pld on a dataset "
+        "(with --state-dir, omnidraft-cold: the same decoder without the learned state)",
+    )
     pair_args(bench)
     bench.add_argument(
         "--dataset",
@@ -274,6 +278,10 @@ def bench(args) -> int:
     except ValueError as exc:
         raise UsageError(f"omnidraft bench: {exc}") from None
     engine = load_engine(args)
+    if "omnidraft-cold" in methods and not args.state_dir:
+        raise UsageError(
+            "omnidraft bench: omnidraft-cold compares against --state-dir's learned state: give --state-dir"
+        )
     session = open_session(args, engine) if args.state_dir and "omnidraft" in methods else None
     report = bench.run_bench(engine, prompts, methods, config, translate=args.translate, session=session)
     print(bench.format_table(report))

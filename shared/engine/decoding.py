@@ -94,6 +94,7 @@ class _TargetSide:
         self.token_bytes = bridge.target_bytes
         self.stop_ids = bridge.target_stop_ids
         self.timings = timings  # forwards timed in use, to check the cost profile (no decisions)
+        self.prefill_s = 0.0  # the last prompt's prefill (s)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         if self.timings is None:
@@ -109,11 +110,13 @@ class _TargetSide:
             raise ValueError("the prompt is empty")
         config.validate()
         self.runner.reset()
+        self.prefill_s = 0.0
         if len(prompt_ids) > 1:  # the prefill's logits are not used: keep one row, not [n, vocab]
             t0 = time.perf_counter()
             self.runner.forward(prompt_ids[:-1], logits_to_keep=1)
+            self.prefill_s = time.perf_counter() - t0
             if self.timings is not None:
-                self.timings.record((time.perf_counter() - t0) * 1000)
+                self.timings.record(self.prefill_s * 1000)
         generator = torch.Generator()
         generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         return StopChecker(config, self.stop_ids, self.token_bytes, on_tokens), generator
@@ -121,6 +124,7 @@ class _TargetSide:
     def finish(self, stop: StopChecker, stats: GenerationStats, t0: float) -> GenerationResult:
         stats.new_tokens = len(stop.generated)
         stats.wall_s = time.perf_counter() - t0
+        stats.prefill_s = self.prefill_s
         text = _decode_bytes(self.token_bytes, stop.generated)
         return GenerationResult(text, list(stop.generated), stop.finish_reason or "length", stats)
 

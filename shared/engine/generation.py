@@ -80,6 +80,10 @@ class GenerationStats:
     new_tokens: int = 0
     prompt_tokens: int = 0
     wall_s: float = 0.0
+    # of wall_s, the target's forward over the prompt (s): the same for every decoder of a prompt,
+    # so decode speed (``decode_tokens_per_s``) leaves it out; the drafter's own prompt forward
+    # stays in the decode time (it belongs to speculation)
+    prefill_s: float = 0.0
     # decoding time modelled from the machine's cached cost profile (prompt prefill excluded, s):
     # the rounds this generation ran, and the target alone's one step per new token; 0 when the
     # decoder had no profile (the target alone, or a fixed draft rule)
@@ -104,6 +108,12 @@ class GenerationStats:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else None
 
     @property
+    def decode_tokens_per_s(self) -> float | None:
+        """New tokens per second after the target's prompt prefill (live; ``prefill_s``)."""
+        decode_s = self.wall_s - self.prefill_s
+        return self.new_tokens / decode_s if decode_s > 0 else None
+
+    @property
     def modelled_speedup(self) -> float | None:
         """Modelled speed over the target alone (decoding only; see ``modelled_s``)."""
         return self.modelled_target_alone_s / self.modelled_s if self.modelled_s > 0 else None
@@ -114,6 +124,7 @@ class GenerationStats:
             acceptance_rate=self.acceptance_rate,
             tokens_per_target_call=self.tokens_per_target_call,
             tokens_per_s=self.tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
             modelled_speedup=self.modelled_speedup,
         )
         return out
