@@ -162,24 +162,15 @@ def test_bench_writes_report(capsys, tiny_dirs, tmp_path):
         + "\n"
     )
     out_file = tmp_path / "report.json"
-    code, out, _ = run(
-        capsys,
-        "bench",
-        "--drafter",
-        str(drafter),
-        "--target",
-        str(target),
-        "--dtype",
-        "fp64",
-        "--dataset",
-        str(data),
-        "--max-new-tokens",
-        "16",
-        "--methods",
-        "ar,pld,omnidraft",
-        "--out",
-        str(out_file),
-    )
+
+    def bench(methods: str, *extra: str) -> tuple[int, str]:
+        common = ("--drafter", str(drafter), "--target", str(target), "--dtype", "fp64", "--dataset", str(data))
+        code, out, _ = run(
+            capsys, "bench", *common, "--max-new-tokens", "16", "--methods", methods, *extra, "--out", str(out_file)
+        )
+        return code, out
+
+    code, out = bench("ar,pld,omnidraft")
     assert code == 0
     assert "omnidraft" in out and "vs ar" in out and "worst" in out
     report = json.loads(out_file.read_text())
@@ -199,27 +190,7 @@ def test_bench_writes_report(capsys, tiny_dirs, tmp_path):
     assert len(report["prompts"]) == 2
 
     # a device's state against the cold decoder, interleaved in one bench
-    state = tmp_path / "state"
-    code, out, _ = run(
-        capsys,
-        "bench",
-        "--drafter",
-        str(drafter),
-        "--target",
-        str(target),
-        "--dtype",
-        "fp64",
-        "--dataset",
-        str(data),
-        "--max-new-tokens",
-        "16",
-        "--methods",
-        "ar,omnidraft,omnidraft-cold",
-        "--state-dir",
-        str(state),
-        "--out",
-        str(out_file),
-    )
+    code, out = bench("ar,omnidraft,omnidraft-cold", "--state-dir", str(tmp_path / "state"))
     assert code == 0 and "omnidraft-cold" in out
     report = json.loads(out_file.read_text())
     assert report["config"]["state_dir"] is not None
