@@ -272,16 +272,16 @@ def bench(args) -> int:
             raise UsageError("omnidraft bench: no method left to run")
     if args.limit is not None and args.limit < 1:
         raise UsageError("omnidraft bench: --limit must be >= 1")
+    if "omnidraft-cold" in methods and not args.state_dir:
+        raise UsageError(
+            "omnidraft bench: omnidraft-cold compares against --state-dir's learned state: give --state-dir"
+        )
     config = generation_config(args)
     try:
         prompts = bench.load_prompts(args.dataset, args.limit)
     except ValueError as exc:
         raise UsageError(f"omnidraft bench: {exc}") from None
     engine = load_engine(args)
-    if "omnidraft-cold" in methods and not args.state_dir:
-        raise UsageError(
-            "omnidraft bench: omnidraft-cold compares against --state-dir's learned state: give --state-dir"
-        )
     session = open_session(args, engine) if args.state_dir and "omnidraft" in methods else None
     report = bench.run_bench(engine, prompts, methods, config, translate=args.translate, session=session)
     print(bench.format_table(report))

@@ -389,11 +389,12 @@ class CrossVocabDecoder:
             elif kind == LOOKUP:
                 stats.lookup_proposed += len(proposal)
                 stats.lookup_accepted += accepted
+            verified = proposal[:accepted] + [nxt]
             if found is not None and found.ids:
                 # the model-free candidate is scored against what the target committed, whichever
                 # round ran: its acceptance is measured even while drafter rounds win every plan
-                rule.observe_lookup(found.source, found.match, *_agreement(found.ids, proposal[:accepted] + [nxt]))
-            committed = stop.extend(proposal[:accepted] + [nxt])
+                rule.observe_lookup(found.source, found.match, *_agreement(found.ids, verified))
+            committed = stop.extend(verified)
             if recorder is not None:
                 recorder.record(logits, committed)
             # the target cache keeps the pending token and the accepted proposal; the last
