@@ -48,7 +48,7 @@ from omnidraft.client.resource_policy import (
 from omnidraft.client.session import DeviceSession, name_seed
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.engine.generation import GenerationConfig
-from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.engine.pair import Engine, seed_cache_from_bridge
 from omnidraft.shared.engine.recordings import Recording, RecordingStore
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
 from omnidraft.shared.vocab.ngram_cache import NgramCache
@@ -85,6 +85,7 @@ class FleetDevice:
         self.dir = Path(profile.state_dir)
         self.global_dir = self.dir / GLOBAL_DIR / slug(profile.target)
         self.conditions = conditions or SystemConditions(self.dir)
+        self._merged: str | None = None  # the global cache the open session merged, until saved
 
     def at_round(self, round_: int) -> FleetDevice:
         """This device as it is at ``round_`` (see ``DeviceProfile.at_round``)."""
@@ -251,7 +252,12 @@ class FleetDevice:
 
     def session(self, *, use_global: bool = True) -> DeviceSession:
         """A session with this device's local state; ``use_global`` restarts the adapter from the
-        held global adapter and merges a newly received global cache into the local one."""
+        held global adapter and merges a newly received global cache (the fleet's released
+        n-grams) into the local one. A device whose translator reads the n-gram cache
+        (``translate="ngram"``) and holds no saved cache starts it from the two tokenizers
+        (``seed_cache_from_bridge``): the entries they imply are the same on every device, so
+        the coordinator does not send them. The merge is marked done (``cache-merged``) only
+        when the session is saved (``save``): a session that is not saved merges again."""
         manifest = self.held_manifest() if use_global else None
         if use_global and manifest is None:
             raise StateMismatch("this device holds no global state yet")
@@ -259,7 +265,8 @@ class FleetDevice:
         engine = self.engine
         adapters = self.pool.adapters(self.profile.drafter, lora)
         local = self.profile.target_model  # the name `device serve --target` gives the same state
-        engine.cache = NgramCache(max_bytes=self.profile.policy.cache_bytes, drafter=self.profile.drafter, target=local)
+        fresh = NgramCache(max_bytes=self.profile.policy.cache_bytes, drafter=self.profile.drafter, target=local)
+        engine.cache = fresh
         adapters.add(local)
         # what a session initialises from torch's global generator (LoRA weights before they are
         # loaded, a new acceptance head) must not depend on what this worker process ran before
@@ -277,14 +284,24 @@ class FleetDevice:
             translate=self.profile.translate,
             state_key=self.profile.state_key or None,
         )
+        if session.cache is fresh and self.profile.translate == "ngram":  # nothing saved yet
+            seed_cache_from_bridge(session.cache, engine.bridge, engine.drafter.tokenizer)
+        self._merged = None
         if manifest is not None:
             adapters.load_state_dict(local, self.global_adapter())
             session.drafter_changed()
-            meta = self._fleet_meta()
-            if meta.get("cache-merged") != manifest.cache_sha256:
+            if self._fleet_meta().get("cache-merged") != manifest.cache_sha256:
                 session.cache.merge(NgramCache.from_bytes((self.global_dir / "cache.pb").read_bytes()))
-                self._save_fleet_meta({**meta, "cache-merged": manifest.cache_sha256})
+                self._merged = manifest.cache_sha256
         return session
+
+    def save(self, session: DeviceSession) -> None:
+        """Save ``session``'s state (``DeviceSession.save``), then mark the global cache it
+        merged as merged."""
+        session.save()
+        if self._merged is not None:
+            self._save_fleet_meta({**self._fleet_meta(), "cache-merged": self._merged})
+            self._merged = None
 
     # -- a round ------------------------------------------------------------------------------
     def train_round(self, round_: int) -> tuple[dict[str, torch.Tensor], set[int], dict]:
@@ -323,7 +340,7 @@ class FleetDevice:
         if session.learner.buffer:
             update_s += session.learner.update().seconds
         learned = {e.target_id for e in session.cache.entries() if e.count > cache_before.get(e.draft_ids, 0)}
-        session.save()
+        self.save(session)
         if p.prompts:  # a deployed device's text stays in its request log only
             self._append_history(round_, prompts, outputs)
         meta = self._fleet_meta()
@@ -416,7 +433,7 @@ class FleetDevice:
                 replay=alone if replay_adaptive else None,
             )
             if p.probe:  # a panel device keeps its rule's counted acceptance from round to round, as a
-                session.save()  # serving device does (re-fitted for each new adapter), not a cold rule each round
+                self.save(session)  # serving device does (re-fitted for each new adapter), not a cold rule each round
         if fixed_k:
             recordings = [r["ids"] for r in alone] if replay else None
             fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k, recordings=recordings)

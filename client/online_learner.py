@@ -85,6 +85,9 @@ class OnlineConfig:
     # them (transformers' activation checkpointing; the same gradients, bit for bit); 0 holds
     # them all. None: 1 where the process may use at most SMALL_MACHINE_BYTES of memory, else 0
     recompute_layers: int | None = None
+    # drafter tokens of a sample's prompt a training forward reads before the response
+    # (``TrainingSample.windowed``; 0: all of them)
+    max_context: int = 256
 
     def validate(self) -> None:
         if self.interval < 1:
@@ -95,6 +98,8 @@ class OnlineConfig:
             raise ValueError("steps per update must be >= 1")
         if self.epochs < 1:
             raise ValueError("epochs per update must be >= 1")
+        if self.max_context < 0:
+            raise ValueError("max_context must be >= 0 drafter tokens (0: the whole prompt)")
         if self.recompute_layers is not None and self.recompute_layers < 0:
             raise ValueError("recompute_layers must be >= 0 (0: hold every layer's activations)")
         if self.optimizer not in OPTIMIZERS:
@@ -164,9 +169,10 @@ class OnlineLearner:
 
     # -- the stream ----------------------------------------------------------------------------
     def observe(self, sample: TrainingSample) -> UpdateReport | None:
-        """Take one generation's sample; update when the buffer holds ``interval`` prompts."""
+        """Take one generation's sample (cut to ``max_context`` tokens of prompt); update when
+        the buffer holds ``interval`` prompts."""
         self.prompts_seen += 1
-        self.buffer.append(sample)
+        self.buffer.append(sample.windowed(self.config.max_context) if self.config.max_context else sample)
         if len(self.buffer) >= self.config.interval:
             return self.update()
         if self.head is not None and self.replay.size:

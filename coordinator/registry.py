@@ -7,7 +7,7 @@ Layout under the coordinator root::
                                            tokenizers imply (NgramCache, unbounded): released
                                            target ids are turned back into cache entries here
     targets/<slug>/adapter-v<N>.safetensors  the global LoRA adapter of version N
-    targets/<slug>/cache-v<N>.pb           the global n-gram cache of version N
+    targets/<slug>/cache-v<N>.pb           the global n-gram cache of version N (the released n-grams)
     targets/<slug>/manifest-v<N>.pb        the manifest of version N (kept for rollback)
     targets/<slug>/manifest-v<N>.sig       Ed25519 signature over manifest.pb's bytes of version N
     targets/<slug>/server-opt-v<N>.safetensors  the server optimizer's state after version N
@@ -142,8 +142,12 @@ class TargetRegistry:
         progress: bool = False,
     ) -> fleet_pb2.StateManifest:
         """Create ``name``'s state: an untrained adapter (B = 0, so the drafter is unchanged) and
-        a global cache seeded from the two tokenizers alone. Loads the drafter (for the adapter's
-        shapes) and the target's tokenizer and config, never the target's weights."""
+        an empty global cache. The global cache carries only what the fleet released: the entries
+        the two tokenizers alone give (``seed_cache_from_bridge``, also this target's release
+        candidates) are the same on every device, so a device whose translator reads the cache
+        builds them itself (``FleetDevice.session``) instead of downloading them. Loads the
+        drafter (for the adapter's shapes) and the target's tokenizer and config, never the
+        target's weights."""
         if not name or len(name) > 128 or slug(name) != name:
             raise RegistryError(f"bad target name {name!r}: use letters, digits, '.', '_' and '-'")
         if name in self:
@@ -164,7 +168,6 @@ class TargetRegistry:
         candidates = NgramCache(max_entries=_CANDIDATE_LIMIT, drafter=drafter, target=name)
         seed_cache_from_bridge(candidates, bridge, d.tokenizer)
         cache = NgramCache(max_entries=GLOBAL_CACHE_ENTRIES, drafter=drafter, target=name)
-        seed_cache_from_bridge(cache, bridge, d.tokenizer)
         spec = fleet_pb2.TargetSpec(
             name=name,
             model=str(model),

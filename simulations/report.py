@@ -327,7 +327,7 @@ def write_report(run_dir: str | Path) -> Path:
         "",
         "Acceptance, tokens per target call and speedup are the global state's, measured by the probe "
         "devices (never trained) on the same held-out prompts every round; round 0 is the starting state "
-        '(untrained adapter, cache seeded from the tokenizers). "Fixed k" acceptance drafts exactly '
+        '(untrained adapter, no n-gram released yet). "Fixed k" acceptance drafts exactly '
         f"k = {cfg.get('acceptance_k', 0)} drafter tokens per round (the paper's protocol) on all "
         f"{cfg.get('probe_heldout', 0)} held-out prompts of each probe, scored against the target's greedy "
         "output recorded once (greedy decoding commits that output whatever is drafted, so the figure is "

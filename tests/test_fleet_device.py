@@ -117,6 +117,56 @@ def test_a_cold_first_session_then_the_global_state_in_one_process(tmp_path, tin
         device.evaluate(adaptive=False)
 
 
+def test_the_tokenizers_cache_is_built_on_the_device_and_a_merge_counts_once_saved(tmp_path, tiny):
+    """The global cache carries released n-grams only. A device translating through the n-gram
+    cache builds the entries the two tokenizers imply itself (the same ones the coordinator's
+    release candidates hold); a device translating the drafted text holds none of them. A
+    session that merges the global cache but is not saved (a newcomer's evaluation) leaves
+    the merge to the next session: a later training round still holds the released n-gram."""
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
+
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+    v0 = reg.load("tiny-target-a")
+    candidates = reg.candidates("tiny-target-a")
+    target_id, draft_ids = next(iter(candidates.items()))
+    cache = v0.cache()
+    cache.add(draft_ids, target_id, 3)
+    reg.commit("tiny-target-a", v0.adapter, cache, round_=1, devices=1, tokens=1)
+    v1 = reg.load("tiny-target-a")
+    assert len(v0.cache()) == 0 and len(v1.cache()) == 1
+    pool = EnginePool("fp32", "fp32")
+
+    def device(name: str, translate: str) -> FleetDevice:
+        profile = DeviceProfile(
+            device_id=name,
+            target="tiny-target-a",
+            target_model=str(tiny["tiny-target-a"]),
+            drafter=str(tiny["tiny-drafter"]),
+            prompts=["def f(x):"],
+            heldout=["def g(y):"],
+            state_dir=tmp_path / name,
+            prompts_per_round=1,
+            translate=translate,
+        )
+        d = FleetDevice(profile, pool)
+        d.receive(v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature)
+        return d
+
+    ngram = device("ngram", "ngram").session()
+    assert {(ids, t) for t, ids in candidates.items()} <= {(e.draft_ids, e.target_id) for e in ngram.cache.entries()}
+    text = device("text", "text")
+    session = text.session()
+    assert [(e.draft_ids, e.count) for e in session.cache.entries()] == [(draft_ids, 3)]
+    text.evaluate(fixed_k=2, adaptive=False)  # not saved: the merge is not marked done
+    text.train_round(1)
+    after = text.session()  # the saved state, the global cache already merged into it
+    assert after.cache.get(draft_ids) == target_id
+    assert next(e.count for e in after.cache.entries() if e.draft_ids == draft_ids) >= 3
+
+
 def test_a_recording_store_that_cannot_be_written_costs_only_the_replay(tmp_path, tiny):
     """A simulated device whose recording store is unwritable (here: a file where the folder
     should be) still trains and evaluates, with the target running instead of a replay."""

@@ -33,6 +33,31 @@ def test_sequence_loss_covers_every_response_token(pair_dir):
     assert sample.positions("seq") == sample.seq_positions and sample.positions("hybrid") == sample.loss_positions
 
 
+def test_a_windowed_sample_keeps_its_loss_positions_on_the_same_tokens(pair_dir):
+    """``TrainingSample.windowed`` cuts the prompt's start only: every loss position still
+    points at the same drafter token, ``context`` tokens precede the first one, and the
+    learner buffers what ``max_context`` allows."""
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8))
+    sample = session.generate(PROMPTS[0], CONFIG, observe=False).training_sample
+    assert sample.seq_start >= 3 and sample.windowed(sample.seq_start) is sample
+    short = sample.windowed(1)
+    cut = len(sample.draft_ids) - len(short.draft_ids)
+    assert cut == sample.seq_start - 2 and short.seq_start == 2  # one token of context, one predicting
+    assert short.draft_ids[short.seq_start :] == sample.draft_ids[sample.seq_start :]
+    for pos in ("dm_pos", "ng_pos"):
+        assert [short.draft_ids[j] for j in getattr(short, pos).tolist()] == [
+            sample.draft_ids[j] for j in getattr(sample, pos).tolist()
+        ]
+    assert short.positions("seq") == sample.positions("seq") and short.positions("hybrid") == sample.positions("hybrid")
+    online = OnlineConfig(interval=9, max_context=1)
+    learner = DeviceSession(engine, target_name="t2", lora=LoraSpec(rank=8), online=online).learner
+    learner.observe(sample)
+    assert learner.buffer[0].draft_ids == short.draft_ids
+    with pytest.raises(ValueError, match="max_context"):
+        OnlineConfig(max_context=-1).validate()
+
+
 def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair_dir):
     engine = _engine(pair_dir)
     base = {n: p.detach().clone() for n, p in engine.drafter.model.named_parameters()}

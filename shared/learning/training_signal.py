@@ -22,7 +22,7 @@ the teacher-forced drafter forward over ``TrainingSample.draft_ids`` gives ``q_t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -93,6 +93,22 @@ class TrainingSample:
     def positions(self, kind: str) -> int:
         """Loss positions of the loss ``kind`` ("seq" or "hybrid")."""
         return self.seq_positions if kind == "seq" else self.loss_positions
+
+    def windowed(self, context: int) -> TrainingSample:
+        """This sample with at most ``context`` drafter tokens before its first loss position
+        (the prompt's start cut off, every position shifted): a training forward's cost and
+        activations grow with the tokens it reads, and the far start of a long prompt adds
+        little to what the response's tokens teach. Returns ``self`` when nothing is cut."""
+        cut = max(0, self.seq_start - 1 - context)  # seq_start: the first DM or n-gram position
+        if not cut:
+            return self
+        return replace(
+            self,
+            draft_ids=self.draft_ids[cut:],
+            dm_pos=self.dm_pos - cut,
+            ng_pos=self.ng_pos - cut,
+            seq_start=self.seq_start - cut,
+        )
 
 
 class SignalRecorder:
