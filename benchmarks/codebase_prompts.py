@@ -61,10 +61,16 @@ def _head(node, lines: list[str]) -> str | None:
     body = node.body[1:] if has_doc else node.body
     if not body or node.end_lineno - body[0].lineno + 1 < MIN_BODY_LINES:
         return None
-    start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+    start = _first_line(node)
     end = first.end_lineno if has_doc else body[0].lineno - 1
     head = "\n".join(lines[start - 1 : end]) + "\n"
     return head if len(head) <= MAX_HEAD_CHARS else None
+
+
+def _first_line(node: ast.stmt) -> int:
+    """The first source line of a statement, its decorators included (``lineno`` is the
+    ``def``/``class`` line)."""
+    return min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
 
 
 def _function_heads(tree: ast.Module, lines: list[str]):
@@ -78,8 +84,9 @@ def _function_heads(tree: ast.Module, lines: list[str]):
             if head is not None:
                 yield node.lineno, head
         elif isinstance(node, ast.ClassDef) and node.body:
-            start = min([d.lineno for d in node.decorator_list] + [node.lineno])
-            header = "\n".join(lines[start - 1 : node.body[0].lineno - 1]).rstrip() + "\n"
+            start = _first_line(node)
+            end = _first_line(node.body[0])  # a decorated first method: its decorators are its own
+            header = "\n".join(lines[start - 1 : end - 1]).rstrip() + "\n"
             for item in node.body:
                 if isinstance(item, functions):
                     head = _head(item, lines)

@@ -48,7 +48,7 @@ from omnidraft.client.resource_policy import (
 from omnidraft.client.session import DeviceSession, name_seed
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.engine.generation import GenerationConfig
-from omnidraft.shared.engine.pair import Engine, seed_cache_from_bridge
+from omnidraft.shared.engine.pair import Engine
 from omnidraft.shared.engine.recordings import Recording, RecordingStore
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
 from omnidraft.shared.vocab.ngram_cache import NgramCache
@@ -255,7 +255,7 @@ class FleetDevice:
         held global adapter and merges a newly received global cache (the fleet's released
         n-grams) into the local one. A device whose translator reads the n-gram cache
         (``translate="ngram"``) and holds no saved cache starts it from the two tokenizers
-        (``seed_cache_from_bridge``): the entries they imply are the same on every device, so
+        (``Engine.seed_cache``): the entries they imply are the same on every device, so
         the coordinator does not send them. The merge is marked done (``cache-merged``) only
         when the session is saved (``save``): a session that is not saved merges again."""
         manifest = self.held_manifest() if use_global else None
@@ -285,7 +285,7 @@ class FleetDevice:
             state_key=self.profile.state_key or None,
         )
         if session.cache is fresh and self.profile.translate == "ngram":  # nothing saved yet
-            seed_cache_from_bridge(session.cache, engine.bridge, engine.drafter.tokenizer)
+            engine.seed_cache(session.cache)
         self._merged = None
         if manifest is not None:
             adapters.load_state_dict(local, self.global_adapter())

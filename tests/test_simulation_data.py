@@ -94,3 +94,26 @@ def test_codebase_sources_are_real_projects():
     assert all("def " in p for p in corpus.prompts)
     with pytest.raises(ValueError, match="not installed"):
         data.load_corpus("codebase:no_such_package_here")
+
+
+def test_a_method_prompt_carries_only_its_own_decorators():
+    """A class whose first method is decorated: the class header stops before that method's
+    decorators, so each method's prompt is code as written (no decorator twice, none borrowed)."""
+    import ast
+
+    from omnidraft.benchmarks.codebase_prompts import _function_heads
+
+    source = (
+        "class Key:\n"
+        "    @classmethod\n"
+        "    def generate(cls):\n"
+        + "        x = 1\n" * 4
+        + "    def sign(self, data):\n"
+        + "        y = 2\n" * 4
+    )
+    heads = [head for _, head in _function_heads(ast.parse(source), source.splitlines())]
+    assert heads == [
+        "class Key:\n    @classmethod\n    def generate(cls):\n",
+        "class Key:\n    def sign(self, data):\n",
+    ]
+    assert all(head in source or head.replace("class Key:\n", "") in source for head in heads)

@@ -270,9 +270,17 @@ class Engine:
             root,
         )
 
-    def seed_cache(self) -> int:
-        """Warm-start the n-gram cache from the two tokenizers alone; returns entries added."""
-        return seed_cache_from_bridge(self.cache, self.bridge, self.drafter.tokenizer)
+    def seed_cache(self, cache: NgramCache | None = None) -> int:
+        """Warm-start ``cache`` (default: the engine's n-gram cache) from the two tokenizers
+        alone; returns the entries added. The entries are computed once per engine (tokenizing
+        the target's whole vocabulary with the drafter's tokenizer) and added from there."""
+        return (self.cache if cache is None else cache).merge(self._tokenizer_seed)
+
+    @cached_property
+    def _tokenizer_seed(self) -> NgramCache:
+        seed = NgramCache(drafter=self.drafter_name, target=self.target_name)
+        seed_cache_from_bridge(seed, self.bridge, self.drafter.tokenizer)
+        return seed
 
     def prompt_ids(self, prompt: str, chat: bool = False) -> tuple[str, list[int]]:
         """The prompt as text and as target ids; ``chat`` applies the target's chat template."""
