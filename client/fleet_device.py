@@ -85,7 +85,7 @@ class FleetDevice:
         self.dir = Path(profile.state_dir)
         self.global_dir = self.dir / GLOBAL_DIR / slug(profile.target)
         self.conditions = conditions or SystemConditions(self.dir)
-        self._merged: str | None = None  # the global cache the open session merged, until saved
+        self._unsaved: dict = {}  # what the open session's cache took in, recorded once it is saved
 
     def at_round(self, round_: int) -> FleetDevice:
         """This device as it is at ``round_`` (see ``DeviceProfile.at_round``)."""
@@ -254,10 +254,9 @@ class FleetDevice:
         """A session with this device's local state; ``use_global`` restarts the adapter from the
         held global adapter and merges a newly received global cache (the fleet's released
         n-grams) into the local one. A device whose translator reads the n-gram cache
-        (``translate="ngram"``) and holds no saved cache starts it from the two tokenizers
-        (``Engine.seed_cache``): the entries they imply are the same on every device, so
-        the coordinator does not send them. The merge is marked done (``cache-merged``) only
-        when the session is saved (``save``): a session that is not saved merges again."""
+        (``translate="ngram"``) adds what the two tokenizers imply once (``Engine.seed_cache``):
+        those entries are the same on every device, so the coordinator does not send them.
+        Both are recorded as done only when the session is saved (``save``)."""
         manifest = self.held_manifest() if use_global else None
         if use_global and manifest is None:
             raise StateMismatch("this device holds no global state yet")
@@ -265,8 +264,7 @@ class FleetDevice:
         engine = self.engine
         adapters = self.pool.adapters(self.profile.drafter, lora)
         local = self.profile.target_model  # the name `device serve --target` gives the same state
-        fresh = NgramCache(max_bytes=self.profile.policy.cache_bytes, drafter=self.profile.drafter, target=local)
-        engine.cache = fresh
+        engine.cache = NgramCache(max_bytes=self.profile.policy.cache_bytes, drafter=self.profile.drafter, target=local)
         adapters.add(local)
         # what a session initialises from torch's global generator (LoRA weights before they are
         # loaded, a new acceptance head) must not depend on what this worker process ran before
@@ -284,24 +282,27 @@ class FleetDevice:
             translate=self.profile.translate,
             state_key=self.profile.state_key or None,
         )
-        if session.cache is fresh and self.profile.translate == "ngram":  # nothing saved yet
+        meta = self._fleet_meta()
+        self._unsaved = {}
+        if self.profile.translate == "ngram" and not meta.get("cache-seeded"):
             engine.seed_cache(session.cache)
-        self._merged = None
+            self._unsaved["cache-seeded"] = True
         if manifest is not None:
             adapters.load_state_dict(local, self.global_adapter())
             session.drafter_changed()
-            if self._fleet_meta().get("cache-merged") != manifest.cache_sha256:
+            if meta.get("cache-merged") != manifest.cache_sha256:
                 session.cache.merge(NgramCache.from_bytes((self.global_dir / "cache.pb").read_bytes()))
-                self._merged = manifest.cache_sha256
+                self._unsaved["cache-merged"] = manifest.cache_sha256
         return session
 
     def save(self, session: DeviceSession) -> None:
-        """Save ``session``'s state (``DeviceSession.save``), then mark the global cache it
-        merged as merged."""
+        """Save ``session``'s state (``DeviceSession.save``), then record what its cache took
+        in (``cache-seeded``, ``cache-merged``): a session that is not saved leaves them to the
+        next one."""
         session.save()
-        if self._merged is not None:
-            self._save_fleet_meta({**self._fleet_meta(), "cache-merged": self._merged})
-            self._merged = None
+        if self._unsaved:
+            self._save_fleet_meta({**self._fleet_meta(), **self._unsaved})
+            self._unsaved = {}
 
     # -- a round ------------------------------------------------------------------------------
     def train_round(self, round_: int) -> tuple[dict[str, torch.Tensor], set[int], dict]:

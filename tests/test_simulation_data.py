@@ -106,10 +106,7 @@ def test_a_method_prompt_carries_only_its_own_decorators():
     source = (
         "class Key:\n"
         "    @classmethod\n"
-        "    def generate(cls):\n"
-        + "        x = 1\n" * 4
-        + "    def sign(self, data):\n"
-        + "        y = 2\n" * 4
+        "    def generate(cls):\n" + "        x = 1\n" * 4 + "    def sign(self, data):\n" + "        y = 2\n" * 4
     )
     heads = [head for _, head in _function_heads(ast.parse(source), source.splitlines())]
     assert heads == [
