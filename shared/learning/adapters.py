@@ -179,9 +179,7 @@ class DrafterAdapters:
 
             reference = get_peft_model_state_dict(self.peft, adapter_name=name)
             params = {n.replace(f".{name}.", "."): p for n, p in self.peft.named_parameters() if f".{name}." in n}
-            if set(params) != set(reference) or any(
-                params[k] is not v and not params[k].equal(v) for k, v in reference.items()
-            ):
+            if set(params) != set(reference) or any(not params[k].equal(v) for k, v in reference.items()):
                 raise RuntimeError(f"adapter {name!r}: its parameters do not match peft's state dict")
             self._tensors[name] = params
         return self._tensors[name]
