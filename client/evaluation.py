@@ -114,25 +114,28 @@ def evaluate_adaptive(
     session: DeviceSession,
     prompts: list[str],
     config: GenerationConfig,
-    alone: list[dict] | None,
+    measure_ar: bool = False,
     replay: list[dict] | None = None,
-) -> dict:
-    """``prompts`` decoded as the device decodes (adaptive draft length), without learning; a
-    round's metrics (``MetricKey``). ``alone``: the target alone's runs on the same prompts, in
-    order (``{"tokens", "s"}``: the speedup). ``replay``: the target's recorded outputs
-    (``{"ids"}``), replayed instead of running it (the speed is then only modelled: no live
-    tok/s or speedup)."""
-    ar_tps = None
-    if alone:
-        runs = alone[: len(prompts)]
-        ar_tps = sum(r["tokens"] for r in runs) / max(sum(r["s"] for r in runs), 1e-9)
+) -> tuple[dict, list[dict]]:
+    """``prompts`` decoded as the device decodes (adaptive draft length), without learning: a
+    round's metrics (``MetricKey``), and the target alone's runs when measured (else []).
+    ``measure_ar``: the target alone decodes each prompt just before it (``{"ids", "tokens",
+    "s"}``: the speedup's baseline, timed beside it); the speculative decode starts from the
+    prompt's prefill that run left in the target's cache, counted at its measured seconds in
+    both. ``replay``: the target's recorded outputs (``{"ids"}``), replayed instead of running it
+    (the speed is then only modelled: no live tok/s or speedup)."""
+    alone: list[dict] = []
     phase = Phase()
     for i, prompt in enumerate(prompts):
         recording = None
+        if measure_ar:
+            run = target_alone(session, [prompt], config)[0]
+            alone.append({"ids": run.token_ids, "tokens": run.stats.new_tokens, "s": run.stats.wall_s})
         if replay is not None:
             _, ids = session.engine.prompt_ids(prompt)
             recording = Recording(ids + replay[i]["ids"], len(ids))
         phase.add(session.generate(prompt, config, learn=False, replay=recording))
+    ar_tps = sum(r["tokens"] for r in alone) / max(sum(r["s"] for r in alone), 1e-9) if alone else None
     out = phase.summary(ar_tps)
     st = phase.stats
     metrics = {
@@ -144,4 +147,4 @@ def evaluate_adaptive(
     }
     if replay is None:
         metrics.update({MetricKey.TOKENS_PER_S: out["tokens_per_s"], MetricKey.SPEEDUP: out["speedup_vs_ar"] or 0.0})
-    return metrics
+    return metrics, alone

@@ -423,19 +423,18 @@ class FleetDevice:
         # untimed, with a recording store (a simulation's newcomers and veterans; never a probe, the
         # live panel), the adaptive pass replays the target's recorded output too: its speed is modelled
         replay_adaptive = adaptive and not timed and not p.probe and self.recordings(session) is not None
-        alone = self._target_alone(session, p, timed) if replay or timed or replay_adaptive else None
-        metrics = {}
+        alone = self._target_alone(session, p) if replay_adaptive else None
+        metrics, live = {}, []
         if adaptive:
-            metrics = evaluate_adaptive(
-                session,
-                p.heldout[: p.speed_prompts or len(p.heldout)],
-                p.generation,
-                alone if measure_ar else None,
-                replay=alone if replay_adaptive else None,
+            speed = p.heldout[: p.speed_prompts or len(p.heldout)]
+            metrics, live = evaluate_adaptive(
+                session, speed, p.generation, measure_ar=timed, replay=alone[: len(speed)] if alone else None
             )
             if p.probe:  # a panel device keeps its rule's counted acceptance from round to round, as a
                 self.save(session)  # serving device does (re-fitted for each new adapter), not a cold rule each round
         if fixed_k:
+            if replay and alone is None:
+                alone = self._target_alone(session, p, live)
             recordings = [r["ids"] for r in alone] if replay else None
             fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k, recordings=recordings)
             metrics.update(
@@ -447,22 +446,19 @@ class FleetDevice:
             metrics.setdefault(MetricKey.GENERATED_TOKENS, fixed["new_tokens"])
         return {**metrics, MetricKey.EVAL_S: time.perf_counter() - t0}
 
-    def _target_alone(self, session: DeviceSession, p: DeviceProfile, timed: bool = True) -> list[dict]:
+    def _target_alone(self, session: DeviceSession, p: DeviceProfile, live: list[dict] = ()) -> list[dict]:
         """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
-        "s": seconds}. With ``timed`` (the speed baseline) the first ``speed_prompts`` run live
-        now, in every evaluation, so a speedup compares two decodes timed minutes apart at most,
-        never a baseline from an earlier round on a machine whose speed has moved. The other
-        outputs are needed as outputs only ("s" 0): from the recording store where the device has
-        one (recorded live where it lacks them), else run once per (target, prompts, generation
-        length and stops) and kept in ``fleet.json`` (only the latest set: a deployed device's
-        prompts change)."""
+        "s": seconds}. ``live``: the runs of the first prompts the evaluation just timed (the
+        speed baseline, run in every evaluation beside the speculative decode of the same prompt,
+        so a speedup compares two decodes seconds apart, never a baseline from an earlier round on
+        a machine whose speed has moved). The other outputs are needed as outputs only ("s" 0):
+        from the recording store where the device has one (recorded live where it lacks them),
+        else run once per (target, prompts, generation length and stops) and kept in
+        ``fleet.json`` (only the latest set: a deployed device's prompts change)."""
         g = p.generation
         store = self.recordings(session)
-        n_timed = (p.speed_prompts or len(p.heldout)) if timed else 0
-        runs = [
-            {"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": r.stats.wall_s}
-            for r in (target_alone(session, p.heldout[:n_timed], g) if n_timed else [])
-        ]
+        n_timed = len(live)
+        runs = list(live)
         rest = p.heldout[n_timed:]
         if store is None and rest:
             key = _sha256(

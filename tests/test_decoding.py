@@ -12,6 +12,7 @@ from sampling_checks import assert_follows
 from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.model_runner import ModelRunner
 from omnidraft.shared.engine.sampling import warp
 from omnidraft.shared.vocab.ngram_cache import NgramCache
 from omnidraft.shared.vocab.token_healing import TokenHealer
@@ -42,14 +43,16 @@ def translate(request):
     return request.param
 
 
-def make_decoders(pair, bridge, cache=None, translate="text", drafter=None, **options):
+def make_decoders(pair, bridge, cache=None, translate="text", drafter=None, target=None, **options):
     """The speculative decoder (``drafter``: a runner in place of the pair's drafter model;
+    ``target``: one runner both decoders share, as an engine's do, in place of one each;
     ``options``: more ``CrossVocabDecoder`` arguments) and the target alone."""
     cache = cache if cache is not None else NgramCache()
+    target = target if target is not None else pair.target
     spd = CrossVocabDecoder(
         drafter if drafter is not None else pair.drafter,
         pair.draft_tokenizer,
-        pair.target,
+        target,
         bridge,
         cache,
         expand_map=build_expand_map(bridge, pair.target_tokenizer),
@@ -57,7 +60,7 @@ def make_decoders(pair, bridge, cache=None, translate="text", drafter=None, **op
         target_tokenizer=pair.target_tokenizer,
         **options,
     )
-    return spd, TargetOnlyDecoder(pair.target, bridge)
+    return spd, TargetOnlyDecoder(target, bridge)
 
 
 PROMPTS = [
@@ -91,6 +94,36 @@ def test_greedy_output_identical_to_target_alone(pair, bridge, k_max, confidence
         assert s.target_calls <= expected.stats.target_calls
         accepted += s.accepted_tokens
     assert accepted > 0, "the trained tiny drafter should get some tokens accepted"
+
+
+def test_a_decode_of_the_prompt_the_target_alone_just_decoded_starts_from_its_prefill(pair, bridge):
+    """On one target runner (as an engine's decoders share it), speculation on the prompt the
+    target alone just decoded starts from the prefill that decode left in the cache: one
+    forward less, the same output bit for bit (greedy, and sampled with a seed, against a fresh
+    runner), its time counted at the prefill's measured seconds. A prompt that differs before its
+    last token, one that extends it, or a reset cache prefill anew."""
+    runner = ModelRunner(pair.target)
+    spd, ar = make_decoders(pair, bridge, target=runner)
+    fresh, _ = make_decoders(pair, bridge, target=ModelRunner(pair.target))
+    tt = pair.target_tokenizer
+    prompt = 'def delta_0(total, items):\n    """Return total * items."""\n    delta = total'
+    ids = tt.encode(prompt)
+    greedy = GenerationConfig(max_new_tokens=24, k_max=4, confidence=0.0)
+    alone = ar.generate(ids, greedy)
+    calls = runner.forward_calls
+    got = spd.generate(prompt, ids, greedy)
+    assert got.token_ids == alone.token_ids
+    assert got.stats.prefills_reused == 1 and runner.forward_calls - calls == got.stats.target_calls
+    assert got.stats.prefill_s == alone.stats.prefill_s and got.stats.wall_s > got.stats.prefill_s
+    sampled = GenerationConfig(max_new_tokens=24, k_max=4, confidence=0.0, temperature=0.9, seed=11)
+    assert spd.generate(prompt, ids, sampled).token_ids == fresh.generate(prompt, ids, sampled).token_ids
+    # the prefill covers all but the prompt's last token: another last token starts from it too
+    assert spd.generate(tt.decode(ids[:-1] + [ids[-1] + 1]), ids[:-1] + [ids[-1] + 1], greedy).stats.prefills_reused
+    for other in (ids[:1] + [ids[1] + 1] + ids[2:], ids + tt.encode(" +"), tt.encode("x = 1\n")):
+        assert spd.generate(tt.decode(other), other, greedy).stats.prefills_reused == 0
+    ar.generate(ids, greedy)
+    runner.reset()
+    assert spd.generate(prompt, ids, greedy).stats.prefills_reused == 0
 
 
 def test_greedy_identity_over_corpus_prompts_and_cache_learns(pair, bridge, translate):

@@ -162,6 +162,38 @@ def test_crop_equals_never_fed(kind):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_the_prefill_is_kept_while_the_cache_holds_it(kind):
+    """``prefilled`` names the first forward into the empty cache while every position it wrote
+    is still held: a decode of the same prompt starting from it computes the bits a fresh
+    prefill gives. A crop into it, a reset or new weights drop it."""
+    model = tiny_llama(tied=True, seed=3)
+    kind = kind_of(kind)
+    ids = seq(40, seed=5)
+    a = make(model, kind, prefill_weights=None)
+    a.forward(ids[:20])
+    assert a.prefilled.ids == tuple(ids[:20]) and a.prefilled.seconds > 0
+    a.forward(ids[20:31])
+    a.crop(20)
+    assert a.prefilled.ids == tuple(ids[:20])  # a later forward or a crop to its end keeps it
+    got = [a.forward(ids[20:24]), a.forward([ids[24]])]
+    b = make(model, kind, prefill_weights=None)
+    b.forward(ids[:20])
+    want = [b.forward(ids[20:24]), b.forward([ids[24]])]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    a.crop(19)
+    assert a.prefilled is None
+    a.forward(ids[19:25])  # not a first forward into an empty cache
+    assert a.prefilled is None
+    a.reset()
+    a.forward(ids[:5])
+    assert a.prefilled.ids == tuple(ids[:5])
+    a.reset()
+    assert a.prefilled is None
+    b._use_packing(b._base_packing)  # new weights (an adapter merged): the cache is not theirs
+    assert b.prefilled is None
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_vocab_rows_pruning(kind):
     model = tiny_llama(tied=False, seed=4)
     kind = kind_of(kind)

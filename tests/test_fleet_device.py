@@ -231,7 +231,8 @@ def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_
 
     runs = []
     real_alone = evaluation.target_alone
-    monkeypatch.setattr(fleet_device, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    for module in (fleet_device, evaluation):  # the timed runs (evaluation) and the recordings
+        monkeypatch.setattr(module, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
     store = str(tmp_path / "recordings")
     first = probe("p1", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
     assert runs == [heldout[:1]] + [[p] for p in heldout[1:]] and first["speedup"] > 0
@@ -268,7 +269,8 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
     runs = []
     real_alone = evaluation.target_alone
-    monkeypatch.setattr(fleet_device, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    for module in (fleet_device, evaluation):  # the timed runs (evaluation) and the outputs kept
+        monkeypatch.setattr(module, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
     first = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
     again = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
     assert runs == [heldout[:1], heldout[1:], heldout[:1]]  # outputs once; the timed baseline each time

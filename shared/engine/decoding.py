@@ -95,6 +95,7 @@ class _TargetSide:
         self.stop_ids = bridge.target_stop_ids
         self.timings = timings  # forwards timed in use, to check the cost profile (no decisions)
         self.prefill_s = 0.0  # the last prompt's prefill (s)
+        self.prefill_reused = False  # the last prompt's prefill was the runner's (``start``)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         if self.timings is None:
@@ -109,12 +110,23 @@ class _TargetSide:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         config.validate()
-        self.runner.reset()
-        self.prefill_s = 0.0
-        if len(prompt_ids) > 1:  # the prefill's logits are not used: keep one row, not [n, vocab]
+        prefix = tuple(prompt_ids[:-1])
+        held = getattr(self.runner, "prefilled", None)
+        self.prefill_reused = bool(prefix) and held is not None and held.ids == prefix
+        if self.prefill_reused:
+            # the runner still holds this very prompt's prefill (the same prompt decoded just
+            # before on this runner, e.g. the target alone before speculation): start from it,
+            # counting the seconds it took when it ran (``GenerationStats.prefills_reused``)
+            self.runner.crop(len(prefix))
+            self.prefill_s = held.seconds
+        else:
+            self.runner.reset()
+            self.prefill_s = 0.0
+        if prefix and not self.prefill_reused:  # the prefill's logits are not used: keep one row, not [n, vocab]
             t0 = time.perf_counter()
-            self.runner.forward(prompt_ids[:-1], logits_to_keep=1)
-            self.prefill_s = time.perf_counter() - t0
+            self.runner.forward(list(prefix), logits_to_keep=1)
+            held = getattr(self.runner, "prefilled", None)  # timed by the runner: the seconds a reuse counts
+            self.prefill_s = held.seconds if held is not None else time.perf_counter() - t0
             if self.timings is not None:
                 self.timings.record(self.prefill_s * 1000)
         generator = torch.Generator()
@@ -123,8 +135,9 @@ class _TargetSide:
 
     def finish(self, stop: StopChecker, stats: GenerationStats, t0: float) -> GenerationResult:
         stats.new_tokens = len(stop.generated)
-        stats.wall_s = time.perf_counter() - t0
+        stats.wall_s = time.perf_counter() - t0 + (self.prefill_s if self.prefill_reused else 0.0)
         stats.prefill_s = self.prefill_s
+        stats.prefills_reused = int(self.prefill_reused)
         text = _decode_bytes(self.token_bytes, stop.generated)
         return GenerationResult(text, list(stop.generated), stop.finish_reason or "length", stats)
 

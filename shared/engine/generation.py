@@ -79,11 +79,15 @@ class GenerationStats:
     plain_rounds: int = 0  # rounds that verified no draft (one target step)
     new_tokens: int = 0
     prompt_tokens: int = 0
+    # seconds from the call to its return; a decode that started from its prompt's prefill still
+    # in the target's cache (``prefills_reused``) counts that prefill at the seconds it took when
+    # it ran, so decodes of one prompt compare like for like, never a cache hit against a prefill
     wall_s: float = 0.0
     # of wall_s, the target's forward over the prompt (s): the same for every decoder of a prompt,
     # so decode speed (``decode_tokens_per_s``) leaves it out; the drafter's own prompt forward
     # stays in the decode time (it belongs to speculation)
     prefill_s: float = 0.0
+    prefills_reused: int = 0  # decodes that started from the prefill the decode before left in the cache
     # decoding time modelled from the machine's cached cost profile (prompt prefill excluded, s):
     # the rounds this generation ran, and the target alone's one step per new token; 0 when the
     # decoder had no profile (the target alone, or a fixed draft rule)

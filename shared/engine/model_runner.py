@@ -10,6 +10,7 @@ decoder drops rejected draft positions this way). ``ModelRunner`` runs any trans
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -64,12 +65,27 @@ def set_threads(n: int | None = None) -> None:
     torch.set_num_threads(n)
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """The first forward into a runner's empty cache: the ids it fed and the seconds it took.
+
+    A runner keeps it (``Runner.prefilled``) while its cache still holds those positions as that
+    one forward wrote them, and drops it on ``reset``, on a ``crop`` into them and on a change of
+    weights. A later decode whose prompt starts with exactly these ids can then start from the
+    cache (``decoding._TargetSide``): the keys and values are the bits a fresh prefill would
+    write, being the same forward's."""
+
+    ids: tuple[int, ...]
+    seconds: float
+
+
 @runtime_checkable
 class Runner(Protocol):
     """What the decoders use of a runner: incremental forwards over one sequence."""
 
     length: int  # token positions held in the cache
     forward_calls: int  # forward calls so far (cost accounting)
+    prefilled: Prefill | None  # the first forward into the empty cache, while the cache holds it
 
     def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
         """Append ``ids``; float32 logits ``[len(ids), vocab]`` (the last ``logits_to_keep`` rows when > 0)."""
@@ -95,6 +111,7 @@ class ModelRunner:
         self.cache: DynamicCache | None = None
         self.length = 0
         self.forward_calls = 0
+        self.prefilled: Prefill | None = None
         self._last_hidden: torch.Tensor | None = None
         self._hidden_hook = None
 
@@ -122,6 +139,7 @@ class ModelRunner:
         cache.activate_past_recording()
         self.cache = cache
         self.length = 0
+        self.prefilled = None
 
     @torch.inference_mode()
     def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
@@ -129,6 +147,7 @@ class ModelRunner:
         the last ``logits_to_keep`` positions only when it is > 0 (as in transformers)."""
         if self.cache is None:
             self.reset()
+        t0 = time.perf_counter()
         input_ids = torch.tensor([ids], dtype=torch.long)
         out = self.model(
             input_ids=input_ids,
@@ -136,6 +155,9 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
+        if self.length == 0 and not any(self.cache.is_sliding):
+            # (a sliding-window layer rolls back only the few positions it records: never kept)
+            self.prefilled = Prefill(tuple(ids), time.perf_counter() - t0)
         self.length += len(ids)
         self.forward_calls += 1
         return out.logits[0].float()
@@ -145,3 +167,5 @@ class ModelRunner:
         if length < self.length:
             self.cache.crop(length - self.length)
             self.length = length
+        if self.prefilled is not None and length < len(self.prefilled.ids):
+            self.prefilled = None

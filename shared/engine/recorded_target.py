@@ -38,6 +38,7 @@ class RecordedTarget:
         self.vocab_size = vocab_size
         self.length = 0
         self.forward_calls = 0
+        self.prefilled = None  # nothing to reuse: a recording's forwards cost nothing
 
     def reset(self) -> None:
         self.length = 0

@@ -10,43 +10,32 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
 * a static, preallocated KV cache (keys ``[layers, kv_heads, max_positions / 16, head_dim, 16]``
   so that one query scores 16 keys with plain FMAs, values ``[layers, kv_heads, max_positions,
   head_dim]``) written in place, resident only in the pages its positions reached
-  (``heap.zeros_on_demand``); ``held`` lists the ids whose keys and values it holds
-  (``length`` is its size; ``crop`` only shortens it), so a decoder can keep the part of a new
-  prompt it shares with the previous sequence instead of prefilling it again;
+  (``heap.zeros_on_demand``); ``held`` lists the ids whose keys and values it holds (``length``
+  is its size; ``crop`` only shortens it) and ``prefilled`` the first forward into the empty
+  cache while it holds it (``model_runner.Prefill``), for a decoder to reuse;
 * the kernels picked per call by the number of new tokens ``M`` (see ``weights``).
 
 ``weights`` chooses the kernels:
 
 * ``"fp32"``: torch ops with ``F.linear`` (MKL) in float32; matches HF's fp32 forward to ~1e-6.
-* ``"bf16"``: torch ops with oneDNN prepacked bf16 weights (``torch.ops.mkldnn._linear_pointwise``,
-  AMX where the CPU has it; on CPUs oneDNN cannot prepack bf16 for, such as AVX2-only ones,
-  ``F.linear`` on bf16 weights, emulated and slow); residual stream, norms, RoPE and attention
-  stay float32.
-* ``"int8"``: a native C kernel (``shared/runtime/native/``, built by ``pip install`` per instruction set,
-  or at first use where the install did not: ``native_kernels``) runs the whole step in one call: int8 weights
-  with a float scale per (output row, 64 inputs), 16-bit per-token activations (split into two
-  int8 halves so that the int8 dot products give exact int32 group sums), float16 KV cache, fused
-  RMSNorm/RoPE/softmax/SiLU. It is memory-bound (~140 MB of weights per token for SmolLM2) and
-  about as accurate as bf16 (8-bit activations lose far more on SmolLM2). Two instruction sets:
-  ``avx512`` (AVX-512 VNNI: one VPDPBUSD per 64 weight bytes) and ``avx2`` (AVX2 + FMA + F16C:
-  VPMADDUBSW/VPMADDWD with the sign trick, ~5x the instructions, so multi-token blocks cost
-  more); the best one the CPU has is used, ``OMNIDRAFT_NATIVE_ISA`` or ``native_isa`` force one.
-  Without either (or without a compiler) ``"int8"`` falls back to fbgemm dynamic quantization
-  (``torch.ops.quantized.linear_dynamic``: per-channel int8 weights, per-tensor 7-bit
-  activations), which is fast but noticeably less accurate. Calls with more than
-  ``prefill_min_tokens`` new tokens (prompt prefill) use the ``prefill_weights`` kernels instead:
-  by default bf16 on CPUs with native bf16 (AVX512-BF16) whose native kernels run 16-bit
-  prefill activations on VNNI (not AMX tiles), where bf16 is faster for long blocks. That keeps a
-  second (bf16) copy of the weights; ``prefill_weights=None`` runs every call on the int8
-  kernels, the default with AMX or 8-bit prefill activations (drafters and targets).
+* ``"bf16"``: torch ops on oneDNN prepacked bf16 weights (AMX where the CPU has it; where oneDNN
+  cannot prepack, e.g. AVX2-only CPUs, ``F.linear`` on bf16, emulated and slow); residual
+  stream, norms, RoPE and attention in float32.
+* ``"int8"``: a native C kernel (``shared/runtime/native/``, built by ``pip install`` per
+  instruction set, or at first use: ``native_kernels``) runs the whole step in one call: int8
+  weights with a float scale per (output row, 64 inputs), per-token activations in exact int32
+  group sums, float16 KV cache, fused RMSNorm/RoPE/softmax/SiLU; memory-bound (~140 MB of
+  weights per token for SmolLM2). The best instruction set the CPU has is used (``amx``,
+  ``avx512`` VNNI, ``avx2`` with ~5x the instructions); ``OMNIDRAFT_NATIVE_ISA`` or
+  ``native_isa`` force one. Without them (or a compiler) ``"int8"`` falls back to fbgemm dynamic
+  quantization: fast, noticeably less accurate. Calls of more than ``prefill_min_tokens`` new
+  tokens (prompt prefill) run the ``prefill_weights`` kernels: bf16 (a second copy of the
+  weights) where the native kernels would run 16-bit prefill activations on VNNI, else none
+  (every call on the int8 kernels: with AMX, and with 8-bit prefill activations).
 
 Threads: the native kernel splits its matrix products and attention heads over ``threads``
-OpenMP threads (default ``torch.get_num_threads()``; torch's libgomp pool). On a CPU shared with
-busy processes prefer one: barriers stall whenever a helper thread is descheduled.
-
-``vocab_rows`` prunes the LM head to the given drafter ids: ``forward`` still returns logits
-over the full vocabulary, with ``-inf`` at every pruned id (so argmax / softmax / sampling in
-the caller work unchanged and pruned ids get probability 0).
+OpenMP threads (default ``torch.get_num_threads()``; one on a busy CPU, where barriers stall).
+``vocab_rows`` prunes the LM head to the given drafter ids (logits stay full-size, ``-inf`` there).
 """
 
 from __future__ import annotations
@@ -54,12 +43,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from omnidraft.shared.engine.model_runner import Prefill
 from omnidraft.shared.runtime.heap import release_freed_memory, zeros_on_demand
 from omnidraft.shared.runtime.layer_folding import fold_layer, linear_of, lora_deltas, rope_pair_perms
 from omnidraft.shared.runtime.native_kernels import (
@@ -315,6 +306,7 @@ class FastLlamaRunner:
             self._fd_ref = ctypes.addressof(self._fd)
         self.forward_calls = 0
         self.held: list[int] = []  # the ids at the cached positions, in order
+        self.prefilled: Prefill | None = None  # the first forward into the empty cache, while held
 
     # ------------------------------------------------------------------------------------------
     def _pack_layers(
@@ -345,6 +337,7 @@ class FastLlamaRunner:
 
     def _use_packing(self, packing: _Packing) -> None:
         self._packing = packing
+        self.prefilled = None  # cached keys and values of other weights
         if self._lib is not None:
             self._fd.layer_ptrs = packing.layer_ptrs.data_ptr()
 
@@ -400,7 +393,7 @@ class FastLlamaRunner:
         new._template = False
         new._packing, new.lora_rank, new._last_residual = self._base_packing, 0, None
         new.forward_calls = 0
-        new.held = []
+        new.held, new.prefilled = [], None
         if self._lib is not None:
             new._fd = FdModel.from_buffer_copy(self._fd)
             new._fd.kcache, new._fd.vcache = new._kcache.data_ptr(), new._vcache.data_ptr()
@@ -425,12 +418,15 @@ class FastLlamaRunner:
 
     def reset(self) -> None:
         self.held.clear()
+        self.prefilled = None
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds only the first ``length`` positions."""
         if length < 0:
             raise ValueError("length must be >= 0")
         del self.held[length:]
+        if self.prefilled is not None and length < len(self.prefilled.ids):
+            self.prefilled = None
 
     @torch.inference_mode()
     def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
@@ -448,6 +444,7 @@ class FastLlamaRunner:
         kind = self.weights
         if self.prefill_weights is not None and m > self.prefill_min_tokens:
             kind = self.prefill_weights
+        t0 = time.perf_counter()
         h = self._embed.index_select(0, torch.tensor(ids, dtype=torch.long))
         if h.dtype != torch.float32:
             h = h.float()
@@ -486,6 +483,8 @@ class FastLlamaRunner:
             full = torch.full((logits.shape[0], self.vocab), float("-inf"))
             full.index_copy_(1, self.vocab_rows, logits)
             logits = full
+        if p == 0:
+            self.prefilled = Prefill(tuple(ids), time.perf_counter() - t0)
         self.held.extend(ids)
         self.forward_calls += 1
         return logits
