@@ -30,6 +30,7 @@ EVAL_KEYS = (
     MetricKey.TOKENS_PER_CALL,
     MetricKey.TOKENS_PER_S,
     MetricKey.SPEEDUP,
+    MetricKey.DECODE_SPEEDUP,
     MetricKey.MODELLED_SPEEDUP,
     MetricKey.MODELLED_TOKENS_PER_S,
     MetricKey.FIXED_K_ACCEPTANCE,

@@ -9,6 +9,7 @@ and after the generations. Run it in a fresh process per measurement:
 
     omnidraft models pull smollm2-135m qwen2.5-coder-1.5b --format gguf
     python scripts/device_footprint.py --drafter smollm2-135m --target qwen2.5-coder-1.5b
+    python scripts/device_footprint.py --lora-rank 8 --ffa    # the default simulation's device recipe
 """
 
 from __future__ import annotations
@@ -54,7 +55,16 @@ def main() -> None:
         help="the learner's recompute_layers (default 1: what a machine with at most 8 GiB gets; 0 holds "
         "every layer's activations, as on larger machines)",
     )
+    ap.add_argument(
+        "--lora-rank",
+        type=non_negative,
+        default=32,
+        help="the drafter adapter's rank (default 32: a device learning alone; a fleet sets its own, 8 by default)",
+    )
+    ap.add_argument("--ffa", action="store_true", help="FFA-LoRA as a fleet may set it: A frozen, only B trained")
     args = ap.parse_args()
+    if args.lora_rank < 1:
+        ap.error("--lora-rank must be >= 1")
 
     from omnidraft.benchmarks.bench import load_prompts
     from omnidraft.client.online_learner import OnlineConfig
@@ -62,13 +72,15 @@ def main() -> None:
     from omnidraft.shared.engine import catalog
     from omnidraft.shared.engine.generation import GenerationConfig
     from omnidraft.shared.engine.pair import Engine
+    from omnidraft.shared.learning.adapters import LoraSpec
 
     start = time.perf_counter()
     engine = Engine.load(args.drafter, args.target, "int8", progress=False)
     load_s = time.perf_counter() - start
     after_load = memory_mb()
     online = OnlineConfig(interval=args.interval, recompute_layers=args.recompute_layers)
-    session = DeviceSession(engine, target_name=args.target, online=online)
+    lora = LoraSpec(rank=args.lora_rank, ffa=args.ffa)
+    session = DeviceSession(engine, target_name=args.target, online=online, lora=lora)
     updates = []
     for prompt in load_prompts("humaneval", args.prompts):
         session.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens))
@@ -92,6 +104,7 @@ def main() -> None:
                 "after_generating_and_learning_mb": memory_mb(),
                 "adapter_updates": len(updates),
                 "recompute_layers": args.recompute_layers,
+                "lora": {"rank": args.lora_rank, "ffa": args.ffa},
                 "update_s": [round(t, 1) for t in updates],
             },
             indent=2,

@@ -81,6 +81,7 @@ class MetricKey:
     MODELLED_TOKENS_PER_S = "modelled-tokens-per-s"
     TOKENS_PER_S = "tokens-per-s"  # timed
     SPEEDUP = "speedup"  # timed, over the target alone
+    DECODE_SPEEDUP = "decode-speedup"  # the same after the prompt's prefill (one prefill, both sides)
     FIXED_K_ACCEPTANCE = "fixed-k-acceptance"
     FIXED_K_TOKENS_PER_CALL = "fixed-k-tokens-per-call"
     UPDATE_S = "update-s"  # seconds of adapter updates

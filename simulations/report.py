@@ -60,6 +60,8 @@ def target_summary(rows: list[dict]) -> dict:
         "tokens-per-call-last": last.get("eval-tokens-per-call"),
         "speedup-first": first.get("eval-speedup"),
         "speedup-last": last.get("eval-speedup"),
+        "decode-speedup-first": first.get("eval-decode-speedup"),
+        "decode-speedup-last": last.get("eval-decode-speedup"),
         "modelled-speedup-first": first.get("eval-modelled-speedup"),
         "modelled-speedup-last": last.get("eval-modelled-speedup"),
         "tokens-per-s-last": last.get("eval-tokens-per-s"),
@@ -87,9 +89,11 @@ def _times(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}x"
 
 
-def _speeds(live: float | None, modelled: float | None) -> str:
-    """A live speedup with the modelled one in parentheses where both were measured."""
-    return _times(live) if modelled is None else f"{_times(live)} ({_times(modelled)})"
+def _speeds(live: float | None, modelled: float | None, decode: float | None = None) -> str:
+    """A live speedup, then the live one after the prompt's prefill where measured, with the
+    modelled one (decoding only) in parentheses where both were measured."""
+    text = _times(live) if decode is None else f"{_times(live)}, {_times(decode)}"
+    return text if modelled is None else f"{text} ({_times(modelled)})"
 
 
 def _fmt(v, spec=".3f") -> str:
@@ -136,11 +140,19 @@ def verdict(summaries: dict[str, dict]) -> str:
         else:
             call = f"speed unchanged within {NOISE:.0%} ({_times(first)} → {_times(last)} the target alone's)"
         text = f"**{t}**: {call} from round {s['first-round']} to {s['last-round']}"
-        if s.get("modelled-speedup-first") is not None and s.get("modelled-speedup-last") is not None:
-            text += (
-                f" (modelled from the machine's cost profile, decoding only: "
-                f"{_times(s['modelled-speedup-first'])} → {_times(s['modelled-speedup-last'])})"
+        decoding = []
+        if s.get("decode-speedup-first") is not None and s.get("decode-speedup-last") is not None:
+            decoding.append(
+                f"live after the prompt's prefill: {_times(s['decode-speedup-first'])} → "
+                f"{_times(s['decode-speedup-last'])}"
             )
+        if s.get("modelled-speedup-first") is not None and s.get("modelled-speedup-last") is not None:
+            decoding.append(
+                f"modelled from the machine's cost profile, decoding only: "
+                f"{_times(s['modelled-speedup-first'])} → {_times(s['modelled-speedup-last'])}"
+            )
+        if decoding:
+            text += f" ({'; '.join(decoding)})"
         if s["acceptance-k-first"] is not None:
             text += f"; acceptance at fixed k {_fmt(s['acceptance-k-first'])} → {_fmt(s['acceptance-k-last'])}"
         if s["new-devices"]:
@@ -161,7 +173,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
     """A Markdown table, one row per target (also printed at the end of a run). Where the
     fixed-length acceptance was measured it comes first, the adaptive one in parentheses."""
     head = (
-        "| target | acceptance, fixed k (adaptive) (round → round) | tokens/call | speedup vs target, live (modelled) "
+        "| target | acceptance, fixed k (adaptive) (round → round) | tokens/call "
+        "| speedup vs target: live, live after the prefill (modelled) "
         "| new device warm / cold / veterans, fixed k (adaptive) "
         "| devices trained | uplink / downlink per device | cache entries | n-grams released | ε |"
     )
@@ -175,8 +188,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
         lines.append(
             f"| {t} | {first} → {last} ({rounds}) "
             f"| {_fmt(s['tokens-per-call-first'], '.2f')} → {_fmt(s['tokens-per-call-last'], '.2f')} "
-            f"| {_speeds(s['speedup-first'], s['modelled-speedup-first'])} → "
-            f"{_speeds(s['speedup-last'], s['modelled-speedup-last'])} "
+            f"| {_speeds(s['speedup-first'], s['modelled-speedup-first'], s['decode-speedup-first'])} → "
+            f"{_speeds(s['speedup-last'], s['modelled-speedup-last'], s['decode-speedup-last'])} "
             f"| {warm} / {cold} / {veteran} "
             f"({s['new-devices']} device{'s' if s['new-devices'] != 1 else ''}) "
             f"| {s['devices-trained']} | {_mb(s['uplink-bytes-per-device'])} / {_mb(s['downlink-bytes-per-device'])} "
@@ -215,7 +228,7 @@ def round_table(rows: list[dict]) -> str:
     head = (
         "| round | devices serving (switched) | devices trained | state version | acceptance, fixed k "
         "| acceptance | tokens/call "
-        "| tok/s | speedup, live (modelled) | new warm / cold / veterans "
+        "| tok/s | speedup: live, live after the prefill (modelled) | new warm / cold / veterans "
         "| new warm / cold / veterans: modelled tok/s (speedup) | trained devices: modelled speedup (replayed) "
         "| cache entries | released | ε |"
     )
@@ -230,7 +243,7 @@ def round_table(rows: list[dict]) -> str:
             f"| {r['round']} | {serving} | {r.get('aggregated', '–')} | {version} "
             f"| {_fmt(r.get('eval-fixed-k-acceptance'))} | {_fmt(r.get('eval-acceptance'))} "
             f"| {_fmt(r.get('eval-tokens-per-call'), '.2f')} | {_fmt(r.get('eval-tokens-per-s'), '.1f')} "
-            f"| {_speeds(r.get('eval-speedup'), r.get('eval-modelled-speedup'))} "
+            f"| {_speeds(r.get('eval-speedup'), r.get('eval-modelled-speedup'), r.get('eval-decode-speedup'))} "
             f"| {_warm_cold(r)} | {_warm_cold_speed(r)} | {_trained_speed(r)} "
             f"| {_fmt(r.get('cache-entries'), 'd')} | {ngrams.get('released', '–')} | {_fmt(ngrams.get('epsilon'), '.2f')} |"
         )
@@ -339,7 +352,9 @@ def write_report(run_dir: str | Path) -> Path:
         "their own held-out prompts with the same global state in the same round. A **modelled** speedup "
         "(in parentheses) charges each round the probe decoded its cost in the machine's cached cost "
         "profile (the same figures the draft rule decides from), prompt prefill excluded: it does not move "
-        "when the machine is busier or quieter between rounds, the live one does. "
+        "when the machine is busier or quieter between rounds, the live one does. The live speedup counts "
+        "the prompt's prefill (run once, by the target alone, and counted on both sides); the live one "
+        "after the prefill leaves it out of both, as the modelled one does. "
         + (
             "Training devices, newcomers and veterans replay the target's greedy output where it was "
             "recorded before (this run or an earlier one on this machine): their drafting, acceptance and "

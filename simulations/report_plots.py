@@ -9,7 +9,8 @@ from pathlib import Path
 PLOTS = {
     "acceptance.png": "Acceptance of the global state on the probes' held-out prompts, by round "
     "(solid: drafting a fixed k tokens per round; dashed: adaptive draft length)",
-    "speedup.png": "Speedup over the target alone (same prompts, same machine), by round: live (solid) and "
+    "speedup.png": "Speedup over the target alone (same prompts, same machine), by round: live (solid), live "
+    "after the prompt's prefill (dotted) and "
     "modelled from the machine's cost profile, decoding only (dashed)",
     "cache.png": "Global n-gram cache entries, by round",
     "bytes.png": "Bytes per device and round (uplink: adapter + n-gram statistics; downlink: state sent)",
@@ -37,23 +38,26 @@ def plot(per_target: dict[str, list[dict]], summaries: dict[str, dict], out: Pat
         marker="o",
         dashed: str | None = None,
         dashed_label: str = "adaptive",
+        dotted: str | None = None,
+        dotted_label: str = "",
     ) -> None:
-        """``key`` by round per target; ``dashed``: a second key drawn dashed in the same colour
-        (labelled ``dashed_label``)."""
+        """``key`` by round per target; ``dashed`` and ``dotted``: more keys drawn dashed and
+        dotted in the same colour (labelled ``dashed_label``, ``dotted_label``)."""
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for t, rows in per_target.items():
             pts = [(r["round"], r[key] / scale) for r in rows if r.get(key) is not None]
             if pts:
                 (line,) = ax.plot(*zip(*pts), marker=marker, label=t)
-            more = [(r["round"], r[dashed] / scale) for r in rows if dashed and r.get(dashed) is not None]
-            if more:
-                ax.plot(
-                    *zip(*more),
-                    "--",
-                    marker=".",
-                    color=line.get_color() if pts else None,
-                    label=f"{t} ({dashed_label})" if pts else t,
-                )
+            for more_key, style, label in ((dashed, "--", dashed_label), (dotted, ":", dotted_label)):
+                more = [(r["round"], r[more_key] / scale) for r in rows if more_key and r.get(more_key) is not None]
+                if more:
+                    ax.plot(
+                        *zip(*more),
+                        style,
+                        marker=".",
+                        color=line.get_color() if pts else None,
+                        label=f"{t} ({label})" if pts else t,
+                    )
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
@@ -74,6 +78,8 @@ def plot(per_target: dict[str, list[dict]], summaries: dict[str, dict], out: Pat
         "speedup vs target alone (x)",
         dashed="eval-modelled-speedup",
         dashed_label="modelled",
+        dotted="eval-decode-speedup",
+        dotted_label="live after the prefill",
     )
     series("cache-entries", "cache.png", "global cache entries")
 

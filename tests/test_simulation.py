@@ -145,6 +145,7 @@ def test_smoke_run_writes_every_output(smoke):
     released = dict.fromkeys(targets, 0)
     for r in sorted(records, key=lambda r: r["round"]):
         assert 0 <= r["eval-acceptance"] <= 1 and r["eval-tokens-per-call"] >= 1 and r["eval-speedup"] > 0
+        assert r["eval-decode-speedup"] > 0  # the same decodes, the one prefill left out of both
         assert 0 < r["eval-modelled-speedup"] <= r["eval-tokens-per-call"]  # blocks never cost less than a step
         assert 0 <= r["eval-fixed-k-acceptance"] <= 1 and r["eval-fixed-k-tokens-per-call"] >= 1  # k = 4
         if r["round"]:
