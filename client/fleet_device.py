@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -446,7 +447,7 @@ class FleetDevice:
             metrics.setdefault(MetricKey.GENERATED_TOKENS, fixed["new_tokens"])
         return {**metrics, MetricKey.EVAL_S: time.perf_counter() - t0}
 
-    def _target_alone(self, session: DeviceSession, p: DeviceProfile, live: list[dict] = ()) -> list[dict]:
+    def _target_alone(self, session: DeviceSession, p: DeviceProfile, live: Sequence[dict] = ()) -> list[dict]:
         """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
         "s": seconds}. ``live``: the runs of the first prompts the evaluation just timed (the
         speed baseline, run in every evaluation beside the speculative decode of the same prompt,
