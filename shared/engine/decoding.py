@@ -110,25 +110,26 @@ class _TargetSide:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         config.validate()
-        prefix = tuple(prompt_ids[:-1])
+        prefix = prompt_ids[:-1]
         held = getattr(self.runner, "prefilled", None)
-        self.prefill_reused = bool(prefix) and held is not None and held.ids == prefix
+        self.prefill_reused = bool(prefix) and held is not None and held.ids == tuple(prefix)
+        self.prefill_s = 0.0
         if self.prefill_reused:
             # the runner still holds this very prompt's prefill (the same prompt decoded just
             # before on this runner, e.g. the target alone before speculation): start from it,
             # counting the seconds it took when it ran (``GenerationStats.prefills_reused``)
             self.runner.crop(len(prefix))
             self.prefill_s = held.seconds
-        else:
+        elif prefix:  # the prefill's logits are not used: keep one row, not [n, vocab]
             self.runner.reset()
-            self.prefill_s = 0.0
-        if prefix and not self.prefill_reused:  # the prefill's logits are not used: keep one row, not [n, vocab]
             t0 = time.perf_counter()
-            self.runner.forward(list(prefix), logits_to_keep=1)
+            self.runner.forward(prefix, logits_to_keep=1)
             held = getattr(self.runner, "prefilled", None)  # timed by the runner: the seconds a reuse counts
             self.prefill_s = held.seconds if held is not None else time.perf_counter() - t0
             if self.timings is not None:
                 self.timings.record(self.prefill_s * 1000)
+        else:
+            self.runner.reset()
         generator = torch.Generator()
         generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         return StopChecker(config, self.stop_ids, self.token_bytes, on_tokens), generator

@@ -147,7 +147,7 @@ class ModelRunner:
         the last ``logits_to_keep`` positions only when it is > 0 (as in transformers)."""
         if self.cache is None:
             self.reset()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self.length == 0 else 0.0
         input_ids = torch.tensor([ids], dtype=torch.long)
         out = self.model(
             input_ids=input_ids,

@@ -444,7 +444,7 @@ class FastLlamaRunner:
         kind = self.weights
         if self.prefill_weights is not None and m > self.prefill_min_tokens:
             kind = self.prefill_weights
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if p == 0 else 0.0
         h = self._embed.index_select(0, torch.tensor(ids, dtype=torch.long))
         if h.dtype != torch.float32:
             h = h.float()
