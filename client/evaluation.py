@@ -56,17 +56,26 @@ def warm_up(session: DeviceSession, prompt: str) -> None:
 
 
 def evaluate(
-    session: DeviceSession, prompts: list[str], config: GenerationConfig, label: str, ar: Phase | None = None
+    session: DeviceSession,
+    prompts: list[str],
+    config: GenerationConfig,
+    label: str,
+    ar: Phase | None = None,
+    beside: tuple[DeviceSession, Phase] | None = None,
 ) -> Phase:
     """Decode ``prompts`` with the session's current state (no learning); with ``ar`` given,
-    the target alone runs on each prompt too (interleaved) and is added to it."""
+    the target alone runs on each prompt too (interleaved) and is added to it. ``beside``: another
+    session (on the same engine) that decodes each prompt too, added to its phase; the two
+    sessions take turns going first, prompt by prompt, so neither gets a quieter machine."""
     phase = Phase()
     ar_decoder = session.engine.ar() if ar is not None else None
-    for prompt in tqdm(prompts, desc=label, unit="prompt", leave=False):
+    for i, prompt in enumerate(tqdm(prompts, desc=label, unit="prompt", leave=False)):
         if ar_decoder is not None:
             _, ids = session.engine.prompt_ids(prompt)
             ar.add(ar_decoder.generate(ids, config))
-        phase.add(session.generate(prompt, config, learn=False))
+        turns = [(session, phase)] if beside is None else [(session, phase), beside][:: 1 if i % 2 else -1]
+        for who, into in turns:
+            into.add(who.generate(prompt, config, learn=False))
     return phase
 
 

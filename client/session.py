@@ -12,6 +12,7 @@ persist everything (``DeviceState``).
 
 from __future__ import annotations
 
+import copy as copy_module
 import hashlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -131,12 +132,14 @@ class DeviceSession:
         self.rule: ThroughputRule | None = None  # this device's throughput rule (built on first use)
         self._saved_rule: dict | None = None  # its saved calibration, applied when it is built
         self._refit_pending = False  # the drafter changed after that calibration was saved
+        self._cache = None  # a snapshot's own n-gram cache (None: the engine's)
         if self.state is not None:
             self.load()
 
     @property
     def cache(self):
-        return self.engine.cache
+        """The n-gram cache this session drafts with: the engine's, or a snapshot's own copy."""
+        return self._cache if self._cache is not None else self.engine.cache
 
     def switched(self, engine: Engine, target_name: str) -> DeviceSession:
         """A session for another target (``engine``, sharing this drafter) with this one's
@@ -147,6 +150,32 @@ class DeviceSession:
         )
         session._owns_adapters = self._owns_adapters
         return session
+
+    def snapshot(self, label: str) -> DeviceSession:
+        """A session over the same engine that decodes with a copy of this one's state as it is
+        now, and never learns or saves: the adapter (in its own slot, ``<target>@<label>``), the
+        acceptance head, the throughput rule's calibration, the lookup history and the n-gram
+        cache. Later changes to either session leave the other as it was; ``omnidraft adapt``
+        decodes the state from before training beside the learned one."""
+        copy = DeviceSession(
+            self.engine,
+            target_name=f"{self.target}@{label}",
+            adapters=self.adapters,
+            lora=self.adapters.spec,
+            **{**self._settings, "state_dir": None, "state_key": None, "learn": False},
+        )
+        copy.adapters.load_state_dict(copy.target, self.adapters.state_dict(self.target))
+        self.adapters.activate(self.target)  # adding the copy's slot activated it
+        if self.head is not None and copy.head is not None and self.head.ready:
+            copy.head.load_state_dict(self.head.state_dict())
+            copy.head.trained_steps = self.head.trained_steps
+        if self.rule is not None:  # all of it (a saved calibration leaves out a pending retry), on the same profile
+            copy.rule = copy_module.deepcopy(self.rule, {id(self.rule.profile): self.rule.profile})
+        copy._saved_rule, copy._refit_pending = self._saved_rule, self._refit_pending
+        if self.lookup is not None and copy.lookup is not None:
+            copy.lookup.load_history(self.lookup.history_tensor(), self.engine.target.logit_rows)
+        copy._cache = copy_module.deepcopy(self.cache)
+        return copy
 
     # -- decoding -------------------------------------------------------------------------------
     def decoder(self, target=None, rule: bool = True) -> CrossVocabDecoder:
@@ -166,7 +195,7 @@ class DeviceSession:
             e.drafter.tokenizer,
             target or e.target_runner,
             e.bridge,
-            e.cache,
+            self.cache,
             expand_map=e.expand_map,
             translate=self.translate,
             target_tokenizer=e.target.tokenizer,

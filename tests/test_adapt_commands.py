@@ -69,7 +69,13 @@ def test_adapt_command_end_to_end(pair_dir, tmp_path, capsys):
         assert report[phase]["speedup_vs_ar"] == pytest.approx(
             report[phase]["tokens_per_s"] / report[ar]["tokens_per_s"]
         )
+    # after / before: the learned state over the starting state's snapshot, decoded in one pass
     assert report["speed_after_over_before"] == pytest.approx(
+        report["after"]["tokens_per_s"] / report["before_again"]["tokens_per_s"]
+    )
+    assert report["before_again"]["new_tokens"] == report["before"]["new_tokens"]
+    assert report["before_repeated"]  # the snapshot decided as the untrained session did
+    assert report["across_passes"]["speed_after_over_before"] == pytest.approx(
         report["after"]["speedup_vs_ar"] / report["before"]["speedup_vs_ar"]
     )
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

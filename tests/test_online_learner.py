@@ -445,3 +445,35 @@ def test_a_second_session_on_one_engine_shares_the_drafters_adapters_and_keeps_t
         DeviceSession(engine, target_name="t", lora=LoraSpec(rank=8))
     with pytest.raises(ValueError, match="already carries adapters"):
         DrafterAdapters(engine.drafter.model, LoraSpec(rank=4))
+
+
+def test_a_snapshot_decodes_with_the_state_it_copied_while_the_session_learns_on(pair_dir):
+    """``DeviceSession.snapshot`` (``omnidraft adapt``'s starting state, decoded beside the
+    learned one): after the session trains, the snapshot still decodes exactly as the session did
+    when it was taken (same drafts, same decisions); it learns nothing itself, and decoding with
+    it leaves the session's adapter, head, lookup history and n-gram cache as they were."""
+    engine = _engine(pair_dir)
+    session = DeviceSession(engine, target_name="t", online=OnlineConfig(interval=2, lr=2e-2))
+    for prompt in PROMPTS[:4]:
+        session.generate(prompt, CONFIG)  # some state to copy: an adapter, a head, a history
+    start = session.snapshot("before")
+    probe = PROMPTS[10]
+
+    def decode(who):
+        r = who.generate(probe, CONFIG, learn=False)
+        s = r.stats
+        return r.token_ids, (s.target_calls, s.drafter_steps, s.lookup_rounds, s.plain_rounds, s.proposed_tokens)
+
+    expected = decode(session)
+    for prompt in PROMPTS[4:8]:
+        session.generate(prompt, CONFIG)
+    assert session.learner.updates == 4 and start.learner.updates == 0
+    trained = {k: v.clone() for k, v in session.adapters.state_dict("t").items()}
+    history, entries = session.lookup.history_tensor().clone(), len(session.cache)
+    assert decode(start) == expected  # the state as it was, whatever the session learned since
+    assert not all(torch.equal(v, start.adapters.state_dict(start.target)[k]) for k, v in trained.items())
+    start.generate(PROMPTS[11], CONFIG)  # a snapshot never learns (nor saves: it has no state dir)
+    assert start.learner.updates == 0 and start.state is None
+    assert all(torch.equal(v, session.adapters.state_dict("t")[k]) for k, v in trained.items())
+    assert torch.equal(session.lookup.history_tensor(), history) and len(session.cache) == entries
+    assert session.cache is engine.cache and start.cache is not engine.cache
