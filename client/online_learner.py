@@ -25,7 +25,7 @@ import torch
 
 from omnidraft.shared.learning.acceptance_head import AcceptanceHead, ReplayBuffer, soft_labels
 from omnidraft.shared.learning.adapters import DrafterAdapters
-from omnidraft.shared.learning.distill import LossConfig, hybrid_loss, sequence_nll
+from omnidraft.shared.learning.distill import LossConfig, hybrid_loss, sequence_nll_rows
 from omnidraft.shared.learning.training_signal import Intersection, TrainingSample
 from omnidraft.shared.runtime.native_kernels import cpu_has_native_bf16
 
@@ -251,15 +251,13 @@ class OnlineLearner:
         with ctx, self._autocast():
             hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
             dm_hidden = hidden.index_select(0, s.dm_pos - 1)
-            if self.config.loss.kind == "seq":  # DM positions are a subset: their logits are rows of these
-                seq_logits = lm_head(hidden[s.seq_start - 1 : -1]).float()
-                dm_logits = seq_logits.index_select(0, s.dm_pos - s.seq_start)
-            else:
-                dm_logits = lm_head(dm_hidden).float()
-                ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
-        if self.config.loss.kind == "seq":
-            loss, parts = sequence_nll(seq_logits, ids[0, s.seq_start :])
-            return loss, parts, dm_hidden.float(), dm_logits
+            if self.config.loss.kind == "seq":  # logits a slice of positions at a time
+                loss, parts = sequence_nll_rows(lm_head, hidden[s.seq_start - 1 : -1], ids[0, s.seq_start :])
+                with torch.no_grad():  # the acceptance head's labels read the DM positions' logits
+                    dm_logits = lm_head(dm_hidden).float()
+                return loss, parts, dm_hidden.float(), dm_logits
+            dm_logits = lm_head(dm_hidden).float()
+            ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
         loss, parts = hybrid_loss(
             dm_logits,
             self.inter.draft_ids,

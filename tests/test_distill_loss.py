@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from omnidraft.shared.learning.acceptance_head import ReplayBuffer, soft_labels
-from omnidraft.shared.learning.distill import LossConfig, dm_reverse_kl, hybrid_loss, ngram_nll, sequence_nll
+from omnidraft.shared.learning.distill import (
+    LossConfig,
+    dm_reverse_kl,
+    hybrid_loss,
+    ngram_nll,
+    sequence_nll,
+    sequence_nll_rows,
+)
 
 
 def test_dm_reverse_kl_matches_hand_computation_when_top_k_covers_the_intersection():
@@ -74,6 +81,33 @@ def test_sequence_nll_hand_computation():
     assert float(empty) == 0.0 and parts["seq_terms"] == 0
     with pytest.raises(ValueError, match="unknown loss"):
         LossConfig(kind="kl").validate()
+
+
+def test_the_sequence_loss_in_slices_of_positions_is_the_whole_one():
+    """``sequence_nll_rows`` (what an update computes: the LM head's logits a slice of positions
+    at a time, recomputed in backward) gives ``sequence_nll``'s loss and gradients, for slices
+    that divide the positions and one that does not, with and without autograd."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(7, 8)
+    ids = torch.randint(0, 11, (7,))
+    h0 = hidden.clone().requires_grad_()
+    whole, parts0 = sequence_nll(head(h0), ids)
+    whole.backward()
+    grads0 = (h0.grad.clone(), head.weight.grad.clone())
+    for rows in (1, 3, 7, 64):
+        head.weight.grad = None
+        h = hidden.clone().requires_grad_()
+        loss, parts = sequence_nll_rows(head, h, ids, rows=rows)
+        loss.backward()
+        assert parts["seq_terms"] == parts0["seq_terms"] == 7
+        torch.testing.assert_close(loss, whole)
+        torch.testing.assert_close(h.grad, grads0[0])
+        torch.testing.assert_close(head.weight.grad, grads0[1])
+        with torch.no_grad():
+            torch.testing.assert_close(sequence_nll_rows(head, hidden, ids, rows=rows)[0], whole.detach())
+    empty, parts = sequence_nll_rows(head, hidden[:0], ids[:0])
+    assert float(empty) == 0.0 and parts["seq_terms"] == 0
 
 
 def test_soft_labels_hand_computation():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -360,6 +361,20 @@ def test_one_packing_serves_every_adapter(pair_dir):
     torch.testing.assert_close(rb.forward(ids), base)
     adapters.load_state_dict("b", tensors)
     torch.testing.assert_close(adapters.runner().forward(ids), trained)  # set_lora resets the cache
+    # once every adapter drafts on its own packing nothing holds the base one: it is freed,
+    # and packed again (the same weights: nothing trained here) for an adapter that needs it
+    held = weakref.ref(ra._packing)
+    adapters.activate("a")
+    adapters.load_state_dict("a", tensors)
+    assert adapters.runner().lora_rank == 4 and held() is None
+    adapters.add("c")
+    rc = adapters.runner()
+    assert rc.lora_rank == 0 and ra._packing is not rc._packing is rc._base_packing
+    torch.testing.assert_close(rc.forward(ids), base)
+    adapters.activate("b")
+    adapters.reset("b")
+    torch.testing.assert_close(adapters.runner().forward(ids), base)
+    assert rb._packing is rc._packing  # both untrained ones share the one base packing again
 
 
 def test_greedy_output_identical_to_target_after_training(pair_dir):

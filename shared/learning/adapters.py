@@ -297,8 +297,14 @@ class DrafterAdapters:
                 self._runners[name] = ModelRunner(self.peft)  # plain transformers forward applies the adapter
             else:
                 runner = self._runners.get(name) or self._base_runner().fork()
-                runner.set_lora(self.lora_layers(name))
                 self._runners[name] = runner
+                layers = self.lora_layers(name)
+                if layers is not None and all(r.lora_rank for n, r in self._runners.items() if n != name):
+                    # no other adapter drafts on the base packing: it goes before this one's is
+                    # packed (packed again should an untrained adapter need it: a new target, a reset)
+                    self._base.release_base()
+                runner.set_lora(layers)
+                release_freed_memory()
             self._fresh.add(name)
         return self._runners[name]
 

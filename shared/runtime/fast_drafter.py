@@ -15,26 +15,17 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   cache while it holds it (``model_runner.Prefill``), for a decoder to reuse;
 * the kernels picked per call by the number of new tokens ``M`` (see ``weights``).
 
-``weights`` chooses the kernels:
+``weights`` chooses the kernels: ``"fp32"`` (torch, MKL; HF's fp32 forward to ~1e-6),
+``"bf16"`` (oneDNN prepacked bf16 weights, AMX where present; norms, RoPE and attention in
+float32) or ``"int8"``: one native C call per step (``shared/runtime/native/``, built by ``pip
+install`` per instruction set or at first use: ``native_kernels``) with int8 weights scaled per
+(output row, 64 inputs), exact int32 group sums, float16 KV cache and fused norms/RoPE/softmax/
+SiLU, on the best ISA present (``amx``, ``avx512`` VNNI, ``avx2``; ``OMNIDRAFT_NATIVE_ISA`` or
+``native_isa`` force one); without them, fbgemm dynamic quantization (fast, less accurate).
+Calls of more than ``prefill_min_tokens`` tokens run the ``prefill_weights`` kernels (bf16, a
+second copy, where VNNI would run 16-bit prefill activations; else the int8 ones).
 
-* ``"fp32"``: torch ops with ``F.linear`` (MKL) in float32; matches HF's fp32 forward to ~1e-6.
-* ``"bf16"``: torch ops on oneDNN prepacked bf16 weights (AMX where the CPU has it; where oneDNN
-  cannot prepack, e.g. AVX2-only CPUs, ``F.linear`` on bf16, emulated and slow); residual
-  stream, norms, RoPE and attention in float32.
-* ``"int8"``: a native C kernel (``shared/runtime/native/``, built by ``pip install`` per
-  instruction set, or at first use: ``native_kernels``) runs the whole step in one call: int8
-  weights with a float scale per (output row, 64 inputs), per-token activations in exact int32
-  group sums, float16 KV cache, fused RMSNorm/RoPE/softmax/SiLU; memory-bound (~140 MB of
-  weights per token for SmolLM2). The best instruction set the CPU has is used (``amx``,
-  ``avx512`` VNNI, ``avx2`` with ~5x the instructions); ``OMNIDRAFT_NATIVE_ISA`` or
-  ``native_isa`` force one. Without them (or a compiler) ``"int8"`` falls back to fbgemm dynamic
-  quantization: fast, noticeably less accurate. Calls of more than ``prefill_min_tokens`` new
-  tokens (prompt prefill) run the ``prefill_weights`` kernels: bf16 (a second copy of the
-  weights) where the native kernels would run 16-bit prefill activations on VNNI, else none
-  (every call on the int8 kernels: with AMX, and with 8-bit prefill activations).
-
-Threads: the native kernel splits its matrix products and attention heads over ``threads``
-OpenMP threads (default ``torch.get_num_threads()``; one on a busy CPU, where barriers stall).
+The native kernel runs on ``threads`` OpenMP threads (default ``torch.get_num_threads()``).
 ``vocab_rows`` prunes the LM head to the given drafter ids (logits stay full-size, ``-inf`` there).
 """
 
@@ -106,13 +97,10 @@ class FastLlamaRunner:
     two VPDPBUSD passes; 8 = 8-bit activations with a scale per token and 64 inputs, one pass:
     about half the arithmetic for multi-token calls); ``prefill_activation_bits`` (native
     kernels, calls with more than ``prefill_min_tokens`` tokens on the int8 kernels; None = as
-    ``activation_bits``; drafters use 8: their prompt prefill only fills the KV cache, so it
-    may be less exact, and it is ~1.6x faster); ``native_isa`` (a key of ``NATIVE_ISAS``;
-    None = ``default_native_isa()``); ``checkpoint`` (a ``gguf_weights.GgufCheckpoint`` holding
-    the weights ``model`` left on the meta device: each decoder layer is read when it is packed
-    and released after, so one layer exists in float32 at a time; the input embeddings stay in
-    the GGUF, read row by row; with the native kernels and no LM-head pruning the LM head is
-    packed in slices of rows). ``backend`` names the kernels in use.
+    ``activation_bits``; drafters use 8: ~1.6x faster prefill); ``native_isa`` (a key of ``NATIVE_ISAS``;
+    None = ``default_native_isa()``); ``checkpoint`` (a ``gguf_weights.GgufCheckpoint`` with the
+    weights ``model`` left on the meta device: one decoder layer in float32 at a time, input
+    embeddings read from the GGUF row by row). ``backend`` names the kernels in use.
     """
 
     def __init__(
@@ -244,7 +232,7 @@ class FastLlamaRunner:
         self._embed = embed.weight.detach() if checkpoint is None else checkpoint.rows(embed_name)
         self.vocab = head.weight.shape[0]
         self.vocab_rows = None
-        head_slices = checkpoint is not None and lib is not None and not torch_kinds and vocab_rows is None
+        head_slices = lib is not None and not torch_kinds and vocab_rows is None  # packed in row slices
         w_head = None
         if not head_slices:
             w_head = (head.weight.detach().float() if checkpoint is None else checkpoint.tensor(head_name)) * gain
@@ -270,12 +258,13 @@ class FastLlamaRunner:
         self._kcache, self._vcache = (zeros_on_demand(shape, cache_dtype) for shape in self._cache_shapes)
         self._pos_pad = pos_pad
         self._template = False  # ``as_template``: no KV cache, forks only
+        self._origin: FastLlamaRunner | None = None  # the runner this one was forked from
 
         if lib is not None:
-            if w_head is None:  # from the GGUF, PACK_SLICE_ROWS rows at a time
-                head_rows = checkpoint.rows(head_name)
+            if w_head is None:  # PACK_SLICE_ROWS rows at a time (no float32 copy of the whole head)
+                rows = head.weight.detach() if checkpoint is None else checkpoint.rows(head_name)
                 bufs = pack_native_slices(
-                    lambda lo, hi: head_rows.index_select(0, torch.arange(lo, hi)) * gain, self.vocab
+                    lambda lo, hi: rows.index_select(0, torch.arange(lo, hi)).float() * gain, self.vocab
                 )
                 release_freed_memory()
             else:
@@ -342,19 +331,14 @@ class FastLlamaRunner:
             self._fd.layer_ptrs = packing.layer_ptrs.data_ptr()
 
     def set_lora(self, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] | None) -> None:
-        """Merge a LoRA adapter into this runner's weights and re-pack them (``W + B A``, as
-        peft's ``merge_adapter`` computes it, then quantized like the base weights): drafting
-        with an adapter costs exactly what the base model costs, whatever its rank. Re-packing
-        takes ~0.4 s for SmolLM2-135M on 2 cores, paid once per adapter change (a local update,
-        a received state, a switch), never per token.
-        ``layers[i]`` maps a Linear's name in decoder layer ``i`` (``q_proj`` ... ``down_proj``)
-        to ``(A [r, in], B [out, r])`` with the LoRA scaling already in ``B``; absent names have
-        no adapter. ``None`` returns to the base weights (shared, no re-packing). The runner's
-        own packing never touches the base packing its forks share. The KV cache is reset (its
-        positions were computed with the previous weights)."""
+        """Merge a LoRA adapter into this runner's own weights, re-packed (``W + B A`` as peft's
+        ``merge_adapter`` computes it, quantized like the base): drafting costs what the base
+        costs at any rank; ~0.4 s for SmolLM2-135M on 2 cores per adapter change, never per
+        token. ``layers[i]``: decoder layer ``i``'s {Linear name: (A [r, in], B [out, r]), the
+        LoRA scaling in ``B``}; ``None`` returns to the shared base packing. Resets the cache."""
         if layers is None:
             self.reset()
-            self._use_packing(self._base_packing)
+            self._use_packing(self._base())
             self.lora_rank = 0
             return
         if len(layers) != self.num_layers:
@@ -373,31 +357,48 @@ class FastLlamaRunner:
                 if tuple(a.shape) != (r, in_dim) or tuple(b.shape) != (out_dim, r):
                     raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
         self.reset()
+        self._packing = None  # freed (where nothing else holds it) before the next is packed
+        self.release_base()
         self._use_packing(self._pack_layers([partial(lora_deltas, mods) for mods in layers]))
         self.lora_rank = r
 
+    def _base(self) -> _Packing:
+        """The base packing, packed again from the model's weights as they are held now if
+        ``release_base`` dropped it (bf16 once training began: what adapters merge from)."""
+        if self._base_packing is None:  # a fork shares its template's
+            self._base_packing = self._origin._base() if self._origin is not None else self._pack_layers()
+        return self._base_packing
+
+    def release_base(self) -> None:
+        """Drop this runner's reference to the base packing unless it drafts on it (a template
+        never does; ``set_lora`` drops it): once none holds it, its 0.1 GB (SmolLM2-135M) is freed."""
+        if self._template:
+            self._packing = None
+        if self._packing is not self._base_packing and self._source_layers is not None:
+            self._base_packing = None
+
     def own_weights(self) -> None:
-        """Copy what forwards still read from the model (its input embeddings) into this runner,
-        so the model's own tensors (often views into a memory-mapped checkpoint) can be freed.
-        Adapters can no longer be merged afterwards (they re-pack from the model's layers)."""
+        """Copy the input embeddings in so the model's tensors can be freed (no adapters then)."""
         self._embed = self._embed.clone()
         self._source_layers = None
 
     def fork(self) -> FastLlamaRunner:
-        """A runner sharing this one's packed base weights (no copy), with its own empty KV
-        cache and no adapter: one base packing serves every adapter's runner until an adapter
-        is merged into it."""
+        """A runner on this one's base packing (shared, no copy) with its own empty KV cache and
+        no adapter, until an adapter is merged into it."""
+        base = self._base()
         new = copy.copy(self)
         dtype = self._kcache.dtype
         new._kcache, new._vcache = (zeros_on_demand(shape, dtype) for shape in self._cache_shapes)
         new._template = False
-        new._packing, new.lora_rank, new._last_residual = self._base_packing, 0, None
+        new._packing = new._base_packing = base
+        new._origin = self
+        new.lora_rank, new._last_residual = 0, None
         new.forward_calls = 0
         new.held, new.prefilled = [], None
         if self._lib is not None:
             new._fd = FdModel.from_buffer_copy(self._fd)
             new._fd.kcache, new._fd.vcache = new._kcache.data_ptr(), new._vcache.data_ptr()
-            new._fd.layer_ptrs = self._base_packing.layer_ptrs.data_ptr()
+            new._fd.layer_ptrs = new._packing.layer_ptrs.data_ptr()
             new._fd_ref = ctypes.addressof(new._fd)
         return new
 
