@@ -39,7 +39,7 @@ CONTEXT_TOKENS = 256
 # block like the mean of 4 and 6 when it costs what 8 do.
 PROFILE_BLOCKS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16)
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
-PROFILE_VERSION = 7  # bump when a kernel or the method changes: every cached measurement is taken again
+PROFILE_VERSION = 8  # bump when a kernel or the method changes: every cached measurement is taken again
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree

@@ -236,6 +236,10 @@ static void gemm_blocks(int M, int K, const qact* a, const uint8_t* wp, const fl
         // over a block prefetches ahead in the weight stream; a later pass, which finds this
         // block in cache, prefetches the next block.
         while (M >= 2 && m < M) {
+            // a lone last row (blocks of 9 or 13 tokens) takes the one-row kernel below, which
+            // finds this weight block in cache: a padded 4-row pass would compute three rows
+            // for nothing (results bit-identical either way)
+            if (m > 0 && M - m == 1) break;
             const int R = a->act8 && M - m > 4 ? 8 : 4;
             // the first pass streams this block from memory: eight rows compute long enough per
             // weight vector that prefetching far ahead into L2 hides the stream (on a Zen 4 EPYC
