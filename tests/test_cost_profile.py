@@ -51,6 +51,22 @@ def test_the_profile_check_flags_a_profile_whose_drafter_to_target_ratio_is_off(
     assert "drafter_vs_target" not in profiling.StepTimings().check(profile)  # nothing timed yet
 
 
+def test_the_timings_in_use_sample_the_whole_run_not_its_start():
+    """Past ``limit`` forwards of a size the kept samples are a uniform sample of all of them:
+    a machine twice as slow in the second half of a run shows in the check, where keeping the
+    first ``limit`` would report only the first half."""
+    timings = profiling.StepTimings(limit=64)
+    for i in range(4000):
+        timings.record_target(4, 40.0 if i < 2000 else 80.0)
+        timings.record_drafter_step(5.0 if i < 2000 else 10.0)
+    assert timings.seen == {4: 4000, "drafter": 4000}
+    assert len(timings.target[4]) == len(timings.drafter_steps) == 64
+    late = sum(ms == 80.0 for ms in timings.target[4])
+    assert 16 <= late <= 48  # about half (binomial, 64 draws: far outside 3 sigma otherwise)
+    assert 16 <= sum(ms == 10.0 for ms in timings.drafter_steps) <= 48
+    assert timings.total_ms == 2000 * (40 + 80 + 5 + 10)
+
+
 def test_block_timing_takes_the_median_of_trials_and_retries_outliers(monkeypatch):
     """One disturbed trial cannot set a figure: each trial keeps its minimum, the median of the
     trials is kept, and trials continue while they disagree."""

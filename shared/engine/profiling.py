@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -314,13 +315,24 @@ class CostProfile:
 class StepTimings:
     """Forward passes timed while decoding, by block size (ms), to check the cached profile
     against what the machine does in use. Never read by a decision (those use the profile
-    alone); at most ``limit`` samples are kept per block size."""
+    alone). At most ``limit`` samples are kept per block size: a uniform sample of all timed so
+    far (reservoir sampling), so a long run's check covers all of it, not its first minutes (a
+    machine's speed drifts by ±10 % between them)."""
 
     def __init__(self, limit: int = 256) -> None:
         self.limit = limit
         self.target: dict[int, list[float]] = {}
         self.drafter_steps: list[float] = []
         self.total_ms = 0.0  # every timed forward (prefills and drafter feeds included)
+        self.seen: dict[int | str, int] = {}  # forwards timed, per block size ("drafter": drafter steps)
+        self._pick = random.Random(0)  # which samples a full reservoir replaces (fixed: reports repeat)
+
+    def _sample(self, key: int | str, samples: list[float], ms: float) -> None:
+        seen = self.seen[key] = self.seen.get(key, 0) + 1
+        if len(samples) < self.limit:
+            samples.append(ms)
+        elif (slot := self._pick.randrange(seen)) < self.limit:
+            samples[slot] = ms
 
     def record(self, ms: float) -> None:
         """A timed forward that is neither a verification nor a drafter step (a prefill, the
@@ -329,14 +341,11 @@ class StepTimings:
 
     def record_target(self, block: int, ms: float) -> None:
         self.total_ms += ms
-        samples = self.target.setdefault(block, [])
-        if len(samples) < self.limit:
-            samples.append(ms)
+        self._sample(block, self.target.setdefault(block, []), ms)
 
     def record_drafter_step(self, ms: float) -> None:
         self.total_ms += ms
-        if len(self.drafter_steps) < self.limit:
-            self.drafter_steps.append(ms)
+        self._sample("drafter", self.drafter_steps, ms)
 
     def check(self, profile: CostProfile, min_samples: int = 5) -> dict:
         """In-use medians against the profile, per block size with at least ``min_samples``
