@@ -33,7 +33,7 @@ from tqdm import tqdm
 from omnidraft.client.evaluation import Phase, evaluate, evaluate_fixed_k, warm_up
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.generation import GenerationConfig, GenerationStats
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.learning.distill import LossConfig
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
@@ -134,7 +134,7 @@ def run_adapt(
     }
 
 
-def _decisions(stats) -> tuple[int, ...]:
+def _decisions(stats: GenerationStats) -> tuple[int, ...]:
     """What a decode decided, in counts (tokens, target calls, drafter steps, model-free rounds)."""
     return (stats.new_tokens, stats.target_calls, stats.drafter_steps, stats.lookup_rounds, stats.plain_rounds)
 

@@ -73,7 +73,9 @@ def evaluate(
         if ar_decoder is not None:
             _, ids = session.engine.prompt_ids(prompt)
             ar.add(ar_decoder.generate(ids, config))
-        turns = [(session, phase)] if beside is None else [(session, phase), beside][:: 1 if i % 2 else -1]
+        turns = [(session, phase)] if beside is None else [(session, phase), beside]
+        if i % 2 == 0:
+            turns.reverse()  # the two sessions take turns going first
         for who, into in turns:
             into.add(who.generate(prompt, config, learn=False))
     return phase
