@@ -210,7 +210,9 @@ class OnlineLearner:
                             totals["dm_terms"] += parts.get("dm_terms", 0)
                             totals["ngram_terms"] += parts.get("ngram_terms", 0)
                         if last and self.head is not None:
-                            head_rows += self._label_for_head(s, hidden.detach(), dm_logits.detach())
+                            head_rows += self._label_for_head(
+                                s, hidden.detach(), None if dm_logits is None else dm_logits.detach()
+                            )
                     if terms:
                         self.optimizer.step()
         finally:
@@ -244,7 +246,8 @@ class OnlineLearner:
     def _sample_loss(self, s: TrainingSample, grad: bool):
         """``(loss, parts, hidden, dm_logits)`` of one sample: the teacher-forced drafter over
         its ids, logits only at the rows that predict a loss position (``hidden`` and
-        ``dm_logits`` at the DM positions, for the acceptance head's labels)."""
+        ``dm_logits`` at the DM positions, for the acceptance head's labels; ``dm_logits`` is None
+        under the sequence loss, which computes its logits in slices)."""
         decoder, lm_head = self.adapters.decoder_and_head(torch.bfloat16 if self.autocast else None)
         ids = torch.tensor([s.draft_ids], dtype=torch.long)
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
@@ -253,9 +256,7 @@ class OnlineLearner:
             dm_hidden = hidden.index_select(0, s.dm_pos - 1)
             if self.config.loss.kind == "seq":  # logits a slice of positions at a time
                 loss, parts = sequence_nll_rows(lm_head, hidden[s.seq_start - 1 : -1], ids[0, s.seq_start :])
-                with torch.no_grad():  # the acceptance head's labels read the DM positions' logits
-                    dm_logits = lm_head(dm_hidden).float()
-                return loss, parts, dm_hidden.float(), dm_logits
+                return loss, parts, dm_hidden.float(), None  # the head's labels compute their logits
             dm_logits = lm_head(dm_hidden).float()
             ng_logits = lm_head(hidden.index_select(0, s.ng_pos - 1)).float()
         loss, parts = hybrid_loss(
@@ -284,12 +285,16 @@ class OnlineLearner:
         return total / terms if terms else 0.0
 
     # -- the acceptance head ---------------------------------------------------------------------
-    def _label_for_head(self, s: TrainingSample, hidden: torch.Tensor, logits: torch.Tensor) -> int:
+    def _label_for_head(self, s: TrainingSample, hidden: torch.Tensor, logits: torch.Tensor | None) -> int:
         """Push sample ``s``'s (hidden state, soft label) rows at its DM positions into the
         replay buffer, from the drafter ``hidden`` states and ``logits`` there (a training
         forward's); returns the rows added."""
         if not s.dm_pos.numel():
             return 0
+        if logits is None:  # the sequence loss kept none: the DM positions' logits, without autograd
+            _, lm_head = self.adapters.decoder_and_head(torch.bfloat16 if self.autocast else None)
+            with torch.no_grad(), self._autocast():
+                logits = lm_head(hidden).float()
         labels, keep = soft_labels(logits, self.inter.index_of_draft, s.dm_top_idx, s.dm_top_logp)
         self.replay.push(hidden[keep], labels[keep])
         return int(keep.sum())
