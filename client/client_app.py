@@ -157,6 +157,7 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
             measure_ar=bool(fleet.get(FleetKey.MEASURE_AR, False)),
             fixed_k=int(fleet.get(FleetKey.FIXED_K, 0)),
             adaptive=bool(fleet.get(FleetKey.ADAPTIVE, True)),
+            fresh=bool(fleet.get(FleetKey.FRESH, False)),
         )
         return Message(RecordDict({Record.METRICS: MetricRecord(metrics)}), reply_to=msg)
 

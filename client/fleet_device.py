@@ -251,13 +251,17 @@ class FleetDevice:
         """The tensors of the global adapter this device holds (where a round's training starts)."""
         return load_safetensors((self.global_dir / "adapter.safetensors").read_bytes())
 
-    def session(self, *, use_global: bool = True) -> DeviceSession:
+    def session(self, *, use_global: bool = True, fresh: bool = False) -> DeviceSession:
         """A session with this device's local state; ``use_global`` restarts the adapter from the
         held global adapter and merges a newly received global cache (the fleet's released
-        n-grams) into the local one. A device whose translator reads the n-gram cache
+        n-grams) into the local one. ``fresh`` (with ``use_global=False``): a session with
+        nothing this device holds (the base drafter, a new rule and an empty lookup history,
+        never saved): what the device would do had it never learned or joined. A device whose translator reads the n-gram cache
         (``translate="ngram"``) adds what the two tokenizers imply once (``Engine.seed_cache``):
         those entries are the same on every device, so the coordinator does not send them.
         Both are recorded as done only when the session is saved (``save``)."""
+        if fresh and use_global:
+            raise ValueError("a fresh session holds no global state: pass use_global=False")
         manifest = self.held_manifest() if use_global else None
         if use_global and manifest is None:
             raise StateMismatch("this device holds no global state yet")
@@ -276,7 +280,7 @@ class FleetDevice:
         session = DeviceSession(
             engine,
             target_name=local,
-            state_dir=self.dir,
+            state_dir=None if fresh else self.dir,
             adapters=adapters,
             lora=adapters.spec,
             online=self.profile.online,
@@ -285,9 +289,10 @@ class FleetDevice:
         )
         meta = self._fleet_meta()
         self._unsaved = {}
-        if self.profile.translate == "ngram" and not meta.get("cache-seeded"):
-            engine.seed_cache(session.cache)
-            self._unsaved["cache-seeded"] = True
+        if self.profile.translate == "ngram" and (fresh or not meta.get("cache-seeded")):
+            engine.seed_cache(session.cache)  # a fresh session's cache starts as a new device's
+            if not fresh:
+                self._unsaved["cache-seeded"] = True
         if manifest is not None:
             adapters.load_state_dict(local, self.global_adapter())
             session.drafter_changed()
@@ -398,10 +403,16 @@ class FleetDevice:
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     def evaluate(
-        self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0, adaptive: bool = True
+        self,
+        *,
+        use_global: bool = True,
+        measure_ar: bool = False,
+        fixed_k: int = 0,
+        adaptive: bool = True,
+        fresh: bool = False,
     ) -> dict:
         """Decode the held-out prompts with the global state (or, ``use_global=False``, with the
-        device's local state alone), without learning.
+        device's local state alone; ``fresh``: with nothing it holds, ``session``), without learning.
 
         ``adaptive``: decode the first ``profile.speed_prompts`` of them (0: all) as the device
         decodes (adaptive draft length; acceptance, tok/s), and with ``measure_ar`` compare with
@@ -413,7 +424,7 @@ class FleetDevice:
         (``_target_alone`` keeps them); its speed is timed again in every evaluation."""
         if not adaptive and not fixed_k:
             raise ValueError("an evaluation without the adaptive pass needs a fixed draft length")
-        session = self.session(use_global=use_global)
+        session = self.session(use_global=use_global, fresh=fresh)
         session.learn = False
         p = self.profile
         if not p.heldout:  # a deployed device: its latest served prompts
@@ -431,8 +442,10 @@ class FleetDevice:
             metrics, live = evaluate_adaptive(
                 session, speed, p.generation, measure_ar=timed, replay=alone[: len(speed)] if alone else None
             )
-            if p.probe:  # a panel device keeps its rule's counted acceptance from round to round, as a
-                self.save(session)  # serving device does (re-fitted for each new adapter), not a cold rule each round
+            # a panel device keeps its rule's counted acceptance from round to round, as a serving
+            # device does (re-fitted for each new adapter), not a cold rule each round
+            if p.probe and not fresh:
+                self.save(session)
         if fixed_k:
             if replay and alone is None:
                 alone = self._target_alone(session, p, live)

@@ -142,6 +142,7 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
                 measure_ar=request.measure_ar,
                 fixed_k=request.fixed_k,
                 adaptive=request.adaptive,
+                fresh=request.fresh,
             )
 
         return pb.EvaluateReply(metrics_json=json.dumps(self._call(context, "evaluate", request.round, evaluate)))

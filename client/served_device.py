@@ -111,12 +111,23 @@ class ServedDevice(FleetDevice):
         return load_safetensors(reply.adapter), set(reply.learned), json.loads(reply.metrics_json)
 
     def evaluate(
-        self, *, use_global: bool = True, measure_ar: bool = False, fixed_k: int = 0, adaptive: bool = True
+        self,
+        *,
+        use_global: bool = True,
+        measure_ar: bool = False,
+        fixed_k: int = 0,
+        adaptive: bool = True,
+        fresh: bool = False,
     ) -> dict:
         reply = self._ask(
             "Evaluate",
             pb.EvaluateQuery(
-                round=self.round, use_global=use_global, measure_ar=measure_ar, fixed_k=fixed_k, adaptive=adaptive
+                round=self.round,
+                use_global=use_global,
+                measure_ar=measure_ar,
+                fixed_k=fixed_k,
+                adaptive=adaptive,
+                fresh=fresh,
             ),
         )
         return json.loads(reply.metrics_json)

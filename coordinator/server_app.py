@@ -101,7 +101,8 @@ class Panel:
     (None: their local state alone); ``held`` is their status (the parts they hold);
     ``prefix`` names the panel's metrics; ``adaptive=False`` decodes at the fixed draft length
     only (``FleetConfig.fixed_k``); ``timed=False``: the adaptive decode is not timed against
-    the target alone (its speed is the modelled one)."""
+    the target alone (its speed is the modelled one); ``fresh`` (no ``state``): with nothing the
+    devices hold, neither global nor local state (what they would do had they never learned)."""
 
     nodes: list[int]
     state: GlobalState | None
@@ -109,6 +110,7 @@ class Panel:
     prefix: str = "eval-"
     adaptive: bool = True
     timed: bool = True
+    fresh: bool = False
 
 
 class Coordinator:
@@ -383,8 +385,9 @@ class Coordinator:
         """Per target, sampled devices that never trained for it and meet a trained global state
         (at most ``newcomer_evals`` of them): their first session's acceptance without it
         (``new-cold-``) and with it (``new-warm-``); alongside, as many sampled devices that did
-        train before (``veteran-``) decode their own held-out prompts with the same state, the
-        reference a newcomer's warm start is measured against. Every target's devices are
+        train before (``veteran-``) decode their own held-out prompts with the same state and
+        with nothing they hold (``veteran-cold-``): the veterans' gain, the reference a
+        newcomer's warm start is measured against. Every target's devices are
         measured in the same two exchanges. With a fixed draft length (``fixed_k``) these panels
         decode at that length only: the acceptance that compares states, at half the cost."""
         n = self.config.newcomer_evals
@@ -401,6 +404,7 @@ class Coordinator:
             veterans = [node for node in order if group[node].get(StatusKey.TRAINED)][: n or None]
             if veterans:
                 warm[target, "veteran"] = Panel(veterans, states[target], group, "veteran-", adaptive, timed)
+                cold[target, "veteran"] = Panel(veterans, None, None, "veteran-cold-", adaptive, timed, fresh=True)
         if not cold:
             return {}
         out: dict[str, dict] = defaultdict(dict)
@@ -460,6 +464,7 @@ class Coordinator:
                 FleetKey.MEASURE_AR: self.config.measure_ar and panel.adaptive and panel.timed,
                 FleetKey.FIXED_K: self.config.fixed_k,
                 FleetKey.ADAPTIVE: panel.adaptive,
+                FleetKey.FRESH: panel.fresh,
             }
             for node in panel.nodes:
                 records[node] = (

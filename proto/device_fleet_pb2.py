@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x64\x65vice_fleet.proto\x12\x0comnidraft.v1\"+\n\nFleetQuery\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\t\"\x1c\n\x0c\x44\x65viceStatus\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x94\x01\n\x10GlobalStateParts\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0c\n\x04spec\x18\x02 \x01(\x0c\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x14\n\x07\x61\x64\x61pter\x18\x05 \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\x05\x63\x61\x63he\x18\x06 \x01(\x0cH\x01\x88\x01\x01\x42\n\n\x08_adapterB\x08\n\x06_cache\"\n\n\x08Received\"_\n\nTrainReply\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0c\x12\x0f\n\x07learned\x18\x02 \x03(\r\x12\x14\n\x0cmetrics_json\x18\x03 \x01(\t\x12\x19\n\x11target_vocab_size\x18\x04 \x01(\r\"i\n\rEvaluateQuery\x12\r\n\x05round\x18\x01 \x01(\r\x12\x12\n\nuse_global\x18\x02 \x01(\x08\x12\x12\n\nmeasure_ar\x18\x03 \x01(\x08\x12\x0f\n\x07\x66ixed_k\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08\"%\n\rEvaluateReply\x12\x14\n\x0cmetrics_json\x18\x01 \x01(\t2\xd3\x02\n\x0b\x44\x65viceFleet\x12>\n\x06Status\x12\x18.omnidraft.v1.FleetQuery\x1a\x1a.omnidraft.v1.DeviceStatus\x12>\n\x06Switch\x12\x18.omnidraft.v1.FleetQuery\x1a\x1a.omnidraft.v1.DeviceStatus\x12\x41\n\x07Receive\x12\x1e.omnidraft.v1.GlobalStateParts\x1a\x16.omnidraft.v1.Received\x12;\n\x05Train\x12\x18.omnidraft.v1.FleetQuery\x1a\x18.omnidraft.v1.TrainReply\x12\x44\n\x08\x45valuate\x12\x1b.omnidraft.v1.EvaluateQuery\x1a\x1b.omnidraft.v1.EvaluateReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x64\x65vice_fleet.proto\x12\x0comnidraft.v1\"+\n\nFleetQuery\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\t\"\x1c\n\x0c\x44\x65viceStatus\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x94\x01\n\x10GlobalStateParts\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0c\n\x04spec\x18\x02 \x01(\x0c\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x14\n\x07\x61\x64\x61pter\x18\x05 \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\x05\x63\x61\x63he\x18\x06 \x01(\x0cH\x01\x88\x01\x01\x42\n\n\x08_adapterB\x08\n\x06_cache\"\n\n\x08Received\"_\n\nTrainReply\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0c\x12\x0f\n\x07learned\x18\x02 \x03(\r\x12\x14\n\x0cmetrics_json\x18\x03 \x01(\t\x12\x19\n\x11target_vocab_size\x18\x04 \x01(\r\"x\n\rEvaluateQuery\x12\r\n\x05round\x18\x01 \x01(\r\x12\x12\n\nuse_global\x18\x02 \x01(\x08\x12\x12\n\nmeasure_ar\x18\x03 \x01(\x08\x12\x0f\n\x07\x66ixed_k\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08\x12\r\n\x05\x66resh\x18\x06 \x01(\x08\"%\n\rEvaluateReply\x12\x14\n\x0cmetrics_json\x18\x01 \x01(\t2\xd3\x02\n\x0b\x44\x65viceFleet\x12>\n\x06Status\x12\x18.omnidraft.v1.FleetQuery\x1a\x1a.omnidraft.v1.DeviceStatus\x12>\n\x06Switch\x12\x18.omnidraft.v1.FleetQuery\x1a\x1a.omnidraft.v1.DeviceStatus\x12\x41\n\x07Receive\x12\x1e.omnidraft.v1.GlobalStateParts\x1a\x16.omnidraft.v1.Received\x12;\n\x05Train\x12\x18.omnidraft.v1.FleetQuery\x1a\x18.omnidraft.v1.TrainReply\x12\x44\n\x08\x45valuate\x12\x1b.omnidraft.v1.EvaluateQuery\x1a\x1b.omnidraft.v1.EvaluateReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,9 +42,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINREPLY']._serialized_start=274
   _globals['_TRAINREPLY']._serialized_end=369
   _globals['_EVALUATEQUERY']._serialized_start=371
-  _globals['_EVALUATEQUERY']._serialized_end=476
-  _globals['_EVALUATEREPLY']._serialized_start=478
-  _globals['_EVALUATEREPLY']._serialized_end=515
-  _globals['_DEVICEFLEET']._serialized_start=518
-  _globals['_DEVICEFLEET']._serialized_end=857
+  _globals['_EVALUATEQUERY']._serialized_end=491
+  _globals['_EVALUATEREPLY']._serialized_start=493
+  _globals['_EVALUATEREPLY']._serialized_end=530
+  _globals['_DEVICEFLEET']._serialized_start=533
+  _globals['_DEVICEFLEET']._serialized_end=872
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,7 @@ class FleetKey:
     SECAGG = "secagg"  # the update leaves the device only masked (SecAgg+)
     CLIP_NORM = "clip-norm"  # L2 bound of an update under SecAgg+ (0: none)
     USE_GLOBAL = "use-global"  # evaluate: with the global state (else the device's own)
+    FRESH = "fresh"  # evaluate: with nothing the device holds (no global, no local state)
     MEASURE_AR = "measure-ar"  # evaluate: time the target alone too
     FIXED_K = "fixed-k"  # evaluate: also draft a fixed number of drafter tokens (0: not)
     ADAPTIVE = "adaptive"  # evaluate: the device's draft-length rule (else a fixed length)

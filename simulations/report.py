@@ -32,6 +32,11 @@ def by_target(records: list[dict]) -> dict[str, list[dict]]:
     return {t: [rounds[k] for k in sorted(rounds)] for t, rounds in sorted(out.items())}
 
 
+# the first-session panels: new devices with the global state and without it, veterans with it and
+# with nothing they hold (their own cold start on their own prompts)
+FIRST_SESSIONS = ("new-warm", "new-cold", "veteran", "veteran-cold")
+
+
 def _mean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -52,8 +57,11 @@ def target_summary(rows: list[dict]) -> dict:
         "acceptance-k-last": last.get("eval-fixed-k-acceptance"),
         "new-warm-acceptance-k": _mean([r.get("new-warm-fixed-k-acceptance") for r in newcomers]),
         "new-cold-acceptance-k": _mean([r.get("new-cold-fixed-k-acceptance") for r in newcomers]),
-        "veteran-acceptance": _mean([r.get("veteran-acceptance") for r in newcomers]),
-        "veteran-acceptance-k": _mean([r.get("veteran-fixed-k-acceptance") for r in newcomers]),
+        **{
+            f"{who}-acceptance{k}": _mean([r.get(f"{who}{fixed}-acceptance") for r in newcomers])
+            for who in ("veteran", "veteran-cold")
+            for k, fixed in (("", ""), ("-k", "-fixed-k"))
+        },
         "first-round": first.get("round"),
         "last-round": last.get("round"),
         "tokens-per-call-first": first.get("eval-tokens-per-call"),
@@ -67,9 +75,10 @@ def target_summary(rows: list[dict]) -> dict:
         "tokens-per-s-last": last.get("eval-tokens-per-s"),
         **{
             f"{who}-modelled-{k}": _mean([r.get(f"{who}-modelled-{k}") for r in newcomers])
-            for who in ("new-warm", "new-cold", "veteran")
+            for who in FIRST_SESSIONS
             for k in ("speedup", "tokens-per-s")
         },
+        "new-gain-share": gain_share(newcomers),
         "train-replayed": _mean([r.get("train-replayed") for r in trained]),
         "new-warm-acceptance": _mean([r.get("new-warm-acceptance") for r in newcomers]),
         "new-cold-acceptance": _mean([r.get("new-cold-acceptance") for r in newcomers]),
@@ -82,6 +91,21 @@ def target_summary(rows: list[dict]) -> dict:
         "ngrams-released": sum(int(r.get("ngrams", {}).get("released", 0)) for r in trained),
         "epsilon-last": trained[-1].get("ngrams", {}).get("epsilon") if trained else None,
     }
+
+
+def gain_share(rows: list[dict]) -> float | None:
+    """What a new device gains from the global state (its modelled speedup warm over cold, less
+    one) as a share of what the veterans gained (with the global state and their own history,
+    over their own cold start on the same prompts), pooled over the rounds that measured both;
+    None where the veterans gained nothing or it was not measured."""
+    rows = [r for r in rows if all(r.get(f"{who}-modelled-speedup") for who in FIRST_SESSIONS)]
+    if not rows:
+        return None
+    warm, cold, veteran, veteran_cold = (
+        sum(r[f"{who}-modelled-speedup"] for r in rows) / len(rows) for who in FIRST_SESSIONS
+    )
+    veterans_gain = veteran / veteran_cold - 1
+    return (warm / cold - 1) / veterans_gain if veterans_gain > 0 else None
 
 
 def _times(v: float | None) -> str:
@@ -163,8 +187,11 @@ def verdict(summaries: dict[str, dict]) -> str:
             if s.get("new-warm-modelled-speedup") is not None:
                 text += (
                     f" (modelled speed {_times(s['new-warm-modelled-speedup'])} warm, "
-                    f"{_times(s['new-cold-modelled-speedup'])} cold, veterans {_times(s['veteran-modelled-speedup'])})"
+                    f"{_times(s['new-cold-modelled-speedup'])} cold; veterans {_times(s['veteran-modelled-speedup'])}, "
+                    f"{_times(s['veteran-cold-modelled-speedup'])} with nothing they hold"
                 )
+                share = s.get("new-gain-share")
+                text += f": a new device starts with {share:.0%} of the veterans' gain)" if share is not None else ")"
         parts.append(text + ".")
     return " ".join(parts)
 
@@ -175,22 +202,20 @@ def summary_table(summaries: dict[str, dict]) -> str:
     head = (
         "| target | acceptance, fixed k (adaptive) (round → round) | tokens/call "
         "| speedup vs target: live, live after the prefill (modelled) "
-        "| new device warm / cold / veterans, fixed k (adaptive) "
+        "| new device warm / cold / veterans / veterans cold, fixed k (adaptive) "
         "| devices trained | uplink / downlink per device | cache entries | n-grams released | ε |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for t, s in summaries.items():
         rounds = f"{s['first-round']} → {s['last-round']}" if s["first-round"] is not None else ""
         first, last = (_pair(s[f"acceptance-k-{end}"], s[f"acceptance-{end}"]) for end in ("first", "last"))
-        warm, cold, veteran = (
-            _pair(s[f"{who}-acceptance-k"], s[f"{who}-acceptance"]) for who in ("new-warm", "new-cold", "veteran")
-        )
+        first_sessions = " / ".join(_pair(s[f"{who}-acceptance-k"], s[f"{who}-acceptance"]) for who in FIRST_SESSIONS)
         lines.append(
             f"| {t} | {first} → {last} ({rounds}) "
             f"| {_fmt(s['tokens-per-call-first'], '.2f')} → {_fmt(s['tokens-per-call-last'], '.2f')} "
             f"| {_speeds(s['speedup-first'], s['modelled-speedup-first'], s['decode-speedup-first'])} → "
             f"{_speeds(s['speedup-last'], s['modelled-speedup-last'], s['decode-speedup-last'])} "
-            f"| {warm} / {cold} / {veteran} "
+            f"| {first_sessions} "
             f"({s['new-devices']} device{'s' if s['new-devices'] != 1 else ''}) "
             f"| {s['devices-trained']} | {_mb(s['uplink-bytes-per-device'])} / {_mb(s['downlink-bytes-per-device'])} "
             f"| {_fmt(s['cache-entries-last'], 'd')} | {s['ngrams-released']} | {_fmt(s['epsilon-last'], '.2f')} |"
@@ -199,20 +224,19 @@ def summary_table(summaries: dict[str, dict]) -> str:
 
 
 def _warm_cold(r: dict) -> str:
-    """A round's newcomers, warm / cold, and its veterans: at fixed k (adaptive) where measured."""
-    return " / ".join(
-        _pair(r.get(f"{who}-fixed-k-acceptance"), r.get(f"{who}-acceptance"))
-        for who in ("new-warm", "new-cold", "veteran")
-    )
+    """A round's newcomers, warm / cold, and its veterans with the global state / with nothing
+    they hold: at fixed k (adaptive) where measured."""
+    return " / ".join(_pair(r.get(f"{who}-fixed-k-acceptance"), r.get(f"{who}-acceptance")) for who in FIRST_SESSIONS)
 
 
 def _warm_cold_speed(r: dict) -> str:
-    """A round's newcomers warm / cold and its veterans: modelled tok/s (speedup), where measured."""
+    """A round's newcomers warm / cold and its veterans warm / cold: modelled tok/s (speedup),
+    where measured."""
     if r.get("new-warm-modelled-tokens-per-s") is None:
         return "–"
     return " / ".join(
         f"{_fmt(r.get(f'{who}-modelled-tokens-per-s'), '.1f')} ({_times(r.get(f'{who}-modelled-speedup'))})"
-        for who in ("new-warm", "new-cold", "veteran")
+        for who in FIRST_SESSIONS
     )
 
 
@@ -228,8 +252,8 @@ def round_table(rows: list[dict]) -> str:
     head = (
         "| round | devices serving (switched) | devices trained | state version | acceptance, fixed k "
         "| acceptance | tokens/call "
-        "| tok/s | speedup: live, live after the prefill (modelled) | new warm / cold / veterans "
-        "| new warm / cold / veterans: modelled tok/s (speedup) | trained devices: modelled speedup (replayed) "
+        "| tok/s | speedup: live, live after the prefill (modelled) | new warm / cold / veterans / veterans cold "
+        "| the same: modelled tok/s (speedup) | trained devices: modelled speedup (replayed) "
         "| cache entries | released | ε |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -349,7 +373,9 @@ def write_report(run_dir: str | Path) -> Path:
         f"{cfg.get('probe_speed_prompts') or cfg.get('probe_heldout', 0)} of them. New devices "
         "are sampled devices that never trained for their target, whose first session runs once without and "
         "once with the global state; veterans are as many sampled devices that trained before, decoding "
-        "their own held-out prompts with the same global state in the same round. A **modelled** speedup "
+        "their own held-out prompts with the same global state in the same round, and once more with "
+        "nothing they hold (veterans cold: the base drafter, a new rule, no lookup history); a new device's "
+        "share of the veterans' gain compares warm over cold with veterans over veterans cold. A **modelled** speedup "
         "(in parentheses) charges each round the probe decoded its cost in the machine's cached cost "
         "profile (the same figures the draft rule decides from), prompt prefill excluded: it does not move "
         "when the machine is busier or quieter between rounds, the live one does. The live speedup counts "

@@ -15,8 +15,8 @@ PLOTS = {
     "cache.png": "Global n-gram cache entries, by round",
     "bytes.png": "Bytes per device and round (uplink: adapter + n-gram statistics; downlink: state sent)",
     "newcomers.png": "First session of a new device: with the global state (warm) vs without (cold), "
-    "and devices that trained before (veterans) with the same state: acceptance, and where "
-    "measured the modelled speedup",
+    "and devices that trained before (veterans) with the same state vs with nothing they hold: "
+    "acceptance, and where measured the modelled speedup",
 }
 
 
@@ -106,19 +106,25 @@ def plot(per_target: dict[str, list[dict]], summaries: dict[str, dict], out: Pat
     fig, axes = plt.subplots(1, 2 if speed else 1, figsize=(10 if speed else 6, 3.6), squeeze=False)
 
     def bars(ax, key: str, ylabel: str, fmt: str) -> None:
-        """Cold / warm / veterans per target, ``{who}-{key}`` of the summaries."""
-        groups = [[s[f"{who}-{key}"] or 0.0 for s in summaries] for who in ("new-cold", "new-warm", "veteran")]
+        """New devices cold / warm, veterans cold / warm per target, ``{who}-{key}`` of the summaries."""
+        who = ("new-cold", "new-warm", "veteran-cold", "veteran")
+        groups = [[s[f"{w}-{key}"] or 0.0 for s in summaries] for w in who]
         xs = range(len(names))
         for offset, values, label in zip(
-            (-0.27, 0.0, 0.27),
+            (-0.3, -0.1, 0.1, 0.3),
             groups,
-            ("new, cold (no global state)", "new, warm (global state)", "veterans (global state)"),
+            (
+                "new, cold (no global state)",
+                "new, warm (global state)",
+                "veterans, cold (nothing they hold)",
+                "veterans (global state, own history)",
+            ),
         ):
-            ax.bar_label(ax.bar([x + offset for x in xs], values, width=0.27, label=label), fmt=fmt, fontsize=7)
+            ax.bar_label(ax.bar([x + offset for x in xs], values, width=0.2, label=label), fmt=fmt, fontsize=7)
         ax.set_xticks(list(xs), names, fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, 1.35 * max([v for g in groups for v in g] + [0.01]))  # headroom: the legend sits above the bars
-        ax.legend(fontsize=7, loc="upper center", ncol=3 if not speed else 1)
+        ax.legend(fontsize=7, loc="upper center", ncol=2)
 
     bars(
         axes[0][0],

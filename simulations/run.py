@@ -333,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"vs cold {record[f'new-cold{kind}-acceptance']:.3f}"
                 )
                 if f"veteran{kind}-acceptance" in record:
-                    line += f" (veterans {record[f'veteran{kind}-acceptance']:.3f})"
+                    line += f" (veterans {record[f'veteran{kind}-acceptance']:.3f}"
+                    cold = record.get(f"veteran-cold{kind}-acceptance")
+                    line += f", {cold:.3f} with nothing they hold)" if cold is not None else ")"
             print(line, flush=True)
 
         t0 = time.perf_counter()

@@ -283,3 +283,55 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     device.profile = replace(profile, heldout=heldout[:2])  # another prompt set: recorded anew
     device.evaluate(use_global=False, fixed_k=3, adaptive=False)
     assert runs == [heldout[:1], heldout[1:], heldout[:1], heldout[:2]]
+
+
+def test_a_fresh_evaluation_holds_nothing_the_device_learned_and_changes_nothing(tmp_path, tiny):
+    """A veteran's cold reference (``fresh``): after a training round its local session holds a
+    trained adapter and a lookup history; a fresh one holds neither, decodes as a device that
+    never joined does (the same fixed-k figures), and leaves the saved state as it was."""
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
+
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=8))
+    state = reg.load("tiny-target-a")
+    pool = EnginePool("fp32", "fp32")
+
+    def device(name: str) -> FleetDevice:
+        profile = DeviceProfile(
+            device_id=name,
+            target="tiny-target-a",
+            target_model=str(tiny["tiny-target-a"]),
+            drafter=str(tiny["tiny-drafter"]),
+            prompts=["def add(a, b):", "import os\n"],
+            heldout=["def f(x):", "x = 1\n"],
+            state_dir=tmp_path / name,
+            prompts_per_round=2,
+        )
+        return FleetDevice(profile, pool)
+
+    veteran = device("veteran")
+    veteran.receive(state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature)
+    veteran.train_round(1)
+
+    def trained_b(session) -> float:
+        tensors = session.adapters.state_dict(session.target)
+        return sum(float(v.abs().sum()) for k, v in tensors.items() if "lora_B" in k)
+
+    local = veteran.session(use_global=False)
+    assert trained_b(local) > 0 and len(local.lookup.history) > 0
+    fresh = veteran.session(use_global=False, fresh=True)
+    assert trained_b(fresh) == 0 and len(fresh.lookup.history) == 0
+
+    def held() -> dict[str, bytes]:  # but fleet.json, where an evaluation keeps the target alone's outputs
+        return {str(p): p.read_bytes() for p in veteran.dir.rglob("*") if p.is_file() and p.name != "fleet.json"}
+
+    saved = held()
+    cold = veteran.evaluate(use_global=False, fresh=True, fixed_k=2)
+    assert held() == saved and len(saved) > 3
+    never = device("never").evaluate(use_global=False, fixed_k=2)
+    keys = ("fixed-k-acceptance", "fixed-k-tokens-per-call", "acceptance", "tokens-per-call")
+    assert {k: cold[k] for k in keys} == {k: never[k] for k in keys}
+    with pytest.raises(ValueError, match="no global state"):
+        veteran.session(fresh=True)

@@ -183,3 +183,42 @@ def test_the_verdict_says_whether_learning_paid_in_speed():
         "slower than the target alone (1.17x → 0.86x)" in drift
         and "cost profile, decoding only: 1.41x → 1.52x" in drift
     )
+
+
+def test_a_new_devices_share_of_the_veterans_gain():
+    """Warm over cold for new devices, against veterans over their own cold start (modelled
+    speedups, pooled over the rounds that measured all four); the verdict says it."""
+
+    def row(warm, cold, veteran, veteran_cold):
+        speeds = dict(zip(report.FIRST_SESSIONS, (warm, cold, veteran, veteran_cold)))
+        return {f"{who}-modelled-speedup": v for who, v in speeds.items()}
+
+    # new devices gain 1.5/1.4 - 1 = 7.1 %, veterans 1.8/1.4 - 1 = 28.6 %: a quarter of it
+    assert report.gain_share([row(1.5, 1.4, 1.8, 1.4)]) == pytest.approx((1.5 / 1.4 - 1) / (1.8 / 1.4 - 1))
+    assert report.gain_share([row(1.5, 1.4, 1.8, 1.4), row(1.7, 1.4, 2.0, 1.6)]) == pytest.approx(
+        (1.6 / 1.4 - 1) / (1.9 / 1.5 - 1)
+    )
+    assert report.gain_share([row(1.5, 1.4, 1.3, 1.4)]) is None  # the veterans gained nothing
+    assert report.gain_share([{"new-warm-modelled-speedup": 1.5}]) is None  # not measured
+    text = report.verdict(
+        {
+            "q": {
+                "speedup-first": 1.2,
+                "speedup-last": 1.35,
+                "first-round": 0,
+                "last-round": 3,
+                "acceptance-k-first": None,
+                "new-devices": 3,
+                "new-warm-acceptance": 0.43,
+                "new-cold-acceptance": 0.38,
+                "new-warm-acceptance-k": None,
+                "new-cold-acceptance-k": None,
+                "new-warm-modelled-speedup": 1.5,
+                "new-cold-modelled-speedup": 1.4,
+                "veteran-modelled-speedup": 1.8,
+                "veteran-cold-modelled-speedup": 1.4,
+                "new-gain-share": 0.25,
+            }
+        }
+    )
+    assert "veterans 1.80x, 1.40x with nothing they hold: a new device starts with 25% of the veterans' gain" in text

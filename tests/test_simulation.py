@@ -168,12 +168,17 @@ def test_smoke_run_writes_every_output(smoke):
     assert not any(
         f"{who}-tokens-per-s" in r or f"{who}-speedup" in r
         for r in records
-        for who in ("new-warm", "new-cold", "veteran")
+        for who in ("new-warm", "new-cold", "veteran", "veteran-cold")
     )
-    assert any("veteran-fixed-k-acceptance" in r and "veteran-modelled-speedup" in r for r in records)
+    # veterans decode with the global state and with nothing they hold: their gain, the newcomers' reference
+    assert any(
+        all(f"{who}-fixed-k-acceptance" in r and f"{who}-modelled-speedup" in r for who in ("veteran", "veteran-cold"))
+        for r in records
+    )
     trained_rounds = [r for r in records if r["round"]]
     assert all(0 <= r["train-replayed"] <= 1 and r["train-modelled-speedup"] > 0 for r in trained_rounds)
     assert "modelled tok/s (speedup)" in (out / "report.md").read_text()
+    assert "veterans cold" in (out / "report.md").read_text()
     for r in trained_rounds:  # where each round's time went, phase by phase, adding up to the round
         phases = r["phase-s"]
         assert {"census", "newcomers", "train", "aggregate", "eval"} <= set(phases) and min(phases.values()) >= 0
