@@ -187,9 +187,12 @@ def teacher_forced_agreement(
     accepted = proposed = 0
     for s in samples:
         ids = torch.tensor([s.draft_ids])
-        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        # the LM head under the same autocast as the decoder: the callables of
+        # ``DrafterAdapters.decoder_and_head(bf16)`` read their frozen weights in bf16
+        with torch.no_grad(), torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
             hidden = decoder(input_ids=ids).last_hidden_state[0]
             ok = lm_head(hidden[s.seq_start - 1 : -1]).argmax(-1) == ids[0, s.seq_start :]
+            dm = lm_head(hidden.index_select(0, s.dm_pos - 1)).argmax(-1)
         hits, total = hits + int(ok.sum()), total + ok.numel()
         run, run_from = 0, []  # run of hits starting at each position, from the end
         for hit in reversed(ok.tolist()):
@@ -202,7 +205,6 @@ def teacher_forced_agreement(
             got = min(k, run_from[i])
             accepted, proposed = accepted + got, proposed + min(k, len(run_from) - i)
             i += got + 1
-        dm = lm_head(hidden.index_select(0, s.dm_pos - 1)).argmax(-1)
         dm_hits += int((dm == ids[0, s.dm_pos]).sum())
         dm_total += s.dm_pos.numel()
     return {
