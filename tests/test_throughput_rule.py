@@ -82,6 +82,25 @@ def test_speculation_pauses_when_it_does_not_pay_and_is_retried():
     assert {good.plan()[0] for _ in range(40)} == {DRAFTER}
 
 
+def test_a_fresh_rule_is_not_paused_by_one_unlucky_round_but_a_useless_drafter_is():
+    """The drafter's rate starts from a prior worth PRIOR_ROUNDS rounds: a first round that
+    commits one token of three drafted does not stop a drafter the prior expects to pay (a
+    pause costs RETRY_ROUNDS plain steps; with a prior worth 2 rounds it did), and one that
+    never gets a token accepted is paused after two rounds."""
+    profile = CostProfile({1: 50.0, 2: 52.0, 4: 60.0, 8: 80.0, 16: 120.0}, drafter_ms_per_token=8.0)
+    unlucky = ThroughputRule(profile)
+    drafter_round(unlucky, accepted=0, drafted=3)
+    assert unlucky.plan()[0] == DRAFTER
+    drafter_round(unlucky, accepted=3, drafted=3)  # then a good one: drafting goes on
+    assert unlucky.plan()[0] == DRAFTER
+    useless = ThroughputRule(profile)
+    rounds = 0
+    while useless.plan()[0] == DRAFTER:
+        drafter_round(useless, accepted=0, drafted=3)
+        rounds += 1
+    assert rounds == 2 and useless.drafter_rate() < useless.plain_rate()
+
+
 def test_lookup_drafts_are_chosen_by_expected_tokens_per_cost():
     rule = ThroughputRule(CostProfile({1: 100.0, 16: 104.0}, drafter_ms_per_token=10.0))
     for _ in range(5):  # the drafter: 2 tokens for ~125 ms

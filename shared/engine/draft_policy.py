@@ -66,7 +66,7 @@ REFIT_KEEP = 0.25  # share of the drafter's evidence kept when the drafter chang
 REFIT_CAP = 8.0  # ... and at most this many observations per bucket
 MAX_EVIDENCE = 256.0  # observations per bucket beyond which older ones fade (a slow drift is followed)
 RETRY_ROUNDS = 16  # plain rounds in a row after which the drafter is tried again
-PRIOR_ROUNDS = 2.0  # the drafter's rate starts from this many rounds' worth of a prior
+PRIOR_ROUNDS = 4.0  # the drafter's rate starts from this many rounds' worth of a prior (docs/findings.md)
 LOOKUP_MATCH_MAX = 8  # match lengths above this share one acceptance cell
 MIN_SCORED = 64.0  # drafted tokens a feature is scored on before the head may replace the confidence
 SCORE_DECAY = 0.998  # weight of the previous squared errors, per scored token
@@ -147,7 +147,8 @@ class ThroughputRule:
         self._proposed = 0.0
         # the drafter's rate: decayed committed tokens and modelled ms (catch-up feeding excluded)
         # of drafter rounds, starting from PRIOR_ROUNDS rounds of 2 drafted tokens accepted at
-        # even odds (one unlucky first round does not pause the drafter)
+        # even odds (a few unlucky first rounds do not pause the drafter for RETRY_ROUNDS steps;
+        # one that never gets a token accepted is paused after two)
         prior_tokens = 1.0 + 0.5 + 0.25
         prior_ms = self.overhead_ms + 2 * self.drafter_ms + profile.target_cost(3)
         self._rate_tokens = PRIOR_ROUNDS * prior_tokens
