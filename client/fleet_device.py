@@ -256,8 +256,9 @@ class FleetDevice:
         held global adapter and merges a newly received global cache (the fleet's released
         n-grams) into the local one. ``fresh`` (with ``use_global=False``): a session with
         nothing this device holds (the base drafter, a new rule and an empty lookup history,
-        never saved): what the device would do had it never learned or joined. A device whose translator reads the n-gram cache
-        (``translate="ngram"``) adds what the two tokenizers imply once (``Engine.seed_cache``):
+        never saved): what the device would do had it never learned or joined. A device whose
+        translator reads the n-gram cache (``translate="ngram"``) adds what the two tokenizers
+        imply once (``Engine.seed_cache``):
         those entries are the same on every device, so the coordinator does not send them.
         Both are recorded as done only when the session is saved (``save``)."""
         if fresh and use_global:
