@@ -55,11 +55,9 @@ def target_summary(rows: list[dict]) -> dict:
         "acceptance-last": last.get("eval-acceptance"),
         "acceptance-k-first": first.get("eval-fixed-k-acceptance"),
         "acceptance-k-last": last.get("eval-fixed-k-acceptance"),
-        "new-warm-acceptance-k": _mean([r.get("new-warm-fixed-k-acceptance") for r in newcomers]),
-        "new-cold-acceptance-k": _mean([r.get("new-cold-fixed-k-acceptance") for r in newcomers]),
         **{
             f"{who}-acceptance{k}": _mean([r.get(f"{who}{fixed}-acceptance") for r in newcomers])
-            for who in ("veteran", "veteran-cold")
+            for who in FIRST_SESSIONS
             for k, fixed in (("", ""), ("-k", "-fixed-k"))
         },
         "first-round": first.get("round"),
@@ -80,8 +78,6 @@ def target_summary(rows: list[dict]) -> dict:
         },
         "new-gain-share": gain_share(newcomers),
         "train-replayed": _mean([r.get("train-replayed") for r in trained]),
-        "new-warm-acceptance": _mean([r.get("new-warm-acceptance") for r in newcomers]),
-        "new-cold-acceptance": _mean([r.get("new-cold-acceptance") for r in newcomers]),
         "new-devices": sum(int(r.get("new-warm-devices", 0)) for r in newcomers),
         "devices-trained": sum(int(r["aggregated"]) for r in trained),
         "rejected": sum(len(r.get("rejected", [])) for r in rows),
