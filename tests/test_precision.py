@@ -234,6 +234,31 @@ def test_engine_int8_end_to_end_with_cached_profile(tmp_path, monkeypatch):
         )
 
 
+def test_dtype_auto_measures_each_candidate_only_at_the_blocks_it_ranks_by(tmp_path, monkeypatch):
+    """``--dtype auto`` times each candidate precision at ``AUTO_BLOCKS`` (what
+    ``verification_score`` reads), not the full profile: the float32 candidate's full profile took
+    minutes. The choice is the candidate with the lowest score, and it is cached: a second call
+    measures nothing."""
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
+    build_pair(tmp_path / "pair")
+    measured: list[tuple[int, ...]] = []
+    real = profiling.measure_block_ms
+
+    def spy(runner, blocks, **kwargs):
+        measured.append(tuple(blocks))
+        return real(runner, blocks, **kwargs)
+
+    monkeypatch.setattr(profiling, "measure_block_ms", spy)
+    target = str(tmp_path / "pair" / "target")
+    best, costs = profiling.choose_precision(target, progress=False)
+    assert set(costs) == set(profiling.lossless_precisions(tmp_path / "pair" / "target"))
+    assert measured == [profiling.AUTO_BLOCKS] * len(costs)
+    assert all(set(c) == set(profiling.AUTO_BLOCKS) for c in costs.values())
+    assert best == min(costs, key=lambda p: profiling.verification_score(costs[p]))
+    measured.clear()
+    assert profiling.choose_precision(target, progress=False) == (best, costs) and measured == []
+
+
 def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch):
     """``--dtype auto`` keeps the target's greedy output: native int8 only for architectures the
     native kernels run (and only where they load), fp32 always; never bf16 or fbgemm int8,

@@ -34,13 +34,16 @@ from omnidraft.shared.engine import catalog
 from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
 
 CONTEXT_TOKENS = 256
-# Verification blocks measured. The native kernels compute rows in groups (the AVX-512 ones in
-# groups of 4 and 8), so a block's cost rises in steps, not in a line: both edges of each step
-# are measured (4 | 5, 8 | 9, 12 | 13), or interpolating across one would price a 5-token
-# block like the mean of 4 and 6 when it costs what 8 do.
-PROFILE_BLOCKS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16)
+# Verification blocks measured. The native kernels compute rows in groups, so a block's cost
+# rises in steps, not in a line: both edges of each step are measured, or interpolating across
+# one misprices every size in between. The AVX-512 kernels with 8-bit activations run 8-row
+# passes while more than 4 rows remain, then a 4-row pass, and a lone last row alone (steps at
+# 4 | 5, 9 | 10, 12 | 13: 10 and 11 tokens cost what 12 do, not the line from 9 to 12, which
+# priced 10 tokens 10 % low on a Zen 4 EPYC); with 16-bit activations 4-row passes and a lone
+# last row (steps at 5 | 6, 9 | 10, 13 | 14); the AVX2 ones groups of 4, 2 and 1.
+PROFILE_BLOCKS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16)
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
-PROFILE_VERSION = 8  # bump when a kernel or the method changes: every cached measurement is taken again
+PROFILE_VERSION = 9  # bump when a kernel or the method changes: every cached measurement is taken again
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree
@@ -381,9 +384,15 @@ class StepTimings:
         return report
 
 
+# What ``verification_score`` reads: ``--dtype auto`` measures each candidate at these block
+# sizes only, and the chosen precision's full profile (``PROFILE_BLOCKS``) when it is used. On a
+# noisy 2-core Zen 4 EPYC the full profile of the float32 candidate took 7.4 minutes.
+AUTO_BLOCKS = (1, 4)
+
+
 def verification_score(target_ms: dict[int, float]) -> float:
     """How ``--dtype auto`` ranks precisions: one decode step plus one typical verification
-    block of 4 tokens (ms)."""
+    block of 4 tokens (ms; ``target_ms`` holds at least ``AUTO_BLOCKS``)."""
     profile = CostProfile(target_ms, 0.0)
     return profile.target_cost(1) + profile.target_cost(4)
 
@@ -395,10 +404,10 @@ def choose_precision(
     :func:`verification_score` on this machine, and each candidate's measured costs.
 
     Candidates default to :func:`lossless_precisions`; each one not cached yet is loaded and
-    measured once.
+    measured once, at ``AUTO_BLOCKS`` only.
     """
     from omnidraft.shared.engine import model_runner
-    from omnidraft.shared.engine.precision import build_target_runner, load_dtype, runner_backend
+    from omnidraft.shared.engine.precision import build_target_runner, load_dtype
 
     path = catalog.resolve(target, progress=progress)
     if candidates is None:
@@ -408,8 +417,7 @@ def choose_precision(
 
         def measure_one(precision=precision) -> dict[int, float]:
             loaded = model_runner.load(str(path), load_dtype(precision), progress=progress, stream=precision == "int8")
-            runner = build_target_runner(loaded.model, precision, loaded.checkpoint)
-            return target_costs(runner, path, precision, runner_backend(runner), refresh=refresh)
+            return measure_block_ms(build_target_runner(loaded.model, precision, loaded.checkpoint), AUTO_BLOCKS)
 
         costs[precision] = _cached_precision_costs(path, precision, measure_one, refresh)
     best = min(costs, key=lambda p: verification_score(costs[p]))
@@ -447,7 +455,7 @@ def _cached_precision_costs(
         "role": "auto-candidate",
         "model": model_fingerprint(path),
         "precision": precision,
-        "blocks": list(PROFILE_BLOCKS),
+        "blocks": list(AUTO_BLOCKS),
     }
     value = cached(key, lambda: {str(b): ms for b, ms in measure().items()}, refresh)
     return {int(b): ms for b, ms in value.items()}
