@@ -113,6 +113,19 @@ def evaluate_fixed_k(
     }
 
 
+def profile_check_metrics(check: dict) -> dict:
+    """A profile check's (``Engine.check_profile``) figures as evaluation metrics: one-token
+    target steps timed in use over the cached profile's figure, and the drafter step's ratio
+    over that one (1.0: the rule weighed the two as they cost); each only where the check had
+    enough steps of it."""
+    metrics = {}
+    if "target:1" in check["steps"] and check["steps"]["target:1"]["ratio"]:
+        metrics[MetricKey.PROFILE_TARGET_STEP] = float(check["steps"]["target:1"]["ratio"])
+    if check.get("drafter_vs_target"):
+        metrics[MetricKey.PROFILE_DRAFTER_VS_TARGET] = float(check["drafter_vs_target"])
+    return metrics
+
+
 def target_alone(session: DeviceSession, prompts: list[str], config: GenerationConfig) -> list:
     """The target alone on each prompt (its ``GenerationResult``s): with greedy ``config`` their
     ``token_ids`` are the recordings ``evaluate_fixed_k`` replays; their tok/s is the speed
@@ -134,7 +147,8 @@ def evaluate_adaptive(
     "s", "prefill_s"}``: the speedup's baseline, timed beside it); the speculative decode starts
     from the prompt's prefill that run left in the target's cache, counted at its measured
     seconds in both (``speedup``), or left out of both (``decode-speedup``: what the modelled
-    speedup models). ``replay``: the target's recorded outputs (``{"ids"}``), replayed instead of running it
+    speedup models), and the cost profile is checked against the forwards timed in use
+    (``profile_check_metrics``; a stale one is reported, not dropped). ``replay``: the target's recorded outputs (``{"ids"}``), replayed instead of running it
     (the speed is then only modelled: no live tok/s or speedup)."""
     alone: list[dict] = []
     phase = Phase()
@@ -170,4 +184,7 @@ def evaluate_adaptive(
                 MetricKey.DECODE_SPEEDUP: out["decode_speedup_vs_ar"] or 0.0,
             }
         )
+    if alone:  # timed live: were its decisions made on a profile that holds in use? (kept either way:
+        # a fleet's panel, whose runs with one seed decide alike)
+        metrics.update(profile_check_metrics(session.engine.check_profile(forget_stale=False)))
     return metrics, alone

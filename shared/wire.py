@@ -87,6 +87,10 @@ class MetricKey:
     FIXED_K_TOKENS_PER_CALL = "fixed-k-tokens-per-call"
     UPDATE_S = "update-s"  # seconds of adapter updates
     EVAL_S = "eval-s"  # seconds of the evaluation
+    # a live evaluation's check of the cached cost profile (``StepTimings.check``): one-token target
+    # steps timed in use over the profile's figure, and the drafter step's ratio over that one
+    PROFILE_TARGET_STEP = "profile-target-step"
+    PROFILE_DRAFTER_VS_TARGET = "profile-drafter-vs-target"
     CACHE_ENTRIES = "cache-entries"
     UPLINK_BYTES = "uplink-bytes"
 

@@ -294,6 +294,22 @@ def time_table(records: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
+def profile_table(records: list[dict]) -> str | None:
+    """Per round and target, the live panel's check of the cached cost profile the draft rule
+    and the modelled speedups read (``profile_check_metrics``), or None when no record has one."""
+    keys = ("eval-profile-target-step", "eval-profile-drafter-vs-target")
+    rows = [r for r in records if any(k in r for k in keys)]
+    if not rows:
+        return None
+    lines = [
+        "| round | target | one-token target step, in use / profile | drafter step against it, in use / profile |",
+        "|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["round"], r["target"])):
+        lines.append(f"| {r['round']} | {r['target']} | " + " | ".join(_fmt(r.get(k), ".2f") for k in keys) + " |")
+    return "\n".join(lines)
+
+
 def finish(
     run_dir: str | Path,
     config: dict,
@@ -413,6 +429,20 @@ def write_report(run_dir: str | Path) -> Path:
     times = time_table([r for rows in per_target.values() for r in rows])
     if times:
         parts += ["## Where the time went (wall seconds)", "", times, ""]
+    checked = profile_table([r for rows in per_target.values() for r in rows])
+    if checked:
+        parts += [
+            "## The cost profile in use",
+            "",
+            "The probes' forwards timed while decoding live against the cached profile the draft rule decides "
+            "from and the modelled speedups read (1.00: as profiled; the rule weighs drafter steps against "
+            "target steps, so the second column matters most). The run keeps its profile, so runs with one "
+            "seed decide alike; where it is off by more than 1.5x, or 1.2x in the second column, "
+            "`omnidraft profile --refresh` measures it again.",
+            "",
+            checked,
+            "",
+        ]
     reasons = rejection_reasons([r for rows in per_target.values() for r in rows])
     if reasons:
         parts += [

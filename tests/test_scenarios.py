@@ -222,3 +222,31 @@ def test_a_new_devices_share_of_the_veterans_gain():
         }
     )
     assert "veterans 1.80x, 1.40x with nothing they hold: a new device starts with 25% of the veterans' gain" in text
+
+
+def test_the_live_panels_profile_check_is_reported_round_by_round():
+    """A live evaluation's profile check becomes two metrics (one-token target steps in use over
+    the profile; the drafter step's ratio over that one), each only where the check had enough
+    steps; the report tabulates them per round and target, and leaves the section out without
+    them."""
+    from omnidraft.client.evaluation import profile_check_metrics
+    from omnidraft.shared.wire import MetricKey
+
+    check = {
+        "steps": {"target:1": {"ratio": 1.25}, "target:4": {"ratio": 1.1}, "drafter:1": {"ratio": 1.0}},
+        "stale": False,
+        "drafter_vs_target": 0.8,
+    }
+    assert profile_check_metrics(check) == {
+        MetricKey.PROFILE_TARGET_STEP: 1.25,
+        MetricKey.PROFILE_DRAFTER_VS_TARGET: 0.8,
+    }
+    assert profile_check_metrics({"steps": {"target:4": {"ratio": 1.1}}, "stale": False}) == {}
+    records = [
+        {"round": 1, "target": "q", "eval-profile-target-step": 1.25, "eval-profile-drafter-vs-target": 0.8},
+        {"round": 0, "target": "q", "eval-profile-target-step": 0.9},
+        {"round": 2, "target": "q"},
+    ]
+    table = report.profile_table(records).splitlines()
+    assert table[2:] == ["| 0 | q | 0.90 | – |", "| 1 | q | 1.25 | 0.80 |"]
+    assert report.profile_table([{"round": 1, "target": "q"}]) is None

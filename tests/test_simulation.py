@@ -146,6 +146,9 @@ def test_smoke_run_writes_every_output(smoke):
     for r in sorted(records, key=lambda r: r["round"]):
         assert 0 <= r["eval-acceptance"] <= 1 and r["eval-tokens-per-call"] >= 1 and r["eval-speedup"] > 0
         assert r["eval-decode-speedup"] > 0  # the same decodes, the one prefill left out of both
+        # the live panel checks the cost profile its rule decided from against its timed forwards (the
+        # drafter's steps where it took enough of them: a tiny pair's rule may not draft)
+        assert r["eval-profile-target-step"] > 0 and r.get("eval-profile-drafter-vs-target", 1.0) > 0
         assert 0 < r["eval-modelled-speedup"] <= r["eval-tokens-per-call"]  # blocks never cost less than a step
         assert 0 <= r["eval-fixed-k-acceptance"] <= 1 and r["eval-fixed-k-tokens-per-call"] >= 1  # k = 4
         if r["round"]:
@@ -184,6 +187,7 @@ def test_smoke_run_writes_every_output(smoke):
         assert {"census", "newcomers", "train", "aggregate", "eval"} <= set(phases) and min(phases.values()) >= 0
         assert sum(phases.values()) <= r["round-s"] + 1e-6 and ("start-eval" in phases) == (r["round"] == 1)
     assert "## Where the time went (wall seconds)" in (out / "report.md").read_text()
+    assert "## The cost profile in use" in (out / "report.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["devices"] == 50 and summary["wall_s"] > 0 and summary["peak_rss_mb"] > 100
     assert summary["peak_rss_scope"] == "all processes"  # a local Ray: the workers are descendants

@@ -230,14 +230,15 @@ class Engine:
         steps = sorted(per_round(ar) for _ in range(3))[1]
         return {"round_ms": rounds, "step_ms": steps}
 
-    def check_profile(self) -> dict:
+    def check_profile(self, forget_stale: bool = True) -> dict:
         """The cached profile against the forwards timed in use so far (``StepTimings.check``);
-        when they contradict it, its cached measurements are dropped, so the next process
-        measures again (this one keeps deciding with the profile it has)."""
+        when they contradict it and ``forget_stale``, its cached measurements are dropped, so the
+        next process measures again (this one keeps deciding with the profile it has). A
+        simulation keeps them: its runs with one seed decide alike."""
         if self._profile is None:
             return {"steps": {}, "stale": False}
         report = self.timings.check(self._profile)
-        if report["stale"]:
+        if report["stale"] and forget_stale:
             drafter = self._profiled_drafter
             for key in (
                 profiling.target_key(self.target.path, self.precision, runner_backend(self.target_runner)),
