@@ -434,8 +434,8 @@ def write_report(run_dir: str | Path) -> Path:
         parts += [
             "## The cost profile in use",
             "",
-            "The probes' forwards timed while decoding live against the cached profile the draft rule decides "
-            "from and the modelled speedups read (1.00: as profiled; the rule weighs drafter steps against "
+            "The probes' forwards timed while decoding live (each process's whole run up to that round) against "
+            "the cached profile the draft rule decides from and the modelled speedups read (1.00: as profiled; the rule weighs drafter steps against "
             "target steps, so the second column matters most). The run keeps its profile, so runs with one "
             "seed decide alike; where it is off by more than 1.5x, or 1.2x in the second column, "
             "`omnidraft profile --refresh` measures it again.",
