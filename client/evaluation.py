@@ -147,9 +147,10 @@ def evaluate_adaptive(
     "s", "prefill_s"}``: the speedup's baseline, timed beside it); the speculative decode starts
     from the prompt's prefill that run left in the target's cache, counted at its measured
     seconds in both (``speedup``), or left out of both (``decode-speedup``: what the modelled
-    speedup models), and the cost profile is checked against the forwards timed in use
-    (``profile_check_metrics``; a stale one is reported, not dropped). ``replay``: the target's recorded outputs (``{"ids"}``), replayed instead of running it
-    (the speed is then only modelled: no live tok/s or speedup)."""
+    speedup models); the cost profile is then checked against the forwards timed in use
+    (``profile_check_metrics``; a stale one is reported, not dropped). ``replay``: the target's
+    recorded outputs (``{"ids"}``), replayed instead of running it (the speed is then only
+    modelled: no live tok/s or speedup, no profile check)."""
     alone: list[dict] = []
     phase = Phase()
     for i, prompt in enumerate(prompts):
@@ -184,7 +185,7 @@ def evaluate_adaptive(
                 MetricKey.DECODE_SPEEDUP: out["decode_speedup_vs_ar"] or 0.0,
             }
         )
-    if alone:  # timed live: were its decisions made on a profile that holds in use? (kept either way:
-        # a fleet's panel, whose runs with one seed decide alike)
+    if alone:  # timed live: did the profile its decisions read hold in use? (kept either way: a
+        # fleet's panel, whose runs with one seed decide alike)
         metrics.update(profile_check_metrics(session.engine.check_profile(forget_stale=False)))
     return metrics, alone
