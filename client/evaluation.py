@@ -118,12 +118,11 @@ def profile_check_metrics(check: dict) -> dict:
     target steps timed in use over the cached profile's figure, and the drafter step's ratio
     over that one (1.0: the rule weighed the two as they cost); each only where the check had
     enough steps of it."""
-    metrics = {}
-    if "target:1" in check["steps"] and check["steps"]["target:1"]["ratio"]:
-        metrics[MetricKey.PROFILE_TARGET_STEP] = float(check["steps"]["target:1"]["ratio"])
-    if check.get("drafter_vs_target"):
-        metrics[MetricKey.PROFILE_DRAFTER_VS_TARGET] = float(check["drafter_vs_target"])
-    return metrics
+    ratios = {
+        MetricKey.PROFILE_TARGET_STEP: check["steps"].get("target:1", {}).get("ratio"),
+        MetricKey.PROFILE_DRAFTER_VS_TARGET: check.get("drafter_vs_target"),
+    }
+    return {key: float(ratio) for key, ratio in ratios.items() if ratio}
 
 
 def target_alone(session: DeviceSession, prompts: list[str], config: GenerationConfig) -> list:

@@ -426,24 +426,26 @@ def write_report(run_dir: str | Path) -> Path:
         )
     if events:
         parts += ["## Events", "", *[f"- {e}" for e in events], ""]
-    times = time_table([r for rows in per_target.values() for r in rows])
+    records = [r for rows in per_target.values() for r in rows]
+    times = time_table(records)
     if times:
         parts += ["## Where the time went (wall seconds)", "", times, ""]
-    checked = profile_table([r for rows in per_target.values() for r in rows])
+    checked = profile_table(records)
     if checked:
         parts += [
             "## The cost profile in use",
             "",
-            "The probes' forwards timed while decoding live (each process's whole run up to that round) against "
-            "the cached profile the draft rule decides from and the modelled speedups read (1.00: as profiled; the rule weighs drafter steps against "
-            "target steps, so the second column matters most). The run keeps its profile, so runs with one "
+            "The probes' forwards timed while decoding live (each process's whole run up to that round) "
+            "against the cached profile the draft rule decides from and the modelled speedups read (1.00: "
+            "as profiled; the rule weighs drafter steps against target steps, so the second column matters "
+            "most). The run keeps its profile, so runs with one "
             "seed decide alike; where it is off by more than 1.5x, or 1.2x in the second column, "
             "`omnidraft profile --refresh` measures it again.",
             "",
             checked,
             "",
         ]
-    reasons = rejection_reasons([r for rows in per_target.values() for r in rows])
+    reasons = rejection_reasons(records)
     if reasons:
         parts += [
             "## Rejected replies and skipped devices, by reason",
