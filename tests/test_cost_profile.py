@@ -85,6 +85,40 @@ def test_block_timing_takes_the_median_of_trials_and_retries_outliers(monkeypatc
     assert ms[1] == pytest.approx(10.35)
 
 
+def test_a_pair_is_measured_in_shared_trials_so_a_slow_spell_keeps_its_ratio(monkeypatch):
+    """The target and the drafter are timed in the same trials (every block size of each in turn,
+    then the next trial): a machine that turns 1.4x slower from the third trial on slows both
+    alike, so the drafter's step keeps its true ratio to the target's (what the rule weighs);
+    timed one after the other, the target would have been measured fast and the drafter slow."""
+    cost = {("target", 1): 40.0, ("target", 4): 48.0, ("drafter", 1): 4.0, ("drafter", 2): 5.0}
+    order: list[tuple[str, int]] = []
+
+    def time_block(runner, context, block, repeats):
+        order.append((runner.name, block))
+        timed = [o for o in order if o[0] == "target" and o[1] == 1]  # a trial starts with the target's step
+        slow = 1.4 if len(timed) > 3 else 1.0  # one warm-up pass and two trials fast, the rest slow
+        return cost[runner.name, block] * slow
+
+    monkeypatch.setattr(profiling, "_time_block", time_block)
+
+    class Runner:
+        max_positions = 512
+
+        def __init__(self, name):
+            self.name = name
+
+        def reset(self): ...
+        def forward(self, ids, logits_to_keep=0): ...
+
+    target_ms, drafter_ms = profiling.measure_together(
+        [(Runner("target"), (1, 4), 5), (Runner("drafter"), (1, 2), 10)], trials=3, max_trials=7
+    )
+    trial = [("target", 1), ("target", 4), ("drafter", 1), ("drafter", 2)]
+    assert order == trial + trial * 7  # warm-up, then trials until they agree (never, here: max_trials)
+    assert drafter_ms[1] / target_ms[1] == pytest.approx(0.1) and target_ms[1] == pytest.approx(56.0)
+    assert drafter_ms[2] / target_ms[4] == pytest.approx(5 / 48)
+
+
 def test_profile_cache_is_reused_and_invalidated_by_machine_or_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "home" / "profiles"))
     model_dir = tmp_path / "model"
@@ -164,10 +198,10 @@ def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch, pair_di
     runner = session.adapters.runner()
     assert runner.lora_rank > 0 and runner._packing is not runner._base_packing  # merged
     assert session.rule.profile is base and engine.cost_profile() is base
-    drafter_entries = [
-        p for p in (tmp_path / "profiles").glob("*.json") if json.loads(p.read_text())["key"]["role"] == "drafter"
+    pair_entries = [
+        p for p in (tmp_path / "profiles").glob("*.json") if json.loads(p.read_text())["key"]["role"] == "pair"
     ]
-    assert len(drafter_entries) == 1  # measured once, for every adapter
+    assert len(pair_entries) == 1  # measured once, for every adapter
     assert engine.check_profile()["steps"]  # the adapter's steps are checked against it
 
 

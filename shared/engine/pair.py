@@ -169,14 +169,9 @@ class Engine:
         is merged into its runner's weights, so one drafter cost holds for every adapter."""
         runner = drafter_runner if drafter_runner is not None else (self._profiled_drafter or self.drafter_runner)
         if self._profile is None or refresh:
-            target_ms = profiling.target_costs(
-                self.target_runner,
-                self.target.path,
-                self.precision,
-                runner_backend(self.target_runner),
-                refresh=refresh,
+            target_ms, drafter_ms = profiling.pair_costs(
+                self._pair_key(runner), self.target_runner, runner, refresh=refresh
             )
-            drafter_ms = profiling.drafter_cost(runner, self.drafter.path, runner_backend(runner), refresh=refresh)
             profile = CostProfile(target_ms, drafter_ms[1], drafter_ms)
             overhead = profiling.cached(
                 self._overhead_key(runner), lambda: self._measure_overheads(runner, profile), refresh
@@ -185,6 +180,15 @@ class Engine:
             profile.step_overhead_ms = float(overhead["step_ms"])
             self._profile, self._profiled_drafter = profile, runner
         return self._profile
+
+    def _pair_key(self, runner) -> dict:
+        return profiling.pair_key(
+            self.target.path,
+            self.precision,
+            runner_backend(self.target_runner),
+            self.drafter.path,
+            runner_backend(runner),
+        )
 
     def _overhead_key(self, runner) -> dict:
         return {
@@ -240,11 +244,7 @@ class Engine:
         report = self.timings.check(self._profile)
         if report["stale"] and forget_stale:
             drafter = self._profiled_drafter
-            for key in (
-                profiling.target_key(self.target.path, self.precision, runner_backend(self.target_runner)),
-                profiling.drafter_key(self.drafter.path, runner_backend(drafter)),
-                self._overhead_key(drafter),
-            ):
+            for key in (self._pair_key(drafter), self._overhead_key(drafter)):
                 profiling.forget(key)
         return report
 

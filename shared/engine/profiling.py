@@ -1,9 +1,11 @@
 """What a forward pass costs on this machine, measured once and cached.
 
-``measure_block_ms`` times a runner's forward pass for blocks of new tokens on top of a filled KV
+``measure_together`` times runners' forward passes for blocks of new tokens on top of a filled KV
 cache: after an untimed warm-up pass, each trial keeps the minimum over repeats, and the median
 of the trials is kept (more trials while they disagree: an outlier trial cannot set the figure).
-``target_costs`` and ``drafter_cost`` wrap it with an on-disk cache under
+``pair_costs`` measures a target and its drafter in the same trials, so the ratio of their costs
+(what the throughput rule weighs) comes from one spell of the machine; it and ``target_costs``
+keep what they measure in an on-disk cache under
 ``$OMNIDRAFT_HOME/profiles/``, keyed by a fingerprint of the machine (CPU model, ISA capability,
 torch version, threads) and of the model (its config and weight files) plus the precision and
 kernel backend: a change of any of them measures again. ``CostProfile`` turns the measurements
@@ -43,16 +45,14 @@ CONTEXT_TOKENS = 256
 # last row (steps at 5 | 6, 9 | 10, 13 | 14); the AVX2 ones groups of 4, 2 and 1.
 PROFILE_BLOCKS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16)
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
-PROFILE_VERSION = 9  # bump when a kernel or the method changes: every cached measurement is taken again
+PROFILE_VERSION = 10  # bump when a kernel or the method changes: every cached measurement is taken again
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree
 STALE_RATIO = 1.5  # a profile whose steps in use differ from it by more than this is measured again
-# The rule weighs drafter steps against target steps: a profile measured while the machine was
-# slower for one than for the other (a busy spell during one of the two measurements) drafts too
-# long or too short however close each figure is on its own. A profile whose drafter step costs,
-# relative to one target step, more than this times (or less than 1/this of) what it costs in
-# use is measured again.
+# The rule weighs drafter steps against target steps: a profile whose drafter step, relative to a
+# one-token target step, costs more than this times (or less than 1/this of) what it does in use
+# drafts too long or too short, and is measured again.
 RELATIVE_STALE_RATIO = 1.2
 
 
@@ -73,19 +73,10 @@ def _time_block(runner, context: int, block: int, repeats: int) -> float:
     return best * 1000
 
 
-@torch.inference_mode()
-def measure_block_ms(
-    runner, blocks: tuple[int, ...] | list[int], repeats: int = 5, trials: int = TRIALS, max_trials: int = MAX_TRIALS
-) -> dict[int, float]:
-    """``{block: ms}``: one forward of ``block`` new tokens after ``CONTEXT_TOKENS`` cached ones
-    (fewer where the model's positions run out). Leaves the runner holding that context
-    (callers reset it before decoding).
-
-    One untimed pass over every block size warms the kernels and caches first. Then each trial
-    takes every block size's minimum over ``repeats`` forwards, and a block's figure is the
-    median of its trials; while the trials of some block size disagree by more than
-    ``SPREAD_LIMIT`` (the machine was busy for part of the time: an outlier) more trials are
-    taken, up to ``max_trials``."""
+def _fill_context(runner, blocks) -> int:
+    """Fill ``runner``'s cache with ``CONTEXT_TOKENS`` (fewer where the model's positions run out
+    before ``max(blocks)`` more) and warm its kernels and caches with one untimed pass over every
+    block size; the context length kept."""
     limit = getattr(runner, "max_positions", None) or getattr(runner.model.config, "max_position_embeddings", 0)
     context = max(1, min(CONTEXT_TOKENS, (limit or CONTEXT_TOKENS * 2) - max(blocks) - 1))
     runner.reset()
@@ -93,13 +84,40 @@ def measure_block_ms(
     runner.forward([7], logits_to_keep=1)  # first-call initialization outside the timing
     for b in blocks:
         _time_block(runner, context, b, 1)
-    samples: dict[int, list[float]] = {b: [] for b in blocks}
+    return context
+
+
+@torch.inference_mode()
+def measure_together(
+    parts: list[tuple[object, tuple[int, ...], int]], trials: int = TRIALS, max_trials: int = MAX_TRIALS
+) -> list[dict[int, float]]:
+    """``{block: ms}`` per part ``(runner, blocks, repeats)``: one forward of ``block`` new tokens
+    after ``CONTEXT_TOKENS`` cached ones. Leaves each runner holding that context (callers reset
+    it before decoding).
+
+    Each trial times every part's block sizes in turn, each the minimum over its ``repeats``
+    forwards, and a block's figure is the median of its trials; while the trials of some block
+    size disagree by more than ``SPREAD_LIMIT`` (the machine was busy for part of the time: an
+    outlier) more trials are taken, up to ``max_trials``. The parts share every trial, so the
+    ratio of their costs (what the throughput rule weighs) comes from one spell of the machine:
+    on a shared VM it moves by a quarter between spells (docs/findings.md)."""
+    contexts = [_fill_context(runner, blocks) for runner, blocks, _ in parts]
+    samples: list[dict[int, list[float]]] = [{b: [] for b in blocks} for _, blocks, _ in parts]
     for trial in range(max_trials):
-        for b in blocks:
-            samples[b].append(_time_block(runner, context, b, repeats))
-        if trial + 1 >= trials and all(max(v) <= SPREAD_LIMIT * min(v) for v in samples.values()):
+        for (runner, blocks, repeats), context, kept in zip(parts, contexts, samples):
+            for b in blocks:
+                kept[b].append(_time_block(runner, context, b, repeats))
+        agree = all(max(v) <= SPREAD_LIMIT * min(v) for kept in samples for v in kept.values())
+        if trial + 1 >= trials and agree:
             break
-    return {b: statistics.median(v) for b, v in samples.items()}
+    return [{b: statistics.median(v) for b, v in kept.items()} for kept in samples]
+
+
+def measure_block_ms(
+    runner, blocks: tuple[int, ...] | list[int], repeats: int = 5, trials: int = TRIALS, max_trials: int = MAX_TRIALS
+) -> dict[int, float]:
+    """``{block: ms}`` for one runner (``measure_together`` with one part)."""
+    return measure_together([(runner, tuple(blocks), repeats)], trials, max_trials)[0]
 
 
 def cpu_name() -> str:
@@ -199,7 +217,9 @@ def cached(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dic
 def _describe(key: dict) -> str:
     """What a cache key measures, in a few words (``target int8, native-int8-avx2-a8``)."""
     role = key.get("role", "measurement")
-    details = [str(key[f]) for f in ("precision", "backend") if key.get(f)] + list(key.get("backends", ()))
+    details = [str(key[f]) for f in ("precision", "backend", "drafter_backend") if key.get(f)] + list(
+        key.get("backends", ())
+    )
     return f"{role} {', '.join(details)}" if details else role
 
 
@@ -215,15 +235,21 @@ def target_key(model_path: str | Path, precision: str, backend: str, blocks: tup
     }
 
 
-def drafter_key(model_path: str | Path, backend: str) -> dict:
-    """The cache key of a drafter's costs (adapters are merged into the drafting runner's
-    weights, so they do not change its costs)."""
+def pair_key(
+    target_path: str | Path, precision: str, target_backend: str, drafter_path: str | Path, drafter_backend: str
+) -> dict:
+    """The cache key of a pair's costs, measured together (adapters are merged into the drafting
+    runner's weights, so they do not change its costs)."""
     return {
-        "role": "drafter",
-        "model": model_fingerprint(model_path),
-        "backend": backend,
+        "role": "pair",
+        "target": model_fingerprint(target_path),
+        "precision": precision,
+        "backend": target_backend,
+        "drafter": model_fingerprint(drafter_path),
+        "drafter_backend": drafter_backend,
         "context": CONTEXT_TOKENS,
-        "blocks": list(DRAFTER_BLOCKS),
+        "blocks": list(PROFILE_BLOCKS),
+        "drafter_blocks": list(DRAFTER_BLOCKS),
     }
 
 
@@ -241,14 +267,27 @@ def target_costs(
     return {int(b): ms for b, ms in value.items()}
 
 
-def drafter_cost(runner, model_path: str | Path, backend: str, refresh: bool = False) -> dict[int, float]:
-    """The drafter's forward cost ``{block tokens: ms}`` on this machine (cached): block 1 is
-    one decode step; larger blocks are what feeding it committed tokens costs."""
-    key = drafter_key(model_path, backend)
-    value = cached(
-        key, lambda: {str(b): ms for b, ms in measure_block_ms(runner, DRAFTER_BLOCKS, repeats=10).items()}, refresh
+def pair_costs(
+    key: dict, target_runner, drafter_runner, refresh: bool = False
+) -> tuple[dict[int, float], dict[int, float]]:
+    """The target's and the drafter's forward costs ``{block tokens: ms}`` on this machine,
+    measured together (``measure_together``) and cached under ``key`` (``pair_key``). The
+    drafter's block 1 is one decode step; larger blocks are what feeding it committed tokens
+    costs."""
+    parts = [(target_runner, PROFILE_BLOCKS, 5), (drafter_runner, DRAFTER_BLOCKS, 10)]
+
+    def measure() -> dict:
+        target_ms, drafter_ms = measure_together(parts)
+        return {
+            "target": {str(b): ms for b, ms in target_ms.items()},
+            "drafter": {str(b): ms for b, ms in drafter_ms.items()},
+        }
+
+    value = cached(key, measure, refresh)
+    return (
+        {int(b): float(ms) for b, ms in value["target"].items()},
+        {int(b): float(ms) for b, ms in value["drafter"].items()},
     )
-    return {int(b): float(ms) for b, ms in value.items()}
 
 
 def _interpolate(table: dict[int, float], block: float) -> float:
