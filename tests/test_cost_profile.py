@@ -205,6 +205,30 @@ def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch, pair_di
     assert engine.check_profile()["steps"]  # the adapter's steps are checked against it
 
 
+def test_the_round_overhead_leaves_out_a_reused_prefill(tmp_path, monkeypatch, pair_dir):
+    """The overhead runs after the first start from the target's prefill of the prompt; their
+    wall time counts its seconds without a forward run then. Made to take 2 s, it must not
+    show in the per-round overhead (it would add 2 s over 48 steps: 42 ms a step)."""
+    from omnidraft.shared.engine.model_runner import Prefill
+
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
+    engine = _engine(pair_dir)
+    target = engine.target_runner
+    real = target.forward
+
+    def forward(ids, logits_to_keep=0):
+        out = real(ids, logits_to_keep)
+        held = target.prefilled
+        if held is not None and held.ids == tuple(ids):  # this forward was the prefill: a slow one
+            target.prefilled = Prefill(held.ids, held.seconds + 2.0)
+        return out
+
+    monkeypatch.setattr(target, "forward", forward)
+    overheads = engine._measure_overheads(engine.drafter_runner, CostProfile({1: 1.0}, 1.0))
+    assert target.prefilled is not None and target.prefilled.seconds >= 2.0  # the runs reused it
+    assert overheads["step_ms"] < 15 and overheads["round_ms"] < 15
+
+
 def test_confidence_drafting_measures_no_cost_profile(tmp_path, monkeypatch, pair_dir):
     """``draft_stop="confidence"`` decodes without the throughput rule, so neither the engine
     nor a device session reads or measures this machine's costs (under emulation, or on a slow
