@@ -142,20 +142,39 @@ def _pair(fixed: float | None, adaptive: float | None) -> str:
 NOISE = 0.05  # speedup changes smaller than this share are called unchanged (live timings vary)
 
 
+def _direction(first: float | None, last: float | None) -> int | None:
+    """+1 when ``last`` is more than ``NOISE`` above ``first``, -1 when as far below, 0 between,
+    None when either was not measured."""
+    if first is None or last is None:
+        return None
+    return 1 if last >= first * (1 + NOISE) else -1 if last <= first * (1 - NOISE) else 0
+
+
 def verdict(summaries: dict[str, dict]) -> str:
     """One paragraph: per target, whether learning paid in speed this run (the probes' live
     speedup over the target alone, first measured round against the last), with the fixed-k
-    acceptance and the new devices' warm start beside it."""
+    acceptance and the new devices' warm start beside it. Where the live speedup and the
+    modelled one move in opposite directions the paragraph says so rather than trusting either:
+    the live panel's ratio moves with the machine's spells (a slow spell slows the target alone
+    more than speculation), the model does not see them."""
     parts = []
     for t, s in summaries.items():
         first, last = s["speedup-first"], s["speedup-last"]
-        if first is None or last is None:
+        live = _direction(first, last)
+        modelled = _direction(s.get("modelled-speedup-first"), s.get("modelled-speedup-last"))
+        disagree = live is not None and modelled is not None and live * modelled < 0 and last >= 1
+        if live is None:
             call = "speed was not measured (--no-ar)"
         elif last < 1:
             call = f"devices ran slower than the target alone ({_times(first)} → {_times(last)})"
-        elif last >= first * (1 + NOISE):
+        elif disagree:
+            call = (
+                f"the live panel and the model disagree: {_times(first)} → {_times(last)} the target alone's "
+                f"speed live, while the modelled speedup {'rose' if modelled > 0 else 'fell'}"
+            )
+        elif live > 0:
             call = f"learning paid: {_times(first)} → {_times(last)} the target alone's speed"
-        elif last <= first * (1 - NOISE):
+        elif live < 0:
             call = f"learning did not pay: {_times(first)} → {_times(last)} the target alone's speed"
         else:
             call = f"speed unchanged within {NOISE:.0%} ({_times(first)} → {_times(last)} the target alone's)"
@@ -173,6 +192,10 @@ def verdict(summaries: dict[str, dict]) -> str:
             )
         if decoding:
             text += f" ({'; '.join(decoding)})"
+        if disagree:
+            text += (
+                "; the live ratio moves with the machine's spells, the model does not (see 'The cost profile in use')"
+            )
         if s["acceptance-k-first"] is not None:
             text += f"; acceptance at fixed k {_fmt(s['acceptance-k-first'])} → {_fmt(s['acceptance-k-last'])}"
         if s["new-devices"]:

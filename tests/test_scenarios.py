@@ -183,6 +183,13 @@ def test_the_verdict_says_whether_learning_paid_in_speed():
         "slower than the target alone (1.17x → 0.86x)" in drift
         and "cost profile, decoding only: 1.41x → 1.52x" in drift
     )
+    # a slow spell in round 0 lifts that round's live ratio: live falls while the model rises
+    spell = report.verdict(
+        {"q": summary(1.36, 1.20, **{"modelled-speedup-first": 1.44, "modelled-speedup-last": 1.71})}
+    )
+    assert "disagree: 1.36x → 1.20x" in spell and "modelled speedup rose" in spell and "did not pay" not in spell
+    agree = report.verdict({"q": summary(1.3, 1.1, **{"modelled-speedup-first": 1.44, "modelled-speedup-last": 1.30})})
+    assert "did not pay: 1.30x → 1.10x" in agree
 
 
 def test_a_new_devices_share_of_the_veterans_gain():
