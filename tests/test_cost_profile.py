@@ -67,21 +67,27 @@ def test_the_timings_in_use_sample_the_whole_run_not_its_start():
     assert timings.total_ms == 2000 * (40 + 80 + 5 + 10)
 
 
+class _TimedRunner:
+    """A runner whose forwards do nothing: the tests replace ``profiling._time_block``."""
+
+    max_positions = 512
+
+    def __init__(self, name: str = "runner") -> None:
+        self.name = name
+
+    def reset(self): ...
+    def forward(self, ids, logits_to_keep=0): ...
+
+
 def test_block_timing_takes_the_median_of_trials_and_retries_outliers(monkeypatch):
     """One disturbed trial cannot set a figure: each trial keeps its minimum, the median of the
     trials is kept, and trials continue while they disagree."""
     trials = iter([9.0, 50.0, 10.0, 11.0, 10.0, 10.5, 10.2])
     monkeypatch.setattr(profiling, "_time_block", lambda runner, context, block, repeats: next(trials))
 
-    class Runner:
-        max_positions = 512
-
-        def reset(self): ...
-        def forward(self, ids, logits_to_keep=0): ...
-
     # warm-up pass (1 value), then trials 50, 10, 11 disagree (50 > 1.25 * 10): more until
     # max_trials; the median of [50, 10, 11, 10, 10.5, 10.2] is 10.35
-    ms = profiling.measure_block_ms(Runner(), (1,), trials=3, max_trials=6)
+    ms = profiling.measure_block_ms(_TimedRunner(), (1,), trials=3, max_trials=6)
     assert ms[1] == pytest.approx(10.35)
 
 
@@ -101,17 +107,8 @@ def test_a_pair_is_measured_in_shared_trials_so_a_slow_spell_keeps_its_ratio(mon
 
     monkeypatch.setattr(profiling, "_time_block", time_block)
 
-    class Runner:
-        max_positions = 512
-
-        def __init__(self, name):
-            self.name = name
-
-        def reset(self): ...
-        def forward(self, ids, logits_to_keep=0): ...
-
     target_ms, drafter_ms = profiling.measure_together(
-        [(Runner("target"), (1, 4), 5), (Runner("drafter"), (1, 2), 10)], trials=3, max_trials=7
+        [(_TimedRunner("target"), (1, 4), 5), (_TimedRunner("drafter"), (1, 2), 10)], trials=3, max_trials=7
     )
     trial = [("target", 1), ("target", 4), ("drafter", 1), ("drafter", 2)]
     assert order == trial + trial * 7  # warm-up, then trials until they agree (never, here: max_trials)
