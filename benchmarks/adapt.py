@@ -53,6 +53,17 @@ def split(prompts: list[str], train_fraction: float) -> tuple[list[str], list[st
     return train, test
 
 
+def _fixed_k(
+    session: DeviceSession, test: list[str], config: GenerationConfig, k: int, label: str, ar: Phase
+) -> dict | None:
+    """The held-out prompts at a fixed draft length of ``k`` (0: skipped); greedy decoding replays
+    the target alone's outputs ``ar`` of the same prompts."""
+    if not k:
+        return None
+    recordings = ar.token_ids if config.greedy else None
+    return evaluate_fixed_k(session, test, config, k, f"held-out {label}, k={k}", recordings=recordings)
+
+
 def run_adapt(
     session: DeviceSession,
     prompts: list[str],
@@ -71,7 +82,9 @@ def run_adapt(
     ar = Phase()
     before = evaluate(session, test, config, "held-out before", ar=ar)
     ar_tps, ar_decode_tps = ar.stats.tokens_per_s, ar.stats.decode_tokens_per_s
-    before_k = evaluate_fixed_k(session, test, config, fixed_k, f"held-out before, k={fixed_k}") if fixed_k else None
+    # the fixed-length passes replay the target's greedy outputs ``ar`` just decoded (the same
+    # figures as running it again, at the drafter's cost)
+    before_k = _fixed_k(session, test, config, fixed_k, "before", ar)
 
     curve, updates = [], []
     window = Phase()
@@ -94,7 +107,7 @@ def run_adapt(
 
     ar_after, again = Phase(), Phase()
     after = evaluate(session, test, config, "held-out after", ar=ar_after, beside=(start, again))
-    after_k = evaluate_fixed_k(session, test, config, fixed_k, f"held-out after, k={fixed_k}") if fixed_k else None
+    after_k = _fixed_k(session, test, config, fixed_k, "after", ar_after)
     identical = sum(a == b for a, b in zip(after.token_ids, ar.token_ids))
     update_s = [u["seconds"] for u in updates]
     before_s = before.summary(ar_tps, ar_decode_tps)

@@ -81,6 +81,44 @@ def evaluate(
     return phase
 
 
+class FixedKPass:
+    """Acceptance and tokens per target call when every round drafts exactly ``k`` drafter
+    tokens (the paper's protocol: no acceptance head, no stopping rule), one prompt at a time
+    (``decode``), so that a caller can interleave it with an ``AdaptivePass`` over the same
+    prompts: the drafter's runner keeps the keys and values of the sequence it decoded last, so
+    the second decode of a prompt does not read the prompt again."""
+
+    def __init__(self, session: DeviceSession, config: GenerationConfig, k: int) -> None:
+        self.session, self.k = session, k
+        self.config = replace(config, draft_stop="confidence", confidence=0.0, k_max=k)
+        self.phase = Phase()
+        self._live = None
+
+    def decode(self, prompt: str, recording: list[int] | None = None) -> None:
+        """``recording`` (greedy only): the target's greedy output ids for ``prompt``
+        (``target_alone``), replayed instead of running the target (``RecordedTarget``: the same
+        figures, at the drafter's cost)."""
+        session = self.session
+        text, ids = session.engine.prompt_ids(prompt)
+        if recording is None:
+            self._live = self._live or session.decoder()
+            decoder = self._live
+        else:
+            if not self.config.greedy:
+                raise ValueError("replayed acceptance needs greedy decoding")
+            decoder = session.decoder(target=RecordedTarget(ids + recording, session.engine.target.logit_rows))
+        self.phase.add(decoder.generate(text, ids, self.config))
+
+    def summary(self) -> dict:
+        summary = self.phase.summary()
+        return {
+            "k": self.k,
+            "acceptance_rate": summary["acceptance_rate"],
+            "tokens_per_target_call": summary["tokens_per_target_call"],
+            "new_tokens": summary["new_tokens"],
+        }
+
+
 def evaluate_fixed_k(
     session: DeviceSession,
     prompts: list[str],
@@ -89,28 +127,15 @@ def evaluate_fixed_k(
     label: str | None = None,
     recordings: list[list[int]] | None = None,
 ) -> dict:
-    """Acceptance and tokens per target call on ``prompts`` when every round drafts exactly ``k``
-    drafter tokens (the paper's protocol: no acceptance head, no stopping rule); ``label``
-    names a progress bar (None: no bar). ``recordings`` (greedy ``config`` only): the target's
-    greedy output ids for each prompt (``target_alone``), replayed instead of running the
-    target (``RecordedTarget``: the same figures, at the drafter's cost)."""
+    """``FixedKPass`` over ``prompts``; ``label`` names a progress bar (None: no bar).
+    ``recordings`` (greedy ``config`` only): the target's greedy output ids for each prompt,
+    replayed instead of running the target."""
     if recordings is not None and (not config.greedy or len(recordings) != len(prompts)):
         raise ValueError("replayed acceptance needs greedy decoding and one recording per prompt")
-    fixed = replace(config, draft_stop="confidence", confidence=0.0, k_max=k)
-    phase = Phase()
-    vocab = session.engine.target.logit_rows
-    live = session.decoder() if recordings is None else None
+    fixed = FixedKPass(session, config, k)
     for i, prompt in enumerate(tqdm(prompts, desc=label, unit="prompt", leave=False, disable=label is None)):
-        text, ids = session.engine.prompt_ids(prompt)
-        decoder = live or session.decoder(target=RecordedTarget(ids + recordings[i], vocab))
-        phase.add(decoder.generate(text, ids, fixed))
-    summary = phase.summary()
-    return {
-        "k": k,
-        "acceptance_rate": summary["acceptance_rate"],
-        "tokens_per_target_call": summary["tokens_per_target_call"],
-        "new_tokens": summary["new_tokens"],
-    }
+        fixed.decode(prompt, recordings[i] if recordings is not None else None)
+    return fixed.summary()
 
 
 def profile_check_metrics(check: dict) -> dict:
@@ -133,58 +158,66 @@ def target_alone(session: DeviceSession, prompts: list[str], config: GenerationC
     return [decoder.generate(session.engine.prompt_ids(prompt)[1], config) for prompt in prompts]
 
 
-def evaluate_adaptive(
-    session: DeviceSession,
-    prompts: list[str],
-    config: GenerationConfig,
-    measure_ar: bool = False,
-    replay: list[dict] | None = None,
-) -> tuple[dict, list[dict]]:
-    """``prompts`` decoded as the device decodes (adaptive draft length), without learning: a
-    round's metrics (``MetricKey``), and the target alone's runs when measured (else []).
+class AdaptivePass:
+    """Prompts decoded as the device decodes (adaptive draft length), without learning, one at
+    a time (``decode``); ``metrics`` gives the round's metrics (``MetricKey``).
+
     ``measure_ar``: the target alone decodes each prompt just before it (``{"ids", "tokens",
     "s", "prefill_s"}``: the speedup's baseline, timed beside it); the speculative decode starts
     from the prompt's prefill that run left in the target's cache, counted at its measured
     seconds in both (``speedup``), or left out of both (``decode-speedup``: what the modelled
     speedup models); the cost profile is then checked against the forwards timed in use
-    (``profile_check_metrics``; a stale one is reported, not dropped). ``replay``: the target's
-    recorded outputs (``{"ids"}``), replayed instead of running it (the speed is then only
-    modelled: no live tok/s or speedup, no profile check)."""
-    alone: list[dict] = []
-    phase = Phase()
-    for i, prompt in enumerate(prompts):
-        recording = None
-        if measure_ar:
-            run = target_alone(session, [prompt], config)[0]
-            st = run.stats
-            alone.append({"ids": run.token_ids, "tokens": st.new_tokens, "s": st.wall_s, "prefill_s": st.prefill_s})
+    (``profile_check_metrics``; a stale one is reported, not dropped). A replayed decode
+    (``decode(replay=...)``) runs the target's recorded output instead of the target (the speed is
+    then only modelled: no live tok/s or speedup, no profile check)."""
+
+    def __init__(self, session: DeviceSession, config: GenerationConfig, measure_ar: bool = False) -> None:
+        self.session, self.config, self.measure_ar = session, config, measure_ar
+        self.alone: list[dict] = []  # the target alone's timed runs (measure_ar)
+        self.phase = Phase()
+        self.replayed = False
+
+    def decode(self, prompt: str, replay: dict | None = None) -> dict | None:
+        """Decode ``prompt``; returns the target alone's run of it when measured (else None).
+        ``replay``: the target's recorded output (``{"ids"}``)."""
+        run = recording = None
+        if self.measure_ar:
+            result = target_alone(self.session, [prompt], self.config)[0]
+            st = result.stats
+            run = {"ids": result.token_ids, "tokens": st.new_tokens, "s": st.wall_s, "prefill_s": st.prefill_s}
+            self.alone.append(run)
         if replay is not None:
-            _, ids = session.engine.prompt_ids(prompt)
-            recording = Recording(ids + replay[i]["ids"], len(ids))
-        phase.add(session.generate(prompt, config, learn=False, replay=recording))
-    ar_tps = ar_decode_tps = None
-    if alone:
-        tokens = sum(r["tokens"] for r in alone)
-        ar_tps = tokens / max(sum(r["s"] for r in alone), 1e-9)
-        ar_decode_tps = tokens / max(sum(r["s"] - r["prefill_s"] for r in alone), 1e-9)
-    out = phase.summary(ar_tps, ar_decode_tps)
-    st = phase.stats
-    metrics = {
-        MetricKey.ACCEPTANCE: out["acceptance_rate"],
-        MetricKey.TOKENS_PER_CALL: out["tokens_per_target_call"],
-        MetricKey.MODELLED_SPEEDUP: out["modelled_speedup_vs_ar"] or 0.0,
-        MetricKey.MODELLED_TOKENS_PER_S: st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
-        MetricKey.GENERATED_TOKENS: out["new_tokens"],
-    }
-    if replay is None:
-        metrics.update(
-            {
-                MetricKey.TOKENS_PER_S: out["tokens_per_s"],
-                MetricKey.SPEEDUP: out["speedup_vs_ar"] or 0.0,
-                MetricKey.DECODE_SPEEDUP: out["decode_speedup_vs_ar"] or 0.0,
-            }
-        )
-    if alone:  # timed live: did the profile its decisions read hold in use? (kept either way: a
-        # fleet's panel, whose runs with one seed decide alike)
-        metrics.update(profile_check_metrics(session.engine.check_profile(forget_stale=False)))
-    return metrics, alone
+            _, ids = self.session.engine.prompt_ids(prompt)
+            recording = Recording(ids + replay["ids"], len(ids))
+            self.replayed = True
+        self.phase.add(self.session.generate(prompt, self.config, learn=False, replay=recording))
+        return run
+
+    def metrics(self) -> dict:
+        alone = self.alone
+        ar_tps = ar_decode_tps = None
+        if alone:
+            tokens = sum(r["tokens"] for r in alone)
+            ar_tps = tokens / max(sum(r["s"] for r in alone), 1e-9)
+            ar_decode_tps = tokens / max(sum(r["s"] - r["prefill_s"] for r in alone), 1e-9)
+        out = self.phase.summary(ar_tps, ar_decode_tps)
+        st = self.phase.stats
+        metrics = {
+            MetricKey.ACCEPTANCE: out["acceptance_rate"],
+            MetricKey.TOKENS_PER_CALL: out["tokens_per_target_call"],
+            MetricKey.MODELLED_SPEEDUP: out["modelled_speedup_vs_ar"] or 0.0,
+            MetricKey.MODELLED_TOKENS_PER_S: st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
+            MetricKey.GENERATED_TOKENS: out["new_tokens"],
+        }
+        if not self.replayed:
+            metrics.update(
+                {
+                    MetricKey.TOKENS_PER_S: out["tokens_per_s"],
+                    MetricKey.SPEEDUP: out["speedup_vs_ar"] or 0.0,
+                    MetricKey.DECODE_SPEEDUP: out["decode_speedup_vs_ar"] or 0.0,
+                }
+            )
+        if alone:  # timed live: did the profile its decisions read hold in use? (kept either way: a
+            # fleet's panel, whose runs with one seed decide alike)
+            metrics.update(profile_check_metrics(self.session.engine.check_profile(forget_stale=False)))
+        return metrics

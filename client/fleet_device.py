@@ -39,7 +39,7 @@ from omnidraft.client.device_profile import DeviceProfile
 from omnidraft.client.device_state import sha256 as _sha256
 from omnidraft.client.device_state import slug
 from omnidraft.client.engine_pool import EnginePool
-from omnidraft.client.evaluation import Phase, evaluate_adaptive, evaluate_fixed_k, target_alone
+from omnidraft.client.evaluation import AdaptivePass, FixedKPass, Phase, target_alone
 from omnidraft.client.resource_policy import (
     DeviceConditions,
     SystemConditions,
@@ -436,22 +436,28 @@ class FleetDevice:
         # untimed, with a recording store (a simulation's newcomers and veterans; never a probe, the
         # live panel), the adaptive pass replays the target's recorded output too: its speed is modelled
         replay_adaptive = adaptive and not timed and not p.probe and self.recordings(session) is not None
-        alone = self._target_alone(session, p) if replay_adaptive else None
-        metrics, live = {}, []
-        if adaptive:
-            speed = p.heldout[: p.speed_prompts or len(p.heldout)]
-            metrics, live = evaluate_adaptive(
-                session, speed, p.generation, measure_ar=timed, replay=alone[: len(speed)] if alone else None
-            )
-            # a panel device keeps its rule's counted acceptance from round to round, as a serving
-            # device does (re-fitted for each new adapter), not a cold rule each round
-            if p.probe and not fresh:
-                self.save(session)
-        if fixed_k:
-            if replay and alone is None:
-                alone = self._target_alone(session, p, live)
-            recordings = [r["ids"] for r in alone] if replay else None
-            fixed = evaluate_fixed_k(session, p.heldout, p.generation, fixed_k, recordings=recordings)
+        speed = p.heldout[: p.speed_prompts or len(p.heldout)] if adaptive else []
+        # the recorded outputs the passes replay; a timed evaluation records its speed prompts live
+        alone = self._target_alone(session, p) if replay_adaptive or (replay and not timed) else None
+        adaptive_pass = AdaptivePass(session, p.generation, measure_ar=timed) if adaptive else None
+        fixed_pass = FixedKPass(session, p.generation, fixed_k) if fixed_k else None
+        # prompt by prompt: the fixed-k decode of a prompt follows its adaptive one with the same
+        # state, so the drafter starts from the prompt it still holds instead of reading it again
+        for i, prompt in enumerate(speed):
+            run = adaptive_pass.decode(prompt, replay=alone[i] if replay_adaptive else None)
+            if fixed_pass is not None:
+                fixed_pass.decode(prompt, (run or alone[i])["ids"] if replay else None)
+        metrics = adaptive_pass.metrics() if adaptive_pass is not None else {}
+        # a panel device keeps its rule's counted acceptance from round to round, as a serving
+        # device does (re-fitted for each new adapter), not a cold rule each round
+        if adaptive and p.probe and not fresh:
+            self.save(session)
+        if fixed_pass is not None:
+            if replay and alone is None:  # the speed prompts' outputs were recorded live just now
+                alone = self._target_alone(session, p, adaptive_pass.alone)
+            for i in range(len(speed), len(p.heldout)):
+                fixed_pass.decode(p.heldout[i], alone[i]["ids"] if replay else None)
+            fixed = fixed_pass.summary()
             metrics.update(
                 {
                     MetricKey.FIXED_K_ACCEPTANCE: fixed["acceptance_rate"],

@@ -335,3 +335,42 @@ def test_a_fresh_evaluation_holds_nothing_the_device_learned_and_changes_nothing
     assert {k: cold[k] for k in keys} == {k: never[k] for k in keys}
     with pytest.raises(ValueError, match="no global state"):
         veteran.session(fresh=True)
+
+
+def test_an_evaluation_reads_each_prompt_once_for_both_passes(tmp_path, tiny, monkeypatch):
+    """The fixed-k decode of a prompt follows its adaptive decode with the same state, and the
+    drafter starts from the prompt it still holds: every held-out prompt is forwarded in full
+    once per evaluation, not once per pass, and the figures equal separate passes'."""
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.evaluation import evaluate_fixed_k
+    from omnidraft.client.fleet_device import FleetDevice
+    from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
+
+    body = "".join(f"    value_{i} = compute_{i}(value_{i - 1}, key={i})\n" for i in range(1, 6))
+    heldout = [f"def task_{n}(value_0):\n{body}" for n in range(3)]
+    profile = DeviceProfile(
+        device_id="p",
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=[],
+        heldout=heldout,
+        state_dir=tmp_path / "probe",
+        speed_prompts=0,  # all of them, adaptively and at fixed k
+        probe=True,
+    )
+    device = FleetDevice(profile, EnginePool("fp32", "fp32"))
+    forwards = []
+    real = FastLlamaRunner.forward
+    monkeypatch.setattr(
+        FastLlamaRunner, "forward", lambda self, ids, *a, **k: forwards.append(len(ids)) or real(self, ids, *a, **k)
+    )
+    device.evaluate(use_global=False, measure_ar=True, fixed_k=3)  # the cost profile is measured here
+    forwards.clear()
+    metrics = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
+    prompt_tokens = min(len(device.session(use_global=False).engine.prompt_ids(p)[1]) for p in heldout)
+    assert sum(n >= prompt_tokens // 2 for n in forwards) == len(heldout)  # one full read per prompt
+    session = device.session(use_global=False)
+    separate = evaluate_fixed_k(session, heldout, profile.generation, 3)  # its own pass, live target
+    assert metrics["fixed-k-acceptance"] == pytest.approx(separate["acceptance_rate"])
