@@ -8,6 +8,7 @@ One round:
    bytes); a device with an unknown target or a different tokenizer is skipped with a logged
    reason; staged rollouts move their share of capable devices to a new target
    (``query.switch``); a seeded ``fraction`` of the devices that joined is sampled to train;
+   where no device answered at all, the round is not held (nor recorded: a restart holds it);
 3. send each device its target's global state (only the parts it lacks) in a ``train``
    message; wait at most ``round_timeout_s``: devices that drop out or time out are left out;
 4. per target: check every reply (``aggregation.check_reply``), aggregate the adapters with the
@@ -158,6 +159,12 @@ class Coordinator:
         phases = PhaseClock()
         self.before_round(rnd, self.registry)
         members, probes, skipped, states = self._census(grid, rnd, nodes)
+        if not states and skipped:
+            # every connected device failed to answer (its ClientApp crashed, the fleet is going
+            # down): nothing can be trained or measured, and a round recorded as finished here
+            # would be skipped by a restart; a round held later runs it again
+            log.warning("round %d: no device answered (%d; %s); round not held", rnd, len(skipped), skipped[0])
+            return []
         switched = self._roll_out(grid, rnd, members, states, skipped)
         phases.lap("census")
         records = []

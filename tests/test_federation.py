@@ -310,3 +310,49 @@ def test_secagg_settings_are_checked():
         SecAggConfig(min_devices=1).validate()
     with pytest.raises(ValueError, match="weighted mean"):
         _scenario(secagg=True, aggregation=AggregationConfig(method="trimmed")).validate()
+
+
+def test_a_round_no_device_answered_is_not_recorded_as_finished(tmp_path, tiny):
+    """Every connected device's status query comes back as an error (their ClientApps crash, or
+    the fleet is being torn down): the coordinator holds no round and records none, so a restart
+    on the same directory runs every round instead of skipping the ones that did nothing."""
+    from flwr.app import Error, Message
+
+    from omnidraft.coordinator.round_log import last_round
+    from omnidraft.coordinator.server_app import Coordinator
+    from omnidraft.shared.learning.adapters import LoraSpec
+
+    reg = TargetRegistry(tmp_path)
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=2))
+
+    class CrashingFleet:
+        """Two connected nodes whose every reply is a ClientApp error."""
+
+        def __init__(self) -> None:
+            self.sent: dict[str, Message] = {}
+
+        def get_node_ids(self) -> list[int]:
+            return [1, 2]
+
+        def push_messages(self, messages) -> list[str]:
+            ids = []
+            for m in messages:
+                mid = f"m{len(self.sent)}"
+                self.sent[mid] = m
+                ids.append(mid)
+            return ids
+
+        def pull_messages(self, ids) -> list[Message]:
+            out = []
+            for mid in list(ids):
+                m = self.sent[mid]
+                m.metadata.__dict__["_message_id"] = mid  # as Flower's grid sets them (no setters)
+                reply = Message(error=Error(code=0, reason="ClientApp exception"), reply_to=m)
+                reply.metadata.__dict__["_src_node_id"] = m.metadata.dst_node_id
+                out.append(reply)
+            return out
+
+    rounds = []
+    Coordinator(tmp_path, FleetConfig(rounds=2, wait_s=0), on_round=rounds.append).run(CrashingFleet())
+    assert last_round(tmp_path) == 0 and rounds == []
+    assert reg.manifest("tiny-target-a").version == 0
