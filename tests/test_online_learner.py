@@ -20,6 +20,7 @@ from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.learning.distill import LossConfig
+from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 
 
 def test_sequence_loss_covers_every_response_token(pair_dir):
@@ -375,6 +376,38 @@ def test_one_packing_serves_every_adapter(pair_dir):
     adapters.reset("b")
     torch.testing.assert_close(adapters.runner().forward(ids), base)
     assert rb._packing is rc._packing  # both untrained ones share the one base packing again
+
+
+def test_loading_the_matrices_a_runner_merged_last_keeps_its_packing(pair_dir, monkeypatch):
+    """Devices that load the same global adapter in turn (a fleet's round in one process) merge
+    it once: loading matrices equal to the runner's last merge skips the ~1 s merge (the cache
+    is still emptied, as a merge would), different matrices are merged, and so are equal ones
+    once the base weights were held in another dtype."""
+    engine = _engine(pair_dir)
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
+    adapters.add("t")
+    merges = []
+    real = FastLlamaRunner.set_lora
+    monkeypatch.setattr(
+        FastLlamaRunner, "set_lora", lambda self, layers: merges.append(layers is not None) or real(self, layers)
+    )
+    ids = [1, 2, 3]
+    global_state = {k: v + 0.05 for k, v in adapters.state_dict("t").items()}
+    adapters.load_state_dict("t", global_state)
+    runner = adapters.runner()
+    merged = runner.forward(ids).clone()
+    trained = {k: v + 0.01 for k, v in global_state.items()}  # a device's update, never drafted with
+    adapters.load_state_dict("t", trained)
+    adapters.load_state_dict("t", global_state)  # the next device: the global state again
+    assert adapters.runner() is runner and runner.length == 0 and merges == [True]
+    torch.testing.assert_close(runner.forward(ids), merged)
+    adapters.load_state_dict("t", trained)
+    adapters.runner()
+    assert merges == [True, True]
+    adapters.held_dtype = torch.bfloat16  # as the first bf16 training forward sets it
+    adapters.load_state_dict("t", trained)
+    adapters.runner()
+    assert merges == [True, True, True]
 
 
 def test_greedy_output_identical_to_target_after_training(pair_dir):
