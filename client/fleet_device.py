@@ -441,8 +441,7 @@ class FleetDevice:
         alone = self._target_alone(session, p) if replay_adaptive or (replay and not timed) else None
         adaptive_pass = AdaptivePass(session, p.generation, measure_ar=timed) if adaptive else None
         fixed_pass = FixedKPass(session, p.generation, fixed_k) if fixed_k else None
-        # prompt by prompt: the fixed-k decode of a prompt follows its adaptive one with the same
-        # state, so the drafter starts from the prompt it still holds instead of reading it again
+        # prompt by prompt, both passes: the drafter still holds the prompt for its second decode
         for i, prompt in enumerate(speed):
             run = adaptive_pass.decode(prompt, replay=alone[i] if replay_adaptive else None)
             if fixed_pass is not None:
@@ -458,12 +457,8 @@ class FleetDevice:
             for i in range(len(speed), len(p.heldout)):
                 fixed_pass.decode(p.heldout[i], alone[i]["ids"] if replay else None)
             fixed = fixed_pass.summary()
-            metrics.update(
-                {
-                    MetricKey.FIXED_K_ACCEPTANCE: fixed["acceptance_rate"],
-                    MetricKey.FIXED_K_TOKENS_PER_CALL: fixed["tokens_per_target_call"],
-                }
-            )
+            metrics[MetricKey.FIXED_K_ACCEPTANCE] = fixed["acceptance_rate"]
+            metrics[MetricKey.FIXED_K_TOKENS_PER_CALL] = fixed["tokens_per_target_call"]
             metrics.setdefault(MetricKey.GENERATED_TOKENS, fixed["new_tokens"])
         return {**metrics, MetricKey.EVAL_S: time.perf_counter() - t0}
 
@@ -478,9 +473,7 @@ class FleetDevice:
         ``fleet.json`` (only the latest set: a deployed device's prompts change)."""
         g = p.generation
         store = self.recordings(session)
-        n_timed = len(live)
-        runs = list(live)
-        rest = p.heldout[n_timed:]
+        runs, rest = list(live), p.heldout[len(live) :]
         if store is None and rest:
             key = _sha256(
                 json.dumps([p.target_model, rest, g.max_new_tokens, list(g.stop_strings), g.temperature]).encode()

@@ -4,7 +4,8 @@
 simulation's report read it); ``coordinator.json`` holds the last finished round. A round's lines
 are written first and ``coordinator.json`` last, both atomically, so the second is the round's
 commit point: a coordinator restarted after a crash resumes after the last finished round and
-drops the lines of one that never finished.
+drops the lines of one that never finished. ``PhaseClock`` times a round's phases for its record
+(``phase-s``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,20 @@ from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 STATE_FILE = "coordinator.json"
 ROUNDS_FILE = "rounds.jsonl"
+
+
+class PhaseClock:
+    """Wall seconds of a round's phases, in order: ``lap(name)`` charges the time since the
+    previous lap (or since the clock started) to ``name``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def last_round(root: str | Path) -> int:

@@ -48,25 +48,11 @@ from omnidraft.coordinator.device_replies import EVAL_KEYS, eval_metrics_usable,
 from omnidraft.coordinator.fleet_config import FleetConfig
 from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
 from omnidraft.coordinator.round_aggregate import aggregate_replies
-from omnidraft.coordinator.round_log import finish_round, forget_unfinished, last_round
+from omnidraft.coordinator.round_log import PhaseClock, finish_round, forget_unfinished, last_round
 from omnidraft.shared.wire import FleetKey, MetricKey, Record, StatusKey
 
 log = logging.getLogger("omnidraft.coordinator")
 POLL_S = (0.05, 1.0)  # first and longest pause between polls for replies (seconds)
-
-
-class PhaseClock:
-    """Wall seconds of a round's phases, in order: ``lap(name)`` charges the time since the
-    previous lap (or since the clock started) to ``name``."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
-        self._last = now
 
 
 def wait_for_devices(grid: Grid, minimum: int, wait_s: float) -> list[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from dataclasses import replace
 
 import pytest
@@ -20,7 +19,6 @@ from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.learning.distill import LossConfig
-from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 
 
 def test_sequence_loss_covers_every_response_token(pair_dir):
@@ -332,82 +330,6 @@ def test_the_update_labels_the_acceptance_head_from_its_own_forwards(pair_dir):
     assert forwards == [True] * len(samples)  # the training forwards only
     assert 0 < report.head_rows == learner.replay.size <= sum(s.dm_pos.numel() for s in samples)
     assert session.head.trained_steps == 1
-
-
-def test_one_packing_serves_every_adapter(pair_dir):
-    """Adapters draft on forks of one base packing, each with its own KV cache; a trained
-    adapter is merged into its own runner's weights: training, loading and resetting an
-    adapter change its runner's logits and nobody else's."""
-    engine = _engine(pair_dir)
-    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
-    adapters.add("a")
-    ra = adapters.runner()
-    adapters.add("b")
-    rb = adapters.runner()
-    assert rb is not ra and rb._packing is ra._packing  # shared packed weights, separate runners
-    assert ra.lora_rank == rb.lora_rank == 0  # untrained adapters: the base weights
-    ids = [1, 2, 3]
-    base = rb.forward(ids).clone()
-    tensors = {k: v + 0.05 for k, v in adapters.state_dict("b").items()}
-    adapters.load_state_dict("b", tensors)
-    assert adapters.runner() is rb and rb.lora_rank == 4 and rb._packing is not ra._packing  # merged
-    trained = rb.forward(ids).clone()
-    assert not torch.allclose(trained, base)
-    adapters.activate("a")
-    ra.reset()
-    torch.testing.assert_close(adapters.runner().forward(ids), base)  # a is still untrained
-    adapters.activate("b")
-    adapters.reset("b")
-    assert adapters.runner().lora_rank == 0
-    torch.testing.assert_close(rb.forward(ids), base)
-    adapters.load_state_dict("b", tensors)
-    torch.testing.assert_close(adapters.runner().forward(ids), trained)  # set_lora resets the cache
-    # once every adapter drafts on its own packing nothing holds the base one: it is freed,
-    # and packed again (the same weights: nothing trained here) for an adapter that needs it
-    held = weakref.ref(ra._packing)
-    adapters.activate("a")
-    adapters.load_state_dict("a", tensors)
-    assert adapters.runner().lora_rank == 4 and held() is None
-    adapters.add("c")
-    rc = adapters.runner()
-    assert rc.lora_rank == 0 and ra._packing is not rc._packing is rc._base_packing
-    torch.testing.assert_close(rc.forward(ids), base)
-    adapters.activate("b")
-    adapters.reset("b")
-    torch.testing.assert_close(adapters.runner().forward(ids), base)
-    assert rb._packing is rc._packing  # both untrained ones share the one base packing again
-
-
-def test_loading_the_matrices_a_runner_merged_last_keeps_its_packing(pair_dir, monkeypatch):
-    """Devices that load the same global adapter in turn (a fleet's round in one process) merge
-    it once: loading matrices equal to the runner's last merge skips the ~1 s merge (the cache
-    is still emptied, as a merge would), different matrices are merged, and so are equal ones
-    once the base weights were held in another dtype."""
-    engine = _engine(pair_dir)
-    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
-    adapters.add("t")
-    merges = []
-    real = FastLlamaRunner.set_lora
-    monkeypatch.setattr(
-        FastLlamaRunner, "set_lora", lambda self, layers: merges.append(layers is not None) or real(self, layers)
-    )
-    ids = [1, 2, 3]
-    global_state = {k: v + 0.05 for k, v in adapters.state_dict("t").items()}
-    adapters.load_state_dict("t", global_state)
-    runner = adapters.runner()
-    merged = runner.forward(ids).clone()
-    trained = {k: v + 0.01 for k, v in global_state.items()}  # a device's update, never drafted with
-    adapters.load_state_dict("t", trained)
-    adapters.load_state_dict("t", global_state)  # the next device: the global state again
-    assert adapters.runner() is runner and runner.length == 0 and merges == [True]
-    torch.testing.assert_close(runner.forward(ids), merged)
-    adapters.load_state_dict("t", trained)
-    adapters.runner()
-    assert merges == [True, True]
-    adapters.held_dtype = torch.bfloat16  # as the first bf16 training forward sets it
-    adapters.load_state_dict("t", trained)
-    adapters.runner()
-    assert merges == [True, True, True]
 
 
 def test_greedy_output_identical_to_target_after_training(pair_dir):
