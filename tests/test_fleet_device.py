@@ -18,6 +18,23 @@ from omnidraft.shared.learning.adapters import LoraSpec
 pytestmark = pytest.mark.usefixtures("flower_task")  # hand-made Messages need a task identity
 
 
+def _probe_profile(tiny, name: str, heldout: list[str], state_dir, **settings):
+    """A probe of ``tiny-target-a`` (evaluates only) holding ``heldout``."""
+    from omnidraft.client.device_profile import DeviceProfile
+
+    return DeviceProfile(
+        device_id=name,
+        target="tiny-target-a",
+        target_model=str(tiny["tiny-target-a"]),
+        drafter=str(tiny["tiny-drafter"]),
+        prompts=[],
+        heldout=heldout,
+        state_dir=state_dir,
+        probe=True,
+        **settings,
+    )
+
+
 def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tiny):
     """A device that pins the coordinator's Ed25519 key stores a state only if the manifest's
     signature verifies, every part matches its hash and the version is not older than the one
@@ -205,7 +222,6 @@ def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_
     the first time, so a fresh probe later runs only its speed prompts. The fixed-k figures are
     the store-less probe's."""
     from omnidraft.client import evaluation, fleet_device
-    from omnidraft.client.device_profile import DeviceProfile
     from omnidraft.client.engine_pool import EnginePool
     from omnidraft.client.fleet_device import FleetDevice
 
@@ -214,19 +230,7 @@ def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_
 
     def probe(name: str, recordings: str) -> FleetDevice:
         return FleetDevice(
-            DeviceProfile(
-                device_id=name,
-                target="tiny-target-a",
-                target_model=str(tiny["tiny-target-a"]),
-                drafter=str(tiny["tiny-drafter"]),
-                prompts=[],
-                heldout=heldout,
-                state_dir=tmp_path / name,
-                speed_prompts=1,
-                probe=True,
-                recordings=recordings,
-            ),
-            pool,
+            _probe_profile(tiny, name, heldout, tmp_path / name, speed_prompts=1, recordings=recordings), pool
         )
 
     runs = []
@@ -250,22 +254,11 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     evaluations run the target only on the timed speed prompts (the speed baseline is timed in
     every evaluation), and the adaptive pass decodes only ``speed_prompts``."""
     from omnidraft.client import evaluation, fleet_device
-    from omnidraft.client.device_profile import DeviceProfile
     from omnidraft.client.engine_pool import EnginePool
     from omnidraft.client.fleet_device import FleetDevice
 
     heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
-    profile = DeviceProfile(
-        device_id="p",
-        target="tiny-target-a",
-        target_model=str(tiny["tiny-target-a"]),
-        drafter=str(tiny["tiny-drafter"]),
-        prompts=[],
-        heldout=heldout,
-        state_dir=tmp_path / "probe",
-        speed_prompts=1,
-        probe=True,
-    )
+    profile = _probe_profile(tiny, "p", heldout, tmp_path / "probe", speed_prompts=1)
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
     runs = []
     real_alone = evaluation.target_alone
@@ -341,7 +334,6 @@ def test_an_evaluation_reads_each_prompt_once_for_both_passes(tmp_path, tiny, mo
     """The fixed-k decode of a prompt follows its adaptive decode with the same state, and the
     drafter starts from the prompt it still holds: every held-out prompt is forwarded in full
     once per evaluation, not once per pass, and the figures equal separate passes'."""
-    from omnidraft.client.device_profile import DeviceProfile
     from omnidraft.client.engine_pool import EnginePool
     from omnidraft.client.evaluation import evaluate_fixed_k
     from omnidraft.client.fleet_device import FleetDevice
@@ -349,17 +341,7 @@ def test_an_evaluation_reads_each_prompt_once_for_both_passes(tmp_path, tiny, mo
 
     body = "".join(f"    value_{i} = compute_{i}(value_{i - 1}, key={i})\n" for i in range(1, 6))
     heldout = [f"def task_{n}(value_0):\n{body}" for n in range(3)]
-    profile = DeviceProfile(
-        device_id="p",
-        target="tiny-target-a",
-        target_model=str(tiny["tiny-target-a"]),
-        drafter=str(tiny["tiny-drafter"]),
-        prompts=[],
-        heldout=heldout,
-        state_dir=tmp_path / "probe",
-        speed_prompts=0,  # all of them, adaptively and at fixed k
-        probe=True,
-    )
+    profile = _probe_profile(tiny, "p", heldout, tmp_path / "probe", speed_prompts=0)  # all: both passes
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
     forwards = []
     real = FastLlamaRunner.forward
