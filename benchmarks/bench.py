@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from omnidraft.benchmarks import codebase_prompts
-from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.generation import GenerationConfig, GenerationStats
 from omnidraft.shared.engine.pair import Engine
 from omnidraft.shared.engine.precision import runner_backend
 from omnidraft.shared.engine.profiling import cpu_name
@@ -314,6 +314,13 @@ def run_bench(
                 "plain_rounds",
             ):
                 entry[key] = sum(s[key] for s in st)
+            timed = GenerationStats(
+                wall_s=wall,
+                prefill_s=wall - decode_s,
+                target_forward_s=sum(s["target_forward_s"] for s in st),
+                drafter_forward_s=sum(s["drafter_forward_s"] for s in st),
+            )
+            entry["decode_time_shares"] = timed.decode_time_shares
         summary[m] = entry
     fastest_llama = max(
         (m for m in LLAMACPP_METHODS if m in summary and summary[m]["tokens_per_s"]),
@@ -408,6 +415,12 @@ def format_table(report: dict) -> str:
         "worst: the slowest prompt's tok/s over ar's on that prompt; decode: tok/s over ar's after the "
         "target's prompt prefill" + (f"; llama*: the faster llama.cpp method ({best})" if best else "")
     )
+    shares = {m: e["decode_time_shares"] for m, e in report["methods"].items() if e.get("decode_time_shares")}
+    if shares:
+        lines.append(
+            "decode time in the target's forwards / the drafter's / the rest: "
+            + "; ".join(f"{m} {s['target']:.0%} / {s['drafter']:.0%} / {s['rest']:.0%}" for m, s in shares.items())
+        )
     check = report["config"].get("profile_check")
     if check and check.get("steps"):
         lines.append(

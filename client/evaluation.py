@@ -42,6 +42,7 @@ class Phase:
             "decode_speedup_vs_ar": decode_tps / ar_decode_tokens_per_s if ar_decode_tokens_per_s else None,
             "drafter_steps_per_target_call": st.drafter_steps / st.target_calls if st.target_calls else 0.0,
             "modelled_speedup_vs_ar": st.modelled_speedup,
+            "decode_time_shares": st.decode_time_shares,
             "new_tokens": st.new_tokens,
             "wall_s": st.wall_s,
         }

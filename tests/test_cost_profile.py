@@ -247,3 +247,36 @@ def test_confidence_drafting_measures_no_cost_profile(tmp_path, monkeypatch, pai
     assert session.rule is None and not (tmp_path / "profiles").exists()
     with pytest.raises(AssertionError, match="a cost profile was measured"):  # the rule still measures
         engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16, draft_stop="cost"))
+
+
+def test_a_decode_says_where_its_time_went(pair_dir, monkeypatch):
+    """``GenerationStats`` splits a timed decode into the target's forwards, the drafter's and
+    the rest: with every target forward made 20 ms slower, the target's share covers at least
+    those 20 ms a call, the shares add up to 1, the target alone's decode has no drafter share,
+    and a decoder that does not time its forwards reports no split instead of a wrong one."""
+    import time
+
+    engine = _engine(pair_dir)
+    runner = engine.target_runner
+    forward = runner.forward
+
+    def slow_forward(ids, *args, **kwargs):
+        time.sleep(0.02)
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", slow_forward)
+    config = GenerationConfig(max_new_tokens=12, draft_stop="confidence", confidence=0.0, k_max=3)
+    text, ids = engine.prompt_ids(PROMPTS[0])
+    for result, drafted in (
+        (engine.omnidraft(rule=False).generate(text, ids, config), True),
+        (engine.ar().generate(ids, config), False),
+    ):
+        s = result.stats
+        shares = s.decode_time_shares
+        assert shares is not None and sum(shares.values()) == pytest.approx(1.0)
+        assert s.target_forward_s >= 0.02 * s.target_calls
+        assert shares["target"] > 0.5 and (shares["drafter"] > 0) == drafted
+        assert s.target_forward_s + s.drafter_forward_s <= s.wall_s - s.prefill_s
+    untimed = engine.omnidraft(rule=False)
+    untimed.timings = untimed.side.timings = None
+    assert untimed.generate(text, ids, config).stats.decode_time_shares is None

@@ -93,6 +93,11 @@ class GenerationStats:
     # decoder had no profile (the target alone, or a fixed draft rule)
     modelled_s: float = 0.0
     modelled_target_alone_s: float = 0.0
+    # of the decode (prompt prefill excluded), the seconds in the target's forwards and in the
+    # drafter's (its steps, its catch-up on committed tokens, its read of the prompt); the rest
+    # is the work of a round outside them. 0 when the decoder did not time its forwards
+    target_forward_s: float = 0.0
+    drafter_forward_s: float = 0.0
 
     def add(self, other: GenerationStats) -> None:
         """Accumulate ``other``'s counters and time into this one (totals over many calls)."""
@@ -118,6 +123,17 @@ class GenerationStats:
         return self.new_tokens / decode_s if decode_s > 0 else None
 
     @property
+    def decode_time_shares(self) -> dict[str, float] | None:
+        """Where the decode's time went (prompt prefill excluded): the shares of the target's
+        forwards, the drafter's, and the rest (a round's work outside them); None when the
+        forwards were not timed."""
+        decode_s = self.wall_s - self.prefill_s
+        if decode_s <= 0 or not self.target_forward_s:
+            return None
+        target, drafter = self.target_forward_s / decode_s, self.drafter_forward_s / decode_s
+        return {"target": target, "drafter": drafter, "rest": 1 - target - drafter}
+
+    @property
     def modelled_speedup(self) -> float | None:
         """Modelled speed over the target alone (decoding only; see ``modelled_s``)."""
         return self.modelled_target_alone_s / self.modelled_s if self.modelled_s > 0 else None
@@ -129,6 +145,7 @@ class GenerationStats:
             tokens_per_target_call=self.tokens_per_target_call,
             tokens_per_s=self.tokens_per_s,
             decode_tokens_per_s=self.decode_tokens_per_s,
+            decode_time_shares=self.decode_time_shares,
             modelled_speedup=self.modelled_speedup,
         )
         return out
