@@ -22,7 +22,8 @@ Variants: ``base`` (no training); ``seq`` / ``hybrid`` (the project's losses); `
 boundary); ``hybrid-fkl`` (L_DM as forward KL(p ‖ q') on the same coarsened support). Suffixes set the
 schedule: ``-lrX`` the learning rate (default 1e-4; ``hybrid-fkl`` defaults to 1e-3), ``-eN``
 passes over each update's samples (default 1), ``-sN`` optimizer steps per pass (default 8),
-``-rN`` past samples of the stream trained on again in each update (rehearsal; default 0).
+``-rN`` past samples of the stream trained on again in each update (rehearsal; default 0),
+``-p1`` the sequence loss on the prompt's tokens too (those of the training window).
 ``collect --dataset codebase:<package>`` decodes a personal codebase instead of HumanEval
 (``--train`` then sets its training part, e.g. 48 of 60).
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import re
@@ -74,6 +76,13 @@ class VariantLearner(OnlineLearner):
 
     variant = ""
     rehearse = 0  # past samples trained on again in each update
+    prompt = 0  # 1: the sequence loss also covers the (windowed) prompt's tokens
+
+    def observe(self, sample):
+        if self.prompt:  # the training window first, then every token of it carries the loss
+            window = self.config.max_context
+            sample = dataclasses.replace(sample.windowed(window) if window else sample, seq_start=1)
+        return super().observe(sample)
 
     def update(self):
         if not self.rehearse:
@@ -132,8 +141,9 @@ def agreement(adapters: DrafterAdapters, name: str, samples) -> dict:
 
 
 def parse_variant(name: str) -> tuple[str, LossConfig, dict]:
-    """``(variant, loss, schedule)`` of a name ``LOSS[-lrX][-eN][-sN][-rN]``: learning rate,
-    epochs per update, optimizer steps per update, past samples rehearsed per update."""
+    """``(variant, loss, schedule)`` of a name ``LOSS[-lrX][-eN][-sN][-rN][-pN]``: learning rate,
+    epochs per update, optimizer steps per update, past samples rehearsed per update, whether
+    the prompt's tokens carry the loss."""
     base, *opts = re.split(r"-(?=[a-z])", name)
     if opts and opts[0] in ("lam1", "span", "fkl"):
         base = f"{base}-{opts.pop(0)}"
@@ -147,8 +157,14 @@ def parse_variant(name: str) -> tuple[str, LossConfig, dict]:
     if base not in kinds:
         raise SystemExit(f"loss_sweep: unknown variant {name!r}")
     variant, loss = kinds[base]
-    schedule = {"lr": 1e-3 if variant == "fkl" else 1e-4, "epochs": 1, "steps": 8, "rehearse": 0}
-    keys = {"lr": ("lr", float), "e": ("epochs", int), "s": ("steps", int), "r": ("rehearse", int)}
+    schedule = {"lr": 1e-3 if variant == "fkl" else 1e-4, "epochs": 1, "steps": 8, "rehearse": 0, "prompt": 0}
+    keys = {
+        "lr": ("lr", float),
+        "e": ("epochs", int),
+        "s": ("steps", int),
+        "r": ("rehearse", int),
+        "p": ("prompt", int),
+    }
     for opt in opts:
         prefix = "lr" if opt.startswith("lr") else opt[:1]
         if prefix not in keys:
@@ -183,6 +199,7 @@ def sweep(args) -> None:
             learner = VariantLearner(adapters, f"v{i}", inter, None, config)
             learner.variant = variant
             learner.rehearse = sched["rehearse"]
+            learner.prompt = sched["prompt"]
             t0 = time.perf_counter()
             for s in train:
                 learner.observe(s)
