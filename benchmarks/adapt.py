@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
+from omnidraft.benchmarks.bench import format_time_shares
 from omnidraft.client.evaluation import Phase, evaluate, evaluate_fixed_k, warm_up
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
@@ -207,16 +208,9 @@ def format_table(report: dict) -> str:
                 f"raw tok/s {across['tokens_per_s_after_over_before']:.3f}; the starting state "
                 + ("made the same decisions again" if report["before_repeated"] else "decided differently the 2nd time")
             )
-    shares = [
-        (n, report[n]["decode_time_shares"])
-        for n in ("before_again", "after")
-        if report.get(n, {}).get("decode_time_shares")
-    ]
+    shares = format_time_shares({n: report.get(n, {}).get("decode_time_shares") for n in ("before_again", "after")})
     if shares:
-        lines.append(
-            "decode time in the target's forwards / the drafter's / the rest: "
-            + "; ".join(f"{n} {s['target']:.0%} / {s['drafter']:.0%} / {s['rest']:.0%}" for n, s in shares)
-        )
+        lines.append(shares)
     lines.append(
         f"held-out prompts: {report['heldout_prompts']}, trained on {report['train_prompts']}; "
         f"{len(report['updates'])} updates, "

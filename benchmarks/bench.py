@@ -386,6 +386,13 @@ def run_bench(
     }
 
 
+def format_time_shares(shares: dict[str, dict[str, float] | None]) -> str:
+    """One line of ``GenerationStats.decode_time_shares`` per named decoder (those without
+    one left out); empty when none has one."""
+    parts = [f"{n} {s['target']:.0%} / {s['drafter']:.0%} / {s['rest']:.0%}" for n, s in shares.items() if s]
+    return "decode time in the target's forwards / the drafter's / the rest: " + "; ".join(parts) if parts else ""
+
+
 def format_table(report: dict) -> str:
     """A plain-text table of the per-method summary."""
     best = report["config"].get("best_llamacpp")
@@ -415,12 +422,9 @@ def format_table(report: dict) -> str:
         "worst: the slowest prompt's tok/s over ar's on that prompt; decode: tok/s over ar's after the "
         "target's prompt prefill" + (f"; llama*: the faster llama.cpp method ({best})" if best else "")
     )
-    shares = {m: e["decode_time_shares"] for m, e in report["methods"].items() if e.get("decode_time_shares")}
+    shares = format_time_shares({m: e.get("decode_time_shares") for m, e in report["methods"].items()})
     if shares:
-        lines.append(
-            "decode time in the target's forwards / the drafter's / the rest: "
-            + "; ".join(f"{m} {s['target']:.0%} / {s['drafter']:.0%} / {s['rest']:.0%}" for m, s in shares.items())
-        )
+        lines.append(shares)
     check = report["config"].get("profile_check")
     if check and check.get("steps"):
         lines.append(
