@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from tqdm import tqdm
 
 from omnidraft.client.session import DeviceSession
-from omnidraft.shared.engine.generation import GenerationConfig, GenerationStats
+from omnidraft.shared.engine.generation import GenerationConfig, GenerationResult, GenerationStats
 from omnidraft.shared.engine.recorded_target import RecordedTarget
 from omnidraft.shared.engine.recordings import Recording
 from omnidraft.shared.wire import MetricKey
@@ -95,10 +95,11 @@ class FixedKPass:
         self.phase = Phase()
         self._live = None
 
-    def decode(self, prompt: str, recording: list[int] | None = None) -> None:
-        """``recording`` (greedy only): the target's greedy output ids for ``prompt``
-        (``target_alone``), replayed instead of running the target (``RecordedTarget``: the same
-        figures, at the drafter's cost)."""
+    def decode(self, prompt: str, recording: list[int] | None = None) -> GenerationResult:
+        """Decode ``prompt``; returns the result (under greedy decoding its ``token_ids`` are the
+        target's greedy output, a recording). ``recording`` (greedy only): the target's greedy
+        output ids for ``prompt``, replayed instead of running the target (``RecordedTarget``: the
+        same figures, at the drafter's cost)."""
         session = self.session
         text, ids = session.engine.prompt_ids(prompt)
         if recording is None:
@@ -108,7 +109,9 @@ class FixedKPass:
             if not self.config.greedy:
                 raise ValueError("replayed acceptance needs greedy decoding")
             decoder = session.decoder(target=RecordedTarget(ids + recording, session.engine.target.logit_rows))
-        self.phase.add(decoder.generate(text, ids, self.config))
+        result = decoder.generate(text, ids, self.config)
+        self.phase.add(result)
+        return result
 
     def summary(self) -> dict:
         summary = self.phase.summary()
@@ -170,17 +173,22 @@ class AdaptivePass:
     speedup models); the cost profile is then checked against the forwards timed in use
     (``profile_check_metrics``; a stale one is reported, not dropped). A replayed decode
     (``decode(replay=...)``) runs the target's recorded output instead of the target (the speed is
-    then only modelled: no live tok/s or speedup, no profile check)."""
+    then only modelled: no live tok/s or speedup, no profile check). ``modelled``: the pass
+    reports only modelled speed whatever ran (a simulation's pass that replays where it can and
+    records its live decodes where it cannot: its figures must not depend on which it did)."""
 
-    def __init__(self, session: DeviceSession, config: GenerationConfig, measure_ar: bool = False) -> None:
+    def __init__(
+        self, session: DeviceSession, config: GenerationConfig, measure_ar: bool = False, modelled: bool = False
+    ) -> None:
         self.session, self.config, self.measure_ar = session, config, measure_ar
         self.alone: list[dict] = []  # the target alone's timed runs (measure_ar)
         self.phase = Phase()
-        self.replayed = False
+        self.replayed = modelled
+        self.last: GenerationResult | None = None  # the latest decode's result
 
     def decode(self, prompt: str, replay: dict | None = None) -> dict | None:
-        """Decode ``prompt``; returns the target alone's run of it when measured (else None).
-        ``replay``: the target's recorded output (``{"ids"}``)."""
+        """Decode ``prompt`` (its result: ``last``); returns the target alone's run of it when
+        measured (else None). ``replay``: the target's recorded output (``{"ids"}``)."""
         run = recording = None
         if self.measure_ar:
             result = target_alone(self.session, [prompt], self.config)[0]
@@ -191,7 +199,8 @@ class AdaptivePass:
             _, ids = self.session.engine.prompt_ids(prompt)
             recording = Recording(ids + replay["ids"], len(ids))
             self.replayed = True
-        self.phase.add(self.session.generate(prompt, self.config, learn=False, replay=recording))
+        self.last = self.session.generate(prompt, self.config, learn=False, replay=recording)
+        self.phase.add(self.last)
         return run
 
     def metrics(self) -> dict:

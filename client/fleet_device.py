@@ -66,6 +66,11 @@ class StateMismatch(ValueError):
     """Global state that does not match its manifest or this device's target (one line)."""
 
 
+def _output(generated: list[int]) -> dict:
+    """A held-out prompt's target output as an evaluation uses it (not timed: "s" 0)."""
+    return {"ids": list(generated), "tokens": len(generated), "s": 0.0}
+
+
 def _keep(store: RecordingStore, prompt: str, config: GenerationConfig, recording: Recording) -> None:
     """Keep a recording; a store that cannot be written (a full or read-only disk) only costs
     later decodes their replay, never this one."""
@@ -422,7 +427,10 @@ class FleetDevice:
         ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft). With
         greedy decoding that pass replays the target's recorded output (``RecordedTarget``)
         instead of running the target. The target alone's outputs do not change between rounds
-        (``_target_alone`` keeps them); its speed is timed again in every evaluation."""
+        (``_target_alone`` keeps them); its speed is timed again in every evaluation. With a
+        recording store, a prompt not recorded yet is decoded live by the first pass that needs
+        its output and recorded from that decode (a greedy decode commits the target's greedy
+        output), never by a separate run of the target alone."""
         if not adaptive and not fixed_k:
             raise ValueError("an evaluation without the adaptive pass needs a fixed draft length")
         session = self.session(use_global=use_global, fresh=fresh)
@@ -439,11 +447,15 @@ class FleetDevice:
         speed = p.heldout[: p.speed_prompts or len(p.heldout)] if adaptive else []
         # the recorded outputs the passes replay; a timed evaluation records its speed prompts live
         alone = self._target_alone(session, p) if replay_adaptive or (replay and not timed) else None
-        adaptive_pass = AdaptivePass(session, p.generation, measure_ar=timed) if adaptive else None
+        adaptive_pass = (
+            AdaptivePass(session, p.generation, measure_ar=timed, modelled=replay_adaptive) if adaptive else None
+        )
         fixed_pass = FixedKPass(session, p.generation, fixed_k) if fixed_k else None
         # prompt by prompt, both passes: the drafter still holds the prompt for its second decode
         for i, prompt in enumerate(speed):
             run = adaptive_pass.decode(prompt, replay=alone[i] if replay_adaptive else None)
+            if alone is not None and alone[i] is None:  # decoded live just now: its output is the recording
+                alone[i] = self._record(session, prompt, adaptive_pass.last.token_ids)
             if fixed_pass is not None:
                 fixed_pass.decode(prompt, (run or alone[i])["ids"] if replay else None)
         metrics = adaptive_pass.metrics() if adaptive_pass is not None else {}
@@ -455,22 +467,25 @@ class FleetDevice:
             if replay and alone is None:  # the speed prompts' outputs were recorded live just now
                 alone = self._target_alone(session, p, adaptive_pass.alone)
             for i in range(len(speed), len(p.heldout)):
-                fixed_pass.decode(p.heldout[i], alone[i]["ids"] if replay else None)
+                result = fixed_pass.decode(p.heldout[i], alone[i]["ids"] if replay and alone[i] else None)
+                if replay and alone[i] is None:
+                    self._record(session, p.heldout[i], result.token_ids)
             fixed = fixed_pass.summary()
             metrics[MetricKey.FIXED_K_ACCEPTANCE] = fixed["acceptance_rate"]
             metrics[MetricKey.FIXED_K_TOKENS_PER_CALL] = fixed["tokens_per_target_call"]
             metrics.setdefault(MetricKey.GENERATED_TOKENS, fixed["new_tokens"])
         return {**metrics, MetricKey.EVAL_S: time.perf_counter() - t0}
 
-    def _target_alone(self, session: DeviceSession, p: DeviceProfile, live: Sequence[dict] = ()) -> list[dict]:
+    def _target_alone(self, session: DeviceSession, p: DeviceProfile, live: Sequence[dict] = ()) -> list[dict | None]:
         """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
         "s": seconds}. ``live``: the runs of the first prompts the evaluation just timed (the
         speed baseline, run in every evaluation beside the speculative decode of the same prompt,
         so a speedup compares two decodes seconds apart, never a baseline from an earlier round on
         a machine whose speed has moved). The other outputs are needed as outputs only ("s" 0):
-        from the recording store where the device has one (recorded live where it lacks them),
-        else run once per (target, prompts, generation length and stops) and kept in
-        ``fleet.json`` (only the latest set: a deployed device's prompts change)."""
+        from the recording store where the device has one (None where it lacks one: the caller
+        decodes that prompt live and keeps its output, ``_record``), else run once per (target,
+        prompts, generation length and stops) and kept in ``fleet.json`` (only the latest set: a
+        deployed device's prompts change)."""
         g = p.generation
         store = self.recordings(session)
         runs, rest = list(live), p.heldout[len(live) :]
@@ -491,9 +506,12 @@ class FleetDevice:
             return runs + list(held["runs"])
         for prompt in rest:
             recording = store.get(prompt, g)
-            if recording is None:
-                _, ids = session.engine.prompt_ids(prompt)
-                recording = Recording(ids + target_alone(session, [prompt], g)[0].token_ids, len(ids))
-                _keep(store, prompt, g, recording)
-            runs.append({"ids": recording.generated, "tokens": len(recording.generated), "s": 0.0})
+            runs.append(None if recording is None else _output(recording.generated))
         return runs
+
+    def _record(self, session: DeviceSession, prompt: str, generated: list[int]) -> dict:
+        """Keep ``generated``, the target's greedy output for ``prompt`` (a live greedy decode's
+        ``token_ids``), in the recording store; returns it as ``_target_alone`` gives it."""
+        _, ids = session.engine.prompt_ids(prompt)
+        _keep(self.recordings(session), prompt, self.profile.generation, Recording(ids + generated, len(ids)))
+        return _output(generated)

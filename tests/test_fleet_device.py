@@ -218,9 +218,9 @@ def test_a_recording_store_that_cannot_be_written_costs_only_the_replay(tmp_path
 
 def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_prompts(tmp_path, tiny, monkeypatch):
     """With a recording store, a probe runs the target alone live (timed: the speed baseline)
-    on its ``speed_prompts`` only; its other held-out outputs come from the store, recorded live
-    the first time, so a fresh probe later runs only its speed prompts. The fixed-k figures are
-    the store-less probe's."""
+    on its ``speed_prompts`` only; its other held-out outputs come from the store, recorded the
+    first time from the fixed-k pass's own live decode (never a separate run of the target
+    alone), so a fresh probe later replays them. The fixed-k figures are the store-less probe's."""
     from omnidraft.client import evaluation, fleet_device
     from omnidraft.client.engine_pool import EnginePool
     from omnidraft.client.fleet_device import FleetDevice
@@ -239,13 +239,59 @@ def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_
         monkeypatch.setattr(module, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
     store = str(tmp_path / "recordings")
     first = probe("p1", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
-    assert runs == [heldout[:1]] + [[p] for p in heldout[1:]] and first["speedup"] > 0
+    assert runs == [heldout[:1]] and first["speedup"] > 0  # the timed baseline only, each time
+    # recorded: the prompts the fixed-k pass decoded live (the timed one's baseline runs every time)
+    assert len(list((tmp_path / "recordings").rglob("*.safetensors"))) == len(heldout) - 1
     runs.clear()
     second = probe("p2", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
-    assert runs == [heldout[:1]]  # the timed baseline only: the rest is in the store
+    assert runs == [heldout[:1]]
     plain = probe("p3", "").evaluate(use_global=False, measure_ar=True, fixed_k=3)
     for key in ("fixed-k-acceptance", "fixed-k-tokens-per-call"):
         assert first[key] == second[key] == plain[key]
+
+
+def test_a_new_device_records_its_held_out_outputs_from_its_own_live_decodes(tmp_path, tiny, monkeypatch):
+    """A simulated new device (no probe: its speed is modelled) whose held-out prompts are not
+    recorded yet decodes them live in its adaptive pass and records the outputs from those
+    decodes; the target alone never runs. Its figures are modelled only, and equal those of a
+    device with the same state that replays the recordings, live decodes and replays alike."""
+    from omnidraft.client import evaluation, fleet_device
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
+    from omnidraft.shared.engine.recorded_target import RecordedTarget
+
+    heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n"]
+    pool = EnginePool("fp32", "fp32")
+    store = tmp_path / "recordings"
+
+    def device(name: str) -> FleetDevice:
+        profile = DeviceProfile(
+            device_id="same",  # one seed: the same untrained adapter and rule in both
+            target="tiny-target-a",
+            target_model=str(tiny["tiny-target-a"]),
+            drafter=str(tiny["tiny-drafter"]),
+            prompts=["def add(a, b):"],
+            heldout=heldout,
+            state_dir=tmp_path / name,
+            recordings=str(store),
+        )
+        return FleetDevice(profile, pool)
+
+    runs, replayed = [], []
+    real_alone, real_replay = evaluation.target_alone, RecordedTarget.__init__
+    for module in (fleet_device, evaluation):
+        monkeypatch.setattr(module, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    monkeypatch.setattr(RecordedTarget, "__init__", lambda self, *a: replayed.append(1) or real_replay(self, *a))
+    first = device("d1").evaluate(use_global=False, fixed_k=3)
+    assert runs == [] and len(list(store.rglob("*.safetensors"))) == len(heldout)
+    assert len(replayed) == len(heldout)  # only the fixed-k pass replayed, from the new recordings
+    replayed.clear()
+    second = device("d2").evaluate(use_global=False, fixed_k=3)
+    assert runs == [] and len(replayed) == 2 * len(heldout)  # both passes replay now
+    assert "tokens-per-s" not in first and "speedup" not in first and first["modelled-speedup"] > 0
+    for key in ("acceptance", "tokens-per-call", "modelled-speedup", "fixed-k-acceptance", "generated-tokens"):
+        assert first[key] == second[key], key
 
 
 def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatch):
