@@ -183,7 +183,7 @@ class AdaptivePass:
         self.session, self.config, self.measure_ar = session, config, measure_ar
         self.alone: list[dict] = []  # the target alone's timed runs (measure_ar)
         self.phase = Phase()
-        self.replayed = modelled
+        self.modelled = modelled  # speed reported modelled only (set by any replayed decode)
         self.last: GenerationResult | None = None  # the latest decode's result
 
     def decode(self, prompt: str, replay: dict | None = None) -> dict | None:
@@ -198,7 +198,7 @@ class AdaptivePass:
         if replay is not None:
             _, ids = self.session.engine.prompt_ids(prompt)
             recording = Recording(ids + replay["ids"], len(ids))
-            self.replayed = True
+            self.modelled = True
         self.last = self.session.generate(prompt, self.config, learn=False, replay=recording)
         self.phase.add(self.last)
         return run
@@ -219,7 +219,7 @@ class AdaptivePass:
             MetricKey.MODELLED_TOKENS_PER_S: st.new_tokens / st.modelled_s if st.modelled_s else 0.0,
             MetricKey.GENERATED_TOKENS: out["new_tokens"],
         }
-        if not self.replayed:
+        if not self.modelled:
             metrics.update(
                 {
                     MetricKey.TOKENS_PER_S: out["tokens_per_s"],
