@@ -26,7 +26,6 @@ one after the other in the same process swap only their adapters, caches and dat
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -40,6 +39,7 @@ from omnidraft.client.device_state import sha256 as _sha256
 from omnidraft.client.device_state import slug
 from omnidraft.client.engine_pool import EnginePool
 from omnidraft.client.evaluation import AdaptivePass, FixedKPass, Phase, target_alone
+from omnidraft.client.recorded_outputs import keep, record, stored_outputs
 from omnidraft.client.resource_policy import (
     DeviceConditions,
     SystemConditions,
@@ -48,14 +48,12 @@ from omnidraft.client.resource_policy import (
 )
 from omnidraft.client.session import DeviceSession, name_seed
 from omnidraft.proto import fleet_pb2
-from omnidraft.shared.engine.generation import GenerationConfig
 from omnidraft.shared.engine.pair import Engine
-from omnidraft.shared.engine.recordings import Recording, RecordingStore
+from omnidraft.shared.engine.recordings import RecordingStore
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
 from omnidraft.shared.vocab.ngram_cache import NgramCache
 from omnidraft.shared.wire import MetricKey, StatusKey, lora_spec
 
-log = logging.getLogger("omnidraft.device")
 GLOBAL_DIR = "global"
 FLEET_FILE = "fleet.json"
 HISTORY_FILE = "history.jsonl"
@@ -64,20 +62,6 @@ EVAL_PROMPTS = 2  # a deployed device evaluates global states on its latest serv
 
 class StateMismatch(ValueError):
     """Global state that does not match its manifest or this device's target (one line)."""
-
-
-def _output(generated: list[int]) -> dict:
-    """A held-out prompt's target output as an evaluation uses it (not timed: "s" 0)."""
-    return {"ids": list(generated), "tokens": len(generated), "s": 0.0}
-
-
-def _keep(store: RecordingStore, prompt: str, config: GenerationConfig, recording: Recording) -> None:
-    """Keep a recording; a store that cannot be written (a full or read-only disk) only costs
-    later decodes their replay, never this one."""
-    try:
-        store.put(prompt, config, recording)
-    except OSError as exc:
-        log.warning("recording not kept (%s): later decodes of this prompt run the target", exc)
 
 
 class FleetDevice:
@@ -343,7 +327,7 @@ class FleetDevice:
             result = session.generate(prompt, p.generation, learn=True, replay=recording)
             replayed += recording is not None
             if store is not None and session.last_recording is not None:
-                _keep(store, prompt, p.generation, session.last_recording)
+                keep(store, prompt, p.generation, session.last_recording)
             if i == 0:
                 first.add(result)
             whole.add(result)
@@ -455,7 +439,7 @@ class FleetDevice:
         for i, prompt in enumerate(speed):
             run = adaptive_pass.decode(prompt, replay=alone[i] if replay_adaptive else None)
             if alone is not None and alone[i] is None:  # decoded live just now: its output is the recording
-                alone[i] = self._record(session, prompt, adaptive_pass.last.token_ids)
+                alone[i] = record(self.recordings(session), session, prompt, p.generation, adaptive_pass.last.token_ids)
             if fixed_pass is not None:
                 fixed_pass.decode(prompt, (run or alone[i])["ids"] if replay else None)
         metrics = adaptive_pass.metrics() if adaptive_pass is not None else {}
@@ -469,7 +453,7 @@ class FleetDevice:
             for i in range(len(speed), len(p.heldout)):
                 result = fixed_pass.decode(p.heldout[i], alone[i]["ids"] if replay and alone[i] else None)
                 if replay and alone[i] is None:
-                    self._record(session, p.heldout[i], result.token_ids)
+                    record(self.recordings(session), session, p.heldout[i], p.generation, result.token_ids)
             fixed = fixed_pass.summary()
             metrics[MetricKey.FIXED_K_ACCEPTANCE] = fixed["acceptance_rate"]
             metrics[MetricKey.FIXED_K_TOKENS_PER_CALL] = fixed["tokens_per_target_call"]
@@ -483,7 +467,7 @@ class FleetDevice:
         so a speedup compares two decodes seconds apart, never a baseline from an earlier round on
         a machine whose speed has moved). The other outputs are needed as outputs only ("s" 0):
         from the recording store where the device has one (None where it lacks one: the caller
-        decodes that prompt live and keeps its output, ``_record``), else run once per (target,
+        decodes that prompt live and keeps its output, ``recorded_outputs.record``), else run once per (target,
         prompts, generation length and stops) and kept in ``fleet.json`` (only the latest set: a
         deployed device's prompts change)."""
         g = p.generation
@@ -504,14 +488,4 @@ class FleetDevice:
                 }
                 self._save_fleet_meta({**self._fleet_meta(), "target-alone": held})
             return runs + list(held["runs"])
-        for prompt in rest:
-            recording = store.get(prompt, g)
-            runs.append(None if recording is None else _output(recording.generated))
-        return runs
-
-    def _record(self, session: DeviceSession, prompt: str, generated: list[int]) -> dict:
-        """Keep ``generated``, the target's greedy output for ``prompt`` (a live greedy decode's
-        ``token_ids``), in the recording store; returns it as ``_target_alone`` gives it."""
-        _, ids = session.engine.prompt_ids(prompt)
-        _keep(self.recordings(session), prompt, self.profile.generation, Recording(ids + generated, len(ids)))
-        return _output(generated)
+        return runs + stored_outputs(store, rest, g)
