@@ -467,9 +467,9 @@ class FleetDevice:
         so a speedup compares two decodes seconds apart, never a baseline from an earlier round on
         a machine whose speed has moved). The other outputs are needed as outputs only ("s" 0):
         from the recording store where the device has one (None where it lacks one: the caller
-        decodes that prompt live and keeps its output, ``recorded_outputs.record``), else run once per (target,
-        prompts, generation length and stops) and kept in ``fleet.json`` (only the latest set: a
-        deployed device's prompts change)."""
+        decodes that prompt live and keeps its output, ``recorded_outputs.record``), else run
+        once per (target, prompts, generation length and stops) and kept in ``fleet.json`` (only
+        the latest set: a deployed device's prompts change)."""
         g = p.generation
         store = self.recordings(session)
         runs, rest = list(live), p.heldout[len(live) :]
