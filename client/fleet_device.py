@@ -427,10 +427,11 @@ class FleetDevice:
         timed = adaptive and measure_ar
         # untimed, with a recording store (a simulation's newcomers and veterans; never a probe, the
         # live panel), the adaptive pass replays the target's recorded output too: its speed is modelled
-        replay_adaptive = adaptive and not timed and not p.probe and self.recordings(session) is not None
+        store = self.recordings(session)
+        replay_adaptive = adaptive and not timed and not p.probe and store is not None
         speed = p.heldout[: p.speed_prompts or len(p.heldout)] if adaptive else []
         # the recorded outputs the passes replay; a timed evaluation records its speed prompts live
-        alone = self._target_alone(session, p) if replay_adaptive or (replay and not timed) else None
+        alone = self._target_alone(session, p, store) if replay_adaptive or (replay and not timed) else None
         adaptive_pass = (
             AdaptivePass(session, p.generation, measure_ar=timed, modelled=replay_adaptive) if adaptive else None
         )
@@ -439,7 +440,7 @@ class FleetDevice:
         for i, prompt in enumerate(speed):
             run = adaptive_pass.decode(prompt, replay=alone[i] if replay_adaptive else None)
             if alone is not None and alone[i] is None:  # decoded live just now: its output is the recording
-                alone[i] = record(self.recordings(session), session, prompt, p.generation, adaptive_pass.last.token_ids)
+                alone[i] = record(store, session, prompt, p.generation, adaptive_pass.last.token_ids)
             if fixed_pass is not None:
                 fixed_pass.decode(prompt, (run or alone[i])["ids"] if replay else None)
         metrics = adaptive_pass.metrics() if adaptive_pass is not None else {}
@@ -449,29 +450,30 @@ class FleetDevice:
             self.save(session)
         if fixed_pass is not None:
             if replay and alone is None:  # the speed prompts' outputs were recorded live just now
-                alone = self._target_alone(session, p, adaptive_pass.alone)
+                alone = self._target_alone(session, p, store, adaptive_pass.alone)
             for i in range(len(speed), len(p.heldout)):
                 result = fixed_pass.decode(p.heldout[i], alone[i]["ids"] if replay and alone[i] else None)
                 if replay and alone[i] is None:
-                    record(self.recordings(session), session, p.heldout[i], p.generation, result.token_ids)
+                    record(store, session, p.heldout[i], p.generation, result.token_ids)
             fixed = fixed_pass.summary()
             metrics[MetricKey.FIXED_K_ACCEPTANCE] = fixed["acceptance_rate"]
             metrics[MetricKey.FIXED_K_TOKENS_PER_CALL] = fixed["tokens_per_target_call"]
             metrics.setdefault(MetricKey.GENERATED_TOKENS, fixed["new_tokens"])
         return {**metrics, MetricKey.EVAL_S: time.perf_counter() - t0}
 
-    def _target_alone(self, session: DeviceSession, p: DeviceProfile, live: Sequence[dict] = ()) -> list[dict | None]:
+    def _target_alone(
+        self, session: DeviceSession, p: DeviceProfile, store: RecordingStore | None, live: Sequence[dict] = ()
+    ) -> list[dict | None]:
         """The target alone on each held-out prompt: {"ids": output ids, "tokens": their count,
         "s": seconds}. ``live``: the runs of the first prompts the evaluation just timed (the
         speed baseline, run in every evaluation beside the speculative decode of the same prompt,
         so a speedup compares two decodes seconds apart, never a baseline from an earlier round on
         a machine whose speed has moved). The other outputs are needed as outputs only ("s" 0):
-        from the recording store where the device has one (None where it lacks one: the caller
-        decodes that prompt live and keeps its output, ``recorded_outputs.record``), else run
-        once per (target, prompts, generation length and stops) and kept in ``fleet.json`` (only
+        from ``store``, the device's recording store where it has one (None where it lacks one:
+        the caller decodes that prompt live and keeps its output, ``recorded_outputs.record``),
+        else run once per (target, prompts, generation length and stops) and kept in ``fleet.json`` (only
         the latest set: a deployed device's prompts change)."""
         g = p.generation
-        store = self.recordings(session)
         runs, rest = list(live), p.heldout[len(live) :]
         if store is None and rest:
             key = _sha256(
