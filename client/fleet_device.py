@@ -410,7 +410,8 @@ class FleetDevice:
         drafting exactly ``fixed_k`` drafter tokens per round (the paper's protocol;
         ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft). With
         greedy decoding that pass replays the target's recorded output (``RecordedTarget``)
-        instead of running the target. The target alone's outputs do not change between rounds
+        instead of running the target, the prompts side by side after the adaptive pass
+        (``FixedKPass.decode_together``: the same figures, their drafter steps in shared calls). The target alone's outputs do not change between rounds
         (``_target_alone`` keeps them); its speed is timed again in every evaluation. With a
         recording store, a prompt not recorded yet is decoded live by the first pass that needs
         its output and recorded from that decode (a greedy decode commits the target's greedy
@@ -435,25 +436,25 @@ class FleetDevice:
         adaptive_pass = (
             AdaptivePass(session, p.generation, measure_ar=timed, modelled=replay_adaptive) if adaptive else None
         )
-        fixed_pass = FixedKPass(session, p.generation, fixed_k) if fixed_k else None
-        # prompt by prompt, both passes: the drafter still holds the prompt for its second decode
         for i, prompt in enumerate(speed):
-            run = adaptive_pass.decode(prompt, replay=alone[i] if replay_adaptive else None)
+            adaptive_pass.decode(prompt, replay=alone[i] if replay_adaptive else None)
             if alone is not None and alone[i] is None:  # decoded live just now: its output is the recording
                 alone[i] = record(store, session, prompt, p.generation, adaptive_pass.last.token_ids)
-            if fixed_pass is not None:
-                fixed_pass.decode(prompt, (run or alone[i])["ids"] if replay else None)
         metrics = adaptive_pass.metrics() if adaptive_pass is not None else {}
         # a panel device keeps its rule's counted acceptance from round to round, as a serving
         # device does (re-fitted for each new adapter), not a cold rule each round
         if adaptive and p.probe and not fresh:
             self.save(session)
-        if fixed_pass is not None:
+        if fixed_k:
+            fixed_pass = FixedKPass(session, p.generation, fixed_k)
             if replay and alone is None:  # the speed prompts' outputs were recorded live just now
                 alone = self._target_alone(session, p, store, adaptive_pass.alone)
-            for i in range(len(speed), len(p.heldout)):
-                result = fixed_pass.decode(p.heldout[i], alone[i]["ids"] if replay and alone[i] else None)
-                if replay and alone[i] is None:
+            # the prompts recorded already replay side by side; the others run the target, one by one
+            recorded = [i for i in range(len(p.heldout)) if replay and alone[i] is not None]
+            fixed_pass.decode_together([p.heldout[i] for i in recorded], [alone[i]["ids"] for i in recorded])
+            for i in sorted(set(range(len(p.heldout))) - set(recorded)):
+                result = fixed_pass.decode(p.heldout[i])
+                if replay:
                     record(store, session, p.heldout[i], p.generation, result.token_ids)
             fixed = fixed_pass.summary()
             metrics[MetricKey.FIXED_K_ACCEPTANCE] = fixed["acceptance_rate"]

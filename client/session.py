@@ -178,20 +178,25 @@ class DeviceSession:
         return copy
 
     # -- decoding -------------------------------------------------------------------------------
-    def decoder(self, target=None, rule: bool = True) -> CrossVocabDecoder:
+    def drafting_runner(self):
+        """The runner the current adapter drafts on (``decoder``'s)."""
+        self.adapters.activate(self.target)
+        return self.adapters.runner()
+
+    def decoder(self, target=None, rule: bool = True, drafter=None) -> CrossVocabDecoder:
         """A decoder with the current adapter (merged into the drafting runner), the device's
         throughput rule (fed by the acceptance head once it has trained) and its model-free
         lookups. ``target``: a runner that stands in for the engine's target
         (``RecordedTarget``); ``rule=False``: no throughput rule, so no cost profile is read or
-        measured (``draft_stop="confidence"`` decodes without it)."""
-        self.adapters.activate(self.target)
+        measured (``draft_stop="confidence"`` decodes without it); ``drafter``: a runner on the
+        drafting runner's weights to draft on instead (``lockstep``)."""
+        runner = self.drafting_runner()
         e = self.engine
         head = self.head if self.head is not None and self.head.ready else None
-        runner = self.adapters.runner()
         if rule:
             self._prepare_rule(runner)
         return CrossVocabDecoder(
-            runner,
+            drafter or runner,
             e.drafter.tokenizer,
             target or e.target_runner,
             e.bridge,

@@ -376,29 +376,19 @@ def test_a_fresh_evaluation_holds_nothing_the_device_learned_and_changes_nothing
         veteran.session(fresh=True)
 
 
-def test_an_evaluation_reads_each_prompt_once_for_both_passes(tmp_path, tiny, monkeypatch):
-    """The fixed-k decode of a prompt follows its adaptive decode with the same state, and the
-    drafter starts from the prompt it still holds: every held-out prompt is forwarded in full
-    once per evaluation, not once per pass, and the figures equal separate passes'."""
+def test_an_evaluations_fixed_k_pass_reports_what_a_separate_pass_does(tmp_path, tiny):
+    """The fixed-k pass of an evaluation (after its adaptive pass, replaying the outputs the
+    target alone recorded beside it) gives the acceptance a separate fixed-k pass with the live
+    target gives (``tests/test_lockstep.py``: replayed side by side, the same figures)."""
     from omnidraft.client.engine_pool import EnginePool
     from omnidraft.client.evaluation import evaluate_fixed_k
     from omnidraft.client.fleet_device import FleetDevice
-    from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 
     body = "".join(f"    value_{i} = compute_{i}(value_{i - 1}, key={i})\n" for i in range(1, 6))
     heldout = [f"def task_{n}(value_0):\n{body}" for n in range(3)]
     profile = _probe_profile(tiny, "p", heldout, tmp_path / "probe", speed_prompts=0)  # all: both passes
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
-    forwards = []
-    real = FastLlamaRunner.forward
-    monkeypatch.setattr(
-        FastLlamaRunner, "forward", lambda self, ids, *a, **k: forwards.append(len(ids)) or real(self, ids, *a, **k)
-    )
-    device.evaluate(use_global=False, measure_ar=True, fixed_k=3)  # the cost profile is measured here
-    forwards.clear()
     metrics = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
-    prompt_tokens = min(len(device.session(use_global=False).engine.prompt_ids(p)[1]) for p in heldout)
-    assert sum(n >= prompt_tokens // 2 for n in forwards) == len(heldout)  # one full read per prompt
     session = device.session(use_global=False)
     separate = evaluate_fixed_k(session, heldout, profile.generation, 3)  # its own pass, live target
     assert metrics["fixed-k-acceptance"] == pytest.approx(separate["acceptance_rate"])

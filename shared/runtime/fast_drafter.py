@@ -36,7 +36,6 @@ import copy
 import ctypes
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -56,28 +55,15 @@ from omnidraft.shared.runtime.native_kernels import (
 from omnidraft.shared.runtime.torch_decoder import torch_forward
 from omnidraft.shared.runtime.weight_packing import (
     WEIGHT_KINDS,
+    Packing,
     make_linear,
     pack_native,
     pack_native_slices,
+    param_name,
 )
 
 # Llama and Qwen2 share the decoder (Qwen2 adds biases to q/k/v, which the runner folds in)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-
-
-def _param_name(model: torch.nn.Module, param: torch.Tensor) -> str:
-    """The name of ``param`` in ``model`` (the first one, for tied weights)."""
-    return next(name for name, p in model.named_parameters() if p is param)
-
-
-@dataclass(frozen=True)
-class _Packing:
-    """One set of packed decoder-layer weights: per torch kernel kind, per layer, the four fused
-    Linears (qkv, o, gate_up, down); for the native kernels, their buffers and the pointer table."""
-
-    torch_layers: dict[str, list[tuple[Callable, ...]]]
-    native_tensors: list[torch.Tensor]
-    layer_ptrs: torch.Tensor | None
 
 
 class FastLlamaRunner:
@@ -225,7 +211,7 @@ class FastLlamaRunner:
         # --- embeddings and (optionally pruned) LM head -------------------------------------
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         if checkpoint is not None:  # the names the GGUF's tensors go by
-            embed_name, head_name = _param_name(model, embed.weight), _param_name(model, head.weight)
+            embed_name, head_name = param_name(model, embed.weight), param_name(model, head.weight)
         if getattr(head, "bias", None) is not None:
             raise ValueError("FastLlamaRunner supports LM heads without a bias")
         gain = decoder.norm.weight.detach().float()[None, :]
@@ -300,7 +286,7 @@ class FastLlamaRunner:
     # ------------------------------------------------------------------------------------------
     def _pack_layers(
         self, layer_deltas: list[dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]] | None = None
-    ) -> _Packing:
+    ) -> Packing:
         """Pack every decoder layer's weights (plus ``layer_deltas[i]``, see ``fold_layer``)
         for the kernels in use; ``layer_deltas`` may hold callables producing the deltas
         (one layer's full-size deltas exist at a time)."""
@@ -322,9 +308,9 @@ class FastLlamaRunner:
             for k in self._torch_kinds:
                 torch_layers[k].append(tuple(linears[k]))
         layer_ptrs = torch.tensor(ptrs, dtype=torch.int64) if self._lib is not None else None
-        return _Packing(torch_layers, native_tensors, layer_ptrs)
+        return Packing(torch_layers, native_tensors, layer_ptrs)
 
-    def _use_packing(self, packing: _Packing) -> None:
+    def _use_packing(self, packing: Packing) -> None:
         self._packing = packing
         self.prefilled = None  # cached keys and values of other weights
         if self._lib is not None:
@@ -362,7 +348,7 @@ class FastLlamaRunner:
         self._use_packing(self._pack_layers([partial(lora_deltas, mods) for mods in layers]))
         self.lora_rank = r
 
-    def _base(self) -> _Packing:
+    def _base(self) -> Packing:
         """The base packing, packed again from the model's weights as they are held now if
         ``release_base`` dropped it (bf16 once training began: what adapters merge from)."""
         if self._base_packing is None:  # a fork shares its template's
@@ -382,23 +368,29 @@ class FastLlamaRunner:
         self._embed = self._embed.clone()
         self._source_layers = None
 
-    def fork(self) -> FastLlamaRunner:
-        """A runner on this one's base packing (shared, no copy) with its own empty KV cache and
-        no adapter, until an adapter is merged into it."""
+    def fork(self, current: bool = False) -> FastLlamaRunner:
+        """A runner with its own empty KV cache on this one's base packing (shared, no copy) and no
+        adapter, until an adapter is merged into it. ``current``: on this one's weights as they
+        are now instead (its merged adapter included), to decode another sequence beside this
+        one's (``batched_steps``); valid while this runner's adapter does not change."""
+        if current:
+            return self._with_empty_cache(self._packing)
         base = self._base()
+        new = self._with_empty_cache(base)
+        new._base_packing, new._origin, new.lora_rank = base, self, 0
+        return new
+
+    def _with_empty_cache(self, packing: Packing) -> FastLlamaRunner:
         new = copy.copy(self)
         dtype = self._kcache.dtype
         new._kcache, new._vcache = (zeros_on_demand(shape, dtype) for shape in self._cache_shapes)
-        new._template = False
-        new._packing = new._base_packing = base
-        new._origin = self
-        new.lora_rank, new._last_residual = 0, None
+        new._template, new._packing, new._last_residual = False, packing, None
         new.forward_calls = 0
         new.held, new.prefilled = [], None
         if self._lib is not None:
             new._fd = FdModel.from_buffer_copy(self._fd)
             new._fd.kcache, new._fd.vcache = new._kcache.data_ptr(), new._vcache.data_ptr()
-            new._fd.layer_ptrs = new._packing.layer_ptrs.data_ptr()
+            new._fd.layer_ptrs = packing.layer_ptrs.data_ptr()
             new._fd_ref = ctypes.addressof(new._fd)
         return new
 
@@ -479,12 +471,18 @@ class FastLlamaRunner:
                 self.intermediate,
                 self.eps,
             )
-        self._last_residual = h[-1]  # both kernel paths leave the final residual stream in h
+        return self._appended(ids, logits, h[-1], t0)  # both kernel paths leave the final residual in h
+
+    def _appended(self, ids: list[int], logits: torch.Tensor, residual: torch.Tensor, t0: float) -> torch.Tensor:
+        """What a forward of ``ids`` leaves: the cache holds them, the last ``residual`` is kept
+        (``last_hidden``), a prefill (``t0``: when it began) is remembered; returns the logits,
+        widened to the whole vocabulary where the head is pruned."""
+        self._last_residual = residual
         if self.vocab_rows is not None:
             full = torch.full((logits.shape[0], self.vocab), float("-inf"))
             full.index_copy_(1, self.vocab_rows, logits)
             logits = full
-        if p == 0:
+        if not self.held:
             self.prefilled = Prefill(tuple(ids), time.perf_counter() - t0)
         self.held.extend(ids)
         self.forward_calls += 1

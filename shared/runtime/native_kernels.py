@@ -291,6 +291,17 @@ def _build_native(isa: str):
         ctypes.c_void_p,
         ctypes.c_int,
     ]
+    lib.fd_forward_rows.restype = ctypes.c_int
+    lib.fd_forward_rows.argtypes = [
+        ctypes.c_void_p,  # const fd_model* const* rmd
+        ctypes.c_void_p,  # const int32_t* rpos
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,  # const int32_t* keep
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     if isa == "amx" and lib.fd_amx_init() != 0:
         raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
     return lib

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,21 @@ import torch.nn.functional as F
 from omnidraft.shared.runtime.native_kernels import onednn_bf16_linear
 
 WEIGHT_KINDS = ("fp32", "bf16", "int8")
+
+
+@dataclass(frozen=True)
+class Packing:
+    """One set of packed decoder-layer weights: per torch kernel kind, per layer, the four fused
+    Linears (qkv, o, gate_up, down); for the native kernels, their buffers and the pointer table."""
+
+    torch_layers: dict[str, list[tuple[Callable, ...]]]
+    native_tensors: list[torch.Tensor]
+    layer_ptrs: torch.Tensor | None
+
+
+def param_name(model: torch.nn.Module, param: torch.Tensor) -> str:
+    """The name of ``param`` in ``model`` (the first one, for tied weights)."""
+    return next(name for name, p in model.named_parameters() if p is param)
 
 
 @contextlib.contextmanager

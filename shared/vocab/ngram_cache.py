@@ -460,6 +460,8 @@ def seed_from_tokenizers(
         except UnicodeDecodeError:
             continue
         target_ids.append(target_id)
+    if not texts:  # every target token has a drafter token of its own (a tokenizer may refuse no texts)
+        return 0
     encoded = encode_draft_batch(texts) if encode_draft_batch is not None else map(encode_draft, texts)
     candidates = [(target_id, ids) for target_id, ids in zip(target_ids, encoded, strict=True) if len(ids) >= 2]
     kept = candidates[: cache.max_entries]

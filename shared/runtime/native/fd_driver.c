@@ -42,16 +42,17 @@ static void normalize_rows(const fd_model* md, int M, const float* h, qact* a) {
     }
 }
 
-// Attention for M query rows (positions pos..pos+M-1) and all heads; scores: nthreads x sstride floats.
-static void attention(const fd_model* md, int layer, int M, const float* qkv, int NQ, int pos, float* att,
-                      float* scores, size_t sstride, int nthreads) {
-    const int H = md->H, HD = md->HD, total = M * H;
+// Attention for M query rows and all heads: row m is position rpos[m] of the sequence whose
+// KV cache rmd[m] holds; scores: nthreads x sstride floats.
+static void attention(const fd_model* const* rmd, const int32_t* rpos, int layer, int M, const float* qkv, int NQ,
+                      float* att, float* scores, size_t sstride, int nthreads) {
+    const int H = rmd[0]->H, HD = rmd[0]->HD, total = M * H;
 #ifdef _OPENMP
     if (nthreads > 1 && total > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int i = 0; i < total; i++) {
             const int m = i / H, h = i % H;
-            attend_head(md, layer, qkv + (size_t)m * NQ + (size_t)h * HD, h, pos + m,
+            attend_head(rmd[m], layer, qkv + (size_t)m * NQ + (size_t)h * HD, h, rpos[m],
                         att + (size_t)m * H * HD + (size_t)h * HD, scores + (size_t)omp_get_thread_num() * sstride);
         }
         return;
@@ -60,13 +61,20 @@ static void attention(const fd_model* md, int layer, int M, const float* qkv, in
     (void)nthreads;
     for (int i = 0; i < total; i++) {
         const int m = i / H, h = i % H;
-        attend_head(md, layer, qkv + (size_t)m * NQ + (size_t)h * HD, h, pos + m,
+        attend_head(rmd[m], layer, qkv + (size_t)m * NQ + (size_t)h * HD, h, rpos[m],
                     att + (size_t)m * H * HD + (size_t)h * HD, scores);
     }
 }
 
-// One forward over M new tokens at positions [pos, pos + M). h: [M][D] embeddings (updated in place).
-int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep, float* logits, int nthreads) {
+// One forward over M new token rows that may belong to several sequences on the same weights:
+// row m is position rpos[m] of the sequence whose KV cache rmd[m] holds (its keys and values
+// are written there; it attends to that sequence's positions up to its own). A sequence's rows
+// come in position order. Every row is computed as it would be alone (a kernel's rows do not
+// mix), so the logits equal one forward per sequence. h: [M][D] embeddings (updated in place);
+// logits: [nkeep][n_head] for the rows listed in keep (ascending).
+int fd_forward_rows(const fd_model* const* rmd, const int32_t* rpos, int M, float* h, int nkeep,
+                    const int32_t* keep, float* logits, int nthreads) {
+    const fd_model* md = rmd[0];  // the weights (every row's model shares them)
     const int D = md->D, H = md->H, KV = md->KV, HD = md->HD, I = md->I, NQ = md->n_qkv;
     const int qw = H * HD, half = HD / 2;
     int KMAX = D > I ? D : I;
@@ -86,7 +94,9 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
     float* att = (float*)amalloc(sizeof(float) * (size_t)M * qw);
     float* gu = (float*)amalloc(sizeof(float) * (size_t)M * 2 * I);
     float* act = (float*)amalloc(sizeof(float) * (size_t)M * I);
-    const size_t sstride = ((size_t)pos + M + 32 + 15) / 16 * 16;
+    int32_t last = 0;  // the longest context a row attends to
+    for (int m = 0; m < M; m++) last = rpos[m] > last ? rpos[m] : last;
+    const size_t sstride = ((size_t)last + 1 + 32 + 15) / 16 * 16;
     float* scores = (float*)amalloc(sizeof(float) * sstride * (size_t)(nthreads > 1 ? nthreads : 1));
     int rc = 0;
     if (!a.hi || !a.lo || !a.gs || !a.s || !a.gsc || !qkv || !att || !gu || !act || !scores) {
@@ -102,14 +112,14 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
 
     for (int l = 0; l < md->L; l++) {
         const int64_t* lp = md->layer_ptrs + (size_t)l * 12;
-        uint16_t* kbase = md->kcache + (size_t)l * KV * head_stride;
-        uint16_t* vbase = md->vcache + (size_t)l * KV * head_stride;
         // --- attention block (input RMSNorm gain folded into the QKV weights)
         normalize_rows(md, M, h, &a);
         gemm(nthreads, M, NQ, D, &a, lp + 0, qkv, NQ, 0);
         for (int m = 0; m < M; m++) {
             float* row = qkv + (size_t)m * NQ;
-            const int p = pos + m;
+            const int p = rpos[m];
+            uint16_t* kbase = rmd[m]->kcache + (size_t)l * KV * head_stride;
+            uint16_t* vbase = rmd[m]->vcache + (size_t)l * KV * head_stride;
             const float* cs = md->cos_t + (size_t)p * half;
             const float* sn = md->sin_t + (size_t)p * half;
             for (int hh = 0; hh < H + KV; hh++) {  // RoPE on pair-interleaved q and k heads
@@ -128,7 +138,7 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
                 store_h(vbase + kh * head_stride + (size_t)p * HD, row + qw + (size_t)(KV + kh) * HD, HD);
             }
         }
-        attention(md, l, M, qkv, NQ, pos, att, scores, sstride, nthreads);
+        attention(rmd, rpos, l, M, qkv, NQ, att, scores, sstride, nthreads);
         for (int m = 0; m < M; m++) quant_row(att + (size_t)m * qw, qw, &a, m, 1.f);
         gemm(nthreads, M, D, qw, &a, lp + 3, h, D, 1);
         // --- MLP block
@@ -144,16 +154,34 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
         gemm(nthreads, M, D, I, &a, lp + 9, h, D, 1);
     }
     {
-        // --- final norm (gain folded into the head) and LM head
-        const int m0 = (logits_to_keep > 0 && logits_to_keep < M) ? M - logits_to_keep : 0;
-        const int MO = M - m0;
-        for (int m = 0; m < MO; m++) {
-            const float* hm = h + (size_t)(m0 + m) * D;
+        // --- final norm (gain folded into the head) and LM head, on the kept rows
+        for (int m = 0; m < nkeep; m++) {
+            const float* hm = h + (size_t)keep[m] * D;
             quant_row(hm, D, &a, m, rms_factor(hm, D, md->eps));
         }
-        gemm(nthreads, MO, md->n_head, D, &a, md->head_ptrs, logits, md->n_head, 0);
+        gemm(nthreads, nkeep, md->n_head, D, &a, md->head_ptrs, logits, md->n_head, 0);
     }
 done:
     free(a.hi); free(a.lo); free(a.gs); free(a.s); free(a.gsc); free(qkv); free(att); free(gu); free(act); free(scores);
+    return rc;
+}
+
+// One forward over M new tokens of one sequence at positions [pos, pos + M); the logits of the
+// last logits_to_keep of them (0: all). h: [M][D] embeddings (updated in place).
+int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep, float* logits, int nthreads) {
+    const fd_model** rmd = (const fd_model**)malloc(sizeof(fd_model*) * (size_t)M);
+    int32_t* rpos = (int32_t*)malloc(sizeof(int32_t) * (size_t)M);
+    int32_t* keep = (int32_t*)malloc(sizeof(int32_t) * (size_t)M);
+    const int m0 = (logits_to_keep > 0 && logits_to_keep < M) ? M - logits_to_keep : 0;
+    int rc = -1;
+    if (rmd && rpos && keep) {
+        for (int m = 0; m < M; m++) {
+            rmd[m] = md;
+            rpos[m] = pos + m;
+            keep[m] = m0 + m;
+        }
+        rc = fd_forward_rows(rmd, rpos, M, h, M - m0, keep, logits, nthreads);
+    }
+    free(rmd); free(rpos); free(keep);
     return rc;
 }
