@@ -61,6 +61,40 @@ def test_forwards_together_equal_each_runners_own(isa, variant):
             assert torch.equal(a.last_hidden(), b.last_hidden())
 
 
+@pytest.mark.parametrize("prefill_bits", [16, 8])
+def test_a_prefill_takes_the_prefix_it_shares_with_another_sequence_and_stays_exact(prefill_bits, monkeypatch):
+    """Three prompts of 50 tokens: the second shares its first 30 with the first (a tail of 20,
+    more than a step: it copies them and forwards 20 tokens), the third its first 40 (a tail of
+    10: forwarded whole). Logits and the steps after them equal those of prefills from nothing."""
+    isa = _native_isa()
+    base = FastLlamaRunner(
+        tiny_llama(tied=True),
+        weights="int8",
+        native=True,
+        native_isa=isa,
+        max_positions=128,
+        prefill_activation_bits=prefill_bits,  # 8: the drafter's (per-row activation scales)
+    )
+    first = _ids(50, seed=1)
+    prompts = [first, first[:30] + _ids(20, seed=2), first[:40] + _ids(10, seed=3)]
+    fresh = [base.fork(current=True) for _ in prompts]
+    want = [runner.forward(ids, 1) for runner, ids in zip(fresh, prompts)]
+    forwarded = []
+    real = FastLlamaRunner.forward
+    monkeypatch.setattr(
+        FastLlamaRunner, "forward", lambda self, ids, *a, **k: forwarded.append(len(ids)) or real(self, ids, *a, **k)
+    )
+    shared = [base.fork(current=True) for _ in prompts]
+    got = forward_together([(runner, ids, 1) for runner, ids in zip(shared, prompts)])
+    assert forwarded == [50, 20, 50]
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    for step in range(3):
+        ids = _ids(1, seed=10 + step)
+        for a, b in zip(fresh, shared):
+            assert torch.equal(a.forward(ids, 1), b.forward(ids, 1))
+            assert a.held == b.held
+
+
 def test_forwards_of_runners_on_other_weights_do_not_share_a_call(monkeypatch):
     """Runners on different packings (another adapter) each get their own native call."""
     isa = _native_isa()

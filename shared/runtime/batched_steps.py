@@ -47,7 +47,7 @@ def forward_together(calls: Sequence[Call]) -> list[torch.Tensor]:
 
     for i, (runner, ids, keep) in enumerate(calls):
         if len(ids) > ROWS_PER_CALL or not batchable(runner):
-            out[i] = runner.forward(ids, keep)
+            out[i] = _forward_alone(runner, ids, keep, [c[0] for c in calls[:i]])
             continue
         rows = sum(len(calls[j][1]) for j in group)
         if group and (rows + len(ids) > ROWS_PER_CALL or runner._packing is not calls[group[0]][0]._packing):
@@ -56,6 +56,38 @@ def forward_together(calls: Sequence[Call]) -> list[torch.Tensor]:
     if group:
         flush()
     return out
+
+
+def _forward_alone(runner, ids: list[int], keep: int, before: Sequence) -> torch.Tensor:
+    """``runner.forward(ids, keep)``. A prompt's prefill into an empty cache first copies the
+    keys and values of the longest prefix it shares with what one of the runners ``before``
+    holds (the same weights: prompts from one module share its imports), where the rest is
+    still a prefill of its own (more than ``prefill_min_tokens`` tokens, so the same kernels
+    and activations compute it): the same rows, so the same cache and logits, as the whole
+    prefill."""
+    if keep and not runner.held and batchable(runner):
+        donor, shared = None, 0
+        for other in before:
+            if batchable(other) and other._packing is runner._packing:
+                n = _common_prefix(other.held, ids)
+                if n > shared:
+                    donor, shared = other, n
+        if donor is not None and len(ids) - shared > runner.prefill_min_tokens:
+            blocks = -(-shared // 16)  # keys are stored 16 positions to a block
+            runner._kcache[:, :, :blocks].copy_(donor._kcache[:, :, :blocks])
+            runner._vcache[:, :, :shared].copy_(donor._vcache[:, :, :shared])
+            runner.held.extend(ids[:shared])
+            return runner.forward(ids[shared:], keep)
+    return runner.forward(ids, keep)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _forward_rows(calls: Sequence[Call]) -> list[torch.Tensor]:
