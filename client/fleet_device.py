@@ -411,8 +411,9 @@ class FleetDevice:
         ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft). With
         greedy decoding that pass replays the target's recorded output (``RecordedTarget``)
         instead of running the target, the prompts side by side after the adaptive pass
-        (``FixedKPass.decode_together``: the same figures, their drafter steps in shared calls). The target alone's outputs do not change between rounds
-        (``_target_alone`` keeps them); its speed is timed again in every evaluation. With a
+        (``FixedKPass.decode_together``: the same figures, their drafter steps in shared calls).
+        The target alone's outputs do not change between rounds (``_target_alone`` keeps them);
+        its speed is timed again in every evaluation. With a
         recording store, a prompt not recorded yet is decoded live by the first pass that needs
         its output and recorded from that decode (a greedy decode commits the target's greedy
         output), never by a separate run of the target alone."""

@@ -73,6 +73,7 @@ def test_a_prefill_takes_the_prefix_it_shares_with_another_sequence_and_stays_ex
         native=True,
         native_isa=isa,
         max_positions=128,
+        prefill_weights=None,  # prompts prefill on the native kernels too, as a drafter does
         prefill_activation_bits=prefill_bits,  # 8: the drafter's (per-row activation scales)
     )
     first = _ids(50, seed=1)

@@ -63,9 +63,9 @@ def _forward_alone(runner, ids: list[int], keep: int, before: Sequence) -> torch
     keys and values of the longest prefix it shares with what one of the runners ``before``
     holds (the same weights: prompts from one module share its imports), where the rest is
     still a prefill of its own (more than ``prefill_min_tokens`` tokens, so the same kernels
-    and activations compute it): the same rows, so the same cache and logits, as the whole
-    prefill."""
-    if keep and not runner.held and batchable(runner):
+    and activations compute it) on the native kernels (whose rows never mix; not oneDNN's):
+    the same rows, so the same cache and logits, as the whole prefill."""
+    if keep and not runner.held and batchable(runner) and runner.prefill_weights is None:
         donor, shared = None, 0
         for other in before:
             if batchable(other) and other._packing is runner._packing:
