@@ -10,10 +10,12 @@ reach the caller; a side-by-side fixed-k pass reports what one prompt after anot
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from test_fast_drafter import VOCAB, kind_of, tiny_llama
+from test_fleet_device import _probe_profile
 
 from omnidraft.shared.engine.lockstep import Lockstep
 from omnidraft.shared.runtime import batched_steps
@@ -191,23 +193,14 @@ def test_a_fixed_k_pass_replays_its_prompts_side_by_side_with_the_same_figures(t
     drafting for the other target): the replayed fixed-k pass over five prompts side by side
     gives each prompt the output, acceptance and target calls that decoding them one by one
     gives, with drafter steps of several prompts in one native call."""
-    from omnidraft.client.device_profile import DeviceProfile
     from omnidraft.client.engine_pool import EnginePool
     from omnidraft.client.evaluation import FixedKPass, evaluate_fixed_k, target_alone
     from omnidraft.client.fleet_device import FleetDevice
 
     _native_isa()
     heldout = [f"def task_{n}(value):\n    total = value * {n}\n    for item in range({n + 2}):\n" for n in range(5)]
-    profile = DeviceProfile(
-        device_id="p",
-        target="tiny-target-a",
-        target_model=str(tiny["tiny-target-a"]),
-        drafter=str(tiny["tiny-target-b"]),
-        prompts=[],
-        heldout=heldout,
-        state_dir=tmp_path,
-        probe=True,
-    )
+    # a probe of tiny-target-a whose drafter is tiny-target-b's model (64-wide: native kernels)
+    profile = replace(_probe_profile(tiny, "p", heldout, tmp_path), drafter=str(tiny["tiny-target-b"]))
     session = FleetDevice(profile, EnginePool("fp32", "int8")).session(use_global=False)
     session.learn = False
     assert batched_steps.batchable(session.drafting_runner())
