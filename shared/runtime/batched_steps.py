@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
+from omnidraft.shared.vocab.draft_context import common_prefix_len
 
 ROWS_PER_CALL = 4  # the kernels' rows per pass over a weight block (16-bit activations)
 
@@ -69,7 +70,7 @@ def _forward_alone(runner, ids: list[int], keep: int, before: Sequence) -> torch
         donor, shared = None, 0
         for other in before:
             if batchable(other) and other._packing is runner._packing:
-                n = _common_prefix(other.held, ids)
+                n = common_prefix_len(other.held, ids)
                 if n > shared:
                     donor, shared = other, n
         if donor is not None and len(ids) - shared > runner.prefill_min_tokens:
@@ -79,15 +80,6 @@ def _forward_alone(runner, ids: list[int], keep: int, before: Sequence) -> torch
             runner.held.extend(ids[:shared])
             return runner.forward(ids[shared:], keep)
     return runner.forward(ids, keep)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _forward_rows(calls: Sequence[Call]) -> list[torch.Tensor]:
