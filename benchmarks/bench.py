@@ -162,7 +162,8 @@ def _llamacpp_runner(engine: Engine, max_new_tokens: int, lookup: bool = False) 
         _, ids = engine.prompt_ids(prompt)
         new: list[int] = []
         t0 = time.perf_counter()
-        llm.reset()  # no reuse of the target's prompt prefix across prompts (ours prefill the target for every prompt too)
+        # generate keeps the positions the prompt shares with the sequence before, as the
+        # engine's target runner does (``model_runner.prefill``)
         for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
             if tok in eos:
                 break
@@ -312,6 +313,8 @@ def run_bench(
                 "lookup_proposed",
                 "lookup_accepted",
                 "plain_rounds",
+                "prompt_tokens",
+                "prompt_tokens_cached",
             ):
                 entry[key] = sum(s[key] for s in st)
             timed = GenerationStats(
@@ -422,6 +425,12 @@ def format_table(report: dict) -> str:
         "worst: the slowest prompt's tok/s over ar's on that prompt; decode: tok/s over ar's after the "
         "target's prompt prefill" + (f"; llama*: the faster llama.cpp method ({best})" if best else "")
     )
+    cached = {m: e for m, e in report["methods"].items() if e.get("prompt_tokens_cached")}
+    if cached:
+        lines.append(
+            "prompt tokens the target's cache held from the sequence before (not read again): "
+            + "; ".join(f"{m} {e['prompt_tokens_cached']} of {e['prompt_tokens']}" for m, e in cached.items())
+        )
     shares = format_time_shares({m: e.get("decode_time_shares") for m, e in report["methods"].items()})
     if shares:
         lines.append(shares)

@@ -267,6 +267,7 @@ class FleetDevice:
         held = f"{manifest.version}:{manifest.adapter_sha256}" if manifest is not None else "local"
         torch.manual_seed(name_seed(f"{self.profile.device_id}/{held}"))
         adapters.reset(local)  # nothing of the previous device in this process
+        engine.target_runner.reset()  # nor its last prompt for a prefill to keep (model_runner.prefill)
         session = DeviceSession(
             engine,
             target_name=local,

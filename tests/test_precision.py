@@ -18,13 +18,14 @@ from omnidraft.shared.engine import profiling
 from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
 from omnidraft.shared.engine.draft_policy import ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig
-from omnidraft.shared.engine.model_runner import ModelRunner
+from omnidraft.shared.engine.model_runner import ModelRunner, prefill
 from omnidraft.shared.engine.pair import Engine
 from omnidraft.shared.engine.precision import build_target_runner, precision_name, quantize_linear_int8
 from omnidraft.shared.engine.profiling import CostProfile
 from omnidraft.shared.runtime import native_kernels
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 from omnidraft.shared.runtime.native_kernels import NATIVE_ISAS, native_error, native_library
+from omnidraft.shared.vocab.draft_context import common_prefix_len
 from omnidraft.shared.vocab.ngram_cache import NgramCache
 from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
@@ -126,6 +127,64 @@ def test_greedy_identity_per_precision(pair, bridge, precision, draft_stop):
         assert got.token_ids == expected.token_ids, prompt
         accepted += got.stats.accepted_tokens
     assert accepted > 0
+
+
+@pytest.mark.parametrize("isa", list(NATIVE_ISAS))
+def test_a_prompt_that_begins_like_the_sequence_before_prefills_only_the_rest(pair, bridge, isa):
+    """On the native int8 kernels with one activation width (the target's runner) every cached
+    position holds the bits any forward writes there, so a prompt that shares its beginning
+    with what the cache holds (the previous prompt and its output) keeps those positions and
+    forwards the rest: logits bit for bit those of a prefill from an empty cache, greedy output
+    the target alone's on a fresh runner, the kept positions counted
+    (``prompt_tokens_cached``) and the same prompt decoded next starting from that prefill. A
+    runner whose prefill and steps differ in activation width (a drafter's) or a transformers
+    runner never keeps positions."""
+    needs_isa(isa)
+
+    def target_runner(**bits):
+        options = {"activation_bits": 8, **bits}
+        return FastLlamaRunner(
+            pair.target,
+            weights="int8",
+            native=True,
+            native_isa=isa,
+            max_positions=512,
+            prefill_weights=None,
+            **options,
+        )
+
+    runner, fresh_runner = target_runner(), target_runner()
+    assert runner.exact_rows and not target_runner(activation_bits=16, prefill_activation_bits=8).exact_rows
+    spd, ar = _decoders(pair, bridge, runner)
+    _, fresh = _decoders(pair, bridge, fresh_runner)
+    tt = pair.target_tokenizer
+    header = "def items_9(count, result):\n    items = count // result\n    total = items * count\n"
+    config = GenerationConfig(max_new_tokens=24, k_max=4, confidence=0.0)
+    cached = []
+    for prompt in (header + "    return total\n", header + "    delta = result", "x = 1\n"):
+        ids = tt.encode(prompt)
+        shared = min(common_prefix_len(runner.held, ids[:-1]), len(ids) - 1)
+        got = spd.generate(prompt, ids, config)
+        fresh_runner.reset()
+        assert got.token_ids == fresh.generate(ids, config).token_ids, prompt
+        assert got.stats.prompt_tokens_cached == shared and got.stats.prefills_reused == 0
+        again = ar.generate(ids, config)  # the same prompt next: from that prefill, as counted then
+        assert again.stats.prefills_reused == 1 and again.stats.prompt_tokens_cached == shared
+        assert again.stats.prefill_s == got.stats.prefill_s
+        cached.append(shared)
+    assert cached[0] == 0 and cached[1] > 20
+    ids = tt.encode(header + "    return items\n")
+    kept = prefill(runner, ids[:-1])  # after the decodes above, which end in "x = 1"
+    assert kept.cached == 0 and runner.held == ids[:-1]
+    spd.generate(header, tt.encode(header), config)
+    kept = prefill(runner, ids[:-1])
+    assert kept.cached > 20 and runner.prefilled is kept and runner.held == ids[:-1]
+    fresh_runner.reset()
+    fresh_runner.forward(ids[:-1], logits_to_keep=1)
+    assert torch.equal(runner.forward(ids[-1:]), fresh_runner.forward(ids[-1:]))
+    plain, _ = _decoders(pair, bridge, ModelRunner(pair.target))
+    for prompt in (header + "    return total\n", header + "    delta = result"):
+        assert plain.generate(prompt, tt.encode(prompt), config).stats.prompt_tokens_cached == 0
 
 
 def test_draft_stop_cost_needs_a_profile(pair, bridge):

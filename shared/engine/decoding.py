@@ -40,7 +40,7 @@ from omnidraft.shared.engine.generation import (
     StopChecker,
 )
 from omnidraft.shared.engine.lookup_drafts import LookupDrafter
-from omnidraft.shared.engine.model_runner import ModelRunner, Runner
+from omnidraft.shared.engine.model_runner import ModelRunner, Runner, prefill
 from omnidraft.shared.engine.profiling import StepTimings
 from omnidraft.shared.engine.sampling import sample, verify_sampled, warp
 from omnidraft.shared.vocab.draft_context import DraftContext, common_prefix_len, text_encoder
@@ -98,6 +98,7 @@ class _TargetSide:
         self.timings = timings  # forwards timed in use, to check the cost profile (no decisions)
         self.prefill_s = 0.0  # the last prompt's prefill (s)
         self.prefill_reused = False  # the last prompt's prefill was the runner's (``start``)
+        self.prompt_cached = 0  # of the last prompt, positions its prefill found in the cache
         self.forward_s = 0.0  # this decode's target forwards, the prefill excluded (timed only)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -122,19 +123,17 @@ class _TargetSide:
         held = getattr(self.runner, "prefilled", None)
         self.prefill_reused = bool(prefix) and held is not None and held.ids == tuple(prefix)
         self.prefill_s = 0.0
+        self.prompt_cached = 0
         self.forward_s = 0.0
         if self.prefill_reused:
             # the runner still holds this very prompt's prefill (the same prompt decoded just
             # before on this runner, e.g. the target alone before speculation): start from it,
             # counting the seconds it took when it ran (``GenerationStats.prefills_reused``)
             self.runner.crop(len(prefix))
-            self.prefill_s = held.seconds
-        elif prefix:  # the prefill's logits are not used: keep one row, not [n, vocab]
-            self.runner.reset()
-            t0 = time.perf_counter()
-            self.runner.forward(prefix, logits_to_keep=1)
-            held = getattr(self.runner, "prefilled", None)  # timed by the runner: the seconds a reuse counts
-            self.prefill_s = held.seconds if held is not None else time.perf_counter() - t0
+            self.prefill_s, self.prompt_cached = held.seconds, held.cached
+        elif prefix:  # keeps what the cache holds of it where that is exact (``prefill``)
+            held = prefill(self.runner, prefix)
+            self.prefill_s, self.prompt_cached = held.seconds, held.cached
             if self.timings is not None:
                 self.timings.record(self.prefill_s * 1000)
         else:
@@ -148,6 +147,7 @@ class _TargetSide:
         stats.wall_s = time.perf_counter() - t0 + (self.prefill_s if self.prefill_reused else 0.0)
         stats.prefill_s = self.prefill_s
         stats.prefills_reused = int(self.prefill_reused)
+        stats.prompt_tokens_cached = self.prompt_cached
         stats.target_forward_s = self.forward_s
         text = _decode_bytes(self.token_bytes, stop.generated)
         return GenerationResult(text, list(stop.generated), stop.finish_reason or "length", stats)

@@ -88,6 +88,9 @@ class GenerationStats:
     # stays in the decode time (it belongs to speculation)
     prefill_s: float = 0.0
     prefills_reused: int = 0  # decodes that started from the prefill the decode before left in the cache
+    # prompt tokens the prefill did not read: the target's cache held them from the sequence
+    # before (a prompt that begins like the previous one; ``model_runner.prefill``)
+    prompt_tokens_cached: int = 0
     # decoding time modelled from the machine's cached cost profile (prompt prefill excluded, s):
     # the rounds this generation ran, and the target alone's one step per new token; 0 when the
     # decoder had no profile (the target alone, or a fixed draft rule)

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from omnidraft.shared.engine import catalog
 from omnidraft.shared.runtime import gguf_weights
+from omnidraft.shared.vocab.draft_context import common_prefix_len
 
 
 @dataclass
@@ -67,7 +68,8 @@ def set_threads(n: int | None = None) -> None:
 
 @dataclass(frozen=True)
 class Prefill:
-    """The first forward into a runner's empty cache: the ids it fed and the seconds it took.
+    """A sequence's first forward into a runner's empty cache: the ids it fed and the seconds
+    it took (from ``prefill``: the forward of the ids a kept prefix did not cover).
 
     A runner keeps it (``Runner.prefilled``) while its cache still holds those positions as that
     one forward wrote them, and drops it on ``reset``, on a ``crop`` into them and on a change of
@@ -77,6 +79,35 @@ class Prefill:
 
     ids: tuple[int, ...]
     seconds: float
+    # of ``ids``, the leading positions the cache already held from the sequence before and kept
+    # (``prefill``): the forward read only the rest
+    cached: int = 0
+
+
+def prefill(runner: Runner, ids: list[int]) -> Prefill:
+    """Make ``runner``'s cache hold exactly ``ids``, as one forward of them into an empty cache
+    would write it, and return that prefill (``runner.prefilled`` where the runner keeps one).
+
+    A runner whose cached positions hold the same bits whichever call wrote them
+    (``exact_rows``: ``FastLlamaRunner`` on the native int8 kernels with one activation width)
+    keeps the leading positions ``ids`` shares with what it holds (``held``: the previous
+    prompt and its output) and forwards only the rest: a prompt that begins like the one before
+    (a file's imports, the code above the cursor) is read in part. Any other runner starts
+    from an empty cache. The seconds are this call's, so a prefill that kept positions is
+    cheaper by what it did not read."""
+    keep = common_prefix_len(runner.held, ids) if getattr(runner, "exact_rows", False) else 0
+    if not keep:
+        runner.reset()
+        t0 = time.perf_counter()
+        runner.forward(ids, logits_to_keep=1)  # its logits are not used: one row, not [n, vocab]
+        # timed by the runner; one that keeps no prefill (a sliding-window model) is timed here
+        return runner.prefilled or Prefill(tuple(ids), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    runner.crop(keep)
+    if keep < len(ids):
+        runner.forward(ids[keep:], logits_to_keep=1)
+    runner.prefilled = Prefill(tuple(ids), time.perf_counter() - t0, keep)
+    return runner.prefilled
 
 
 @runtime_checkable

@@ -128,8 +128,7 @@ class FastLlamaRunner:
         self.eps = float(decoder.norm.variance_epsilon)
         self._final_norm = decoder.norm.weight.detach().float().clone()
         self._last_residual: torch.Tensor | None = None
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        if (act := getattr(config, "hidden_act", "silu")) not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {act!r}")
 
         if prefill_weights not in (None, "auto") and prefill_weights not in WEIGHT_KINDS:
@@ -166,6 +165,9 @@ class FastLlamaRunner:
         self.prefill_weights = None if prefill_weights == weights else prefill_weights
         self.activation_bits = activation_bits if lib else None
         self._prefill_act8 = int(prefill_activation_bits == 8)
+        # every call on one kernel path and activation width (rows never mix): a cached position
+        # holds the bits any forward writes there, so a new sequence keeps what it shares (prefill)
+        self.exact_rows = lib is not None and not self.prefill_weights and prefill_activation_bits == activation_bits
         self.native_isa = native_isa if lib else None
         self.backend = {
             "fp32": "torch-fp32",
