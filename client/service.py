@@ -12,7 +12,10 @@ frees the engine. Bad requests get ``INVALID_ARGUMENT`` with a one-line reason.
 
 Only the owner teaches the device (``client.owner_token``): with an owner token set, a request
 that does not present it is served without learning or logging on loopback, and refused
-(``UNAUTHENTICATED``) where strangers are not served (any other address).
+(``UNAUTHENTICATED``) where strangers are not served (any other address). The target keeps the
+positions a prompt shares with the request before (``model_runner.prefill``) only from one owner
+request to the next: a stranger's request neither finds the owner's prompt there nor leaves its
+own for the owner's, since the prefill's time would tell one of the other's text.
 
 The state directory may be shared with the device's SuperNode (``omnidraft device join``): each
 served prompt goes to the device's ``RequestLog`` (its federated rounds train on them), and when
@@ -98,6 +101,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     ) -> None:
         self.session = session
         self.owner = owner  # the owner's token; None: every caller is the owner
+        self._owner_before = True  # the request before was the owner's (its prompt may be kept)
         self.serve_strangers = serve_strangers
         self.request_log = request_log
         self.limits = limits or ServiceLimits()
@@ -173,6 +177,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                         f"the prompt has {len(ids)} tokens; this "
                         f"device accepts at most {self.limits.max_prompt_tokens}",
                     )
+                if not (teaches and self._owner_before):  # between a stranger and the owner
+                    self.session.engine.target_runner.reset()
+                self._owner_before = teaches
                 decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
                 token_bytes = self.session.engine.bridge.target_bytes
 

@@ -258,6 +258,41 @@ def test_only_the_owner_teaches_the_device(pair_dir, tmp_path, capsys):
     assert not any(owner_token.is_loopback(h) for h in ("0.0.0.0:1", "10.0.0.5:1", "board.local:1"))
 
 
+def test_a_strangers_request_neither_finds_nor_leaves_the_owners_prompt_in_the_target_cache(pair_dir, tmp_path):
+    """On the native int8 target a prompt that begins like the request before keeps the positions
+    it shares (a shorter prefill): from one owner request to the next, never from the owner's to
+    a stranger's nor back, where the prefill's time would tell one of the other's text."""
+    from omnidraft.client import owner_token
+
+    engine = Engine.load(
+        str(pair_dir / "drafter"), str(pair_dir / "target"), "int8", drafter_weights="fp32", progress=False
+    )
+    runner = engine.target_runner
+    if not getattr(runner, "exact_rows", False):
+        pytest.skip("no native int8 kernels on this machine: no positions are kept")
+    session = DeviceSession(engine, target_name="t", state_dir=tmp_path / "state", learn=False)
+    token = owner_token.load_or_create(tmp_path / "state" / owner_token.TOKEN_FILE)
+    service = GenerationService(
+        session, ServiceLimits(max_new_tokens=32), base=GenerationConfig(draft_stop="confidence"), owner=token
+    )
+    server, port = serve(service, "127.0.0.1:0")
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    header = "def items_9(count, result):\n    items = count // result\n    total = items * count\n"
+    kept = []
+    try:
+        tails = ["    return total\n", "    delta = result", "    return items\n", "    total = count", "    x = 1\n"]
+        for tail, owner in zip(tails + ["    return count\n"], (True, True, False, False, True, True)):
+            metadata = owner_token.metadata(token) if owner else None
+            stub.Generate(pb.GenerateRequest(prompt=header + tail, max_new_tokens=4), timeout=60, metadata=metadata)
+            kept.append(runner.prefilled.cached)
+    finally:
+        server.stop(grace=None).wait()
+        service.close()
+    # owner after owner keeps the header; a stranger after the owner, a stranger after a
+    # stranger (they may be two apps) and the owner after a stranger start from nothing
+    assert kept[0] == 0 and kept[1] > 20 and kept[2:5] == [0, 0, 0] and kept[5] > 20
+
+
 def test_serve_refuses_bad_settings(tmp_path, capsys):
     from omnidraft.cli import main
 
