@@ -71,11 +71,11 @@ class Prefill:
     """A sequence's first forward into a runner's empty cache: the ids it fed and the seconds
     it took (from ``prefill``: the forward of the ids a kept prefix did not cover).
 
-    A runner keeps it (``Runner.prefilled``) while its cache still holds those positions as that
-    one forward wrote them, and drops it on ``reset``, on a ``crop`` into them and on a change of
-    weights. A later decode whose prompt starts with exactly these ids can then start from the
-    cache (``decoding._TargetSide``): the keys and values are the bits a fresh prefill would
-    write, being the same forward's."""
+    A runner keeps it (``Runner.prefilled``) while its cache still holds those positions as they
+    were written, and drops it on ``reset``, on a ``crop`` into them and on a change of weights.
+    A later decode whose prompt starts with exactly these ids can then start from the cache
+    (``decoding._TargetSide``): the keys and values are the bits a fresh prefill would write,
+    being that forward's (and, for positions ``prefill`` kept, the same bits: ``exact_rows``)."""
 
     ids: tuple[int, ...]
     seconds: float
