@@ -67,7 +67,9 @@ def test_forwards_together_equal_each_runners_own(isa, variant):
 def test_a_prefill_takes_the_prefix_it_shares_with_another_sequence_and_stays_exact(prefill_bits, monkeypatch):
     """Three prompts of 50 tokens: the second shares its first 30 with the first (a tail of 20,
     more than a step: it copies them and forwards 20 tokens), the third its first 40 (a tail of
-    10: forwarded whole). Logits and the steps after them equal those of prefills from nothing."""
+    10: with one activation width it copies 40 and forwards 10; where a step's activations are
+    not a prefill's, it forwards 17, the shortest tail computed as a prefill, and copies 33).
+    Logits and the steps after them equal those of prefills from nothing."""
     isa = _native_isa()
     base = FastLlamaRunner(
         tiny_llama(tied=True),
@@ -89,13 +91,53 @@ def test_a_prefill_takes_the_prefix_it_shares_with_another_sequence_and_stays_ex
     )
     shared = [base.fork(current=True) for _ in prompts]
     got = forward_together([(runner, ids, 1) for runner, ids in zip(shared, prompts)])
-    assert forwarded == [50, 20, 50]
+    assert forwarded == [50, 20, 10 if prefill_bits == 16 else 17]
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     for step in range(3):
         ids = _ids(1, seed=10 + step)
         for a, b in zip(fresh, shared):
             assert torch.equal(a.forward(ids, 1), b.forward(ids, 1))
             assert a.held == b.held
+
+
+@pytest.mark.parametrize("prefill_bits", [16, 8])
+def test_a_prefill_takes_from_another_sequence_only_the_positions_its_own_prefill_writes_alike(
+    prefill_bits, monkeypatch
+):
+    """Another sequence holds a prompt of 30 tokens and 6 one-token steps after it; a prompt of
+    those 36 tokens and 20 more copies what a prefill of its own would write alike: all 36 where
+    prefill and steps share one activation width, only the prompt's 30 where the steps' 16-bit
+    activations differ from the prefill's 8-bit ones (it forwards the other 26). Logits, cache
+    and the steps after them equal those of a prefill from nothing."""
+    isa = _native_isa()
+    base = FastLlamaRunner(
+        tiny_llama(tied=True),
+        weights="int8",
+        native=True,
+        native_isa=isa,
+        max_positions=128,
+        prefill_weights=None,
+        prefill_activation_bits=prefill_bits,
+    )
+    donor = base.fork(current=True)
+    donor.forward(_ids(30, seed=1), 1)
+    for step in range(6):
+        donor.forward(_ids(1, seed=20 + step), 1)
+    prompt = donor.held + _ids(20, seed=2)
+    fresh = base.fork(current=True)
+    want = fresh.forward(prompt, 1)
+    forwarded = []
+    real = FastLlamaRunner.forward
+    monkeypatch.setattr(
+        FastLlamaRunner, "forward", lambda self, ids, *a, **k: forwarded.append(len(ids)) or real(self, ids, *a, **k)
+    )
+    runner = base.fork(current=True)
+    (_, got) = forward_together([(donor, _ids(1, seed=9), 1), (runner, prompt, 1)])
+    assert forwarded == [20 if prefill_bits == 16 else 26]
+    assert torch.equal(want, got) and runner.held == fresh.held
+    for step in range(3):
+        ids = _ids(1, seed=40 + step)
+        assert torch.equal(fresh.forward(ids, 1), runner.forward(ids, 1))
 
 
 def test_forwards_of_runners_on_other_weights_do_not_share_a_call(monkeypatch):

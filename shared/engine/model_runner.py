@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from omnidraft.shared.engine import catalog
 from omnidraft.shared.runtime import gguf_weights
-from omnidraft.shared.vocab.draft_context import common_prefix_len
+from omnidraft.shared.runtime.cached_positions import Prefill, exact_prefix
 
 
 @dataclass
@@ -66,36 +66,19 @@ def set_threads(n: int | None = None) -> None:
     torch.set_num_threads(n)
 
 
-@dataclass(frozen=True)
-class Prefill:
-    """A sequence's first forward into a runner's empty cache: the ids it fed and the seconds
-    it took (from ``prefill``: the forward of the ids a kept prefix did not cover).
-
-    A runner keeps it (``Runner.prefilled``) while its cache still holds those positions as they
-    were written, and drops it on ``reset``, on a ``crop`` into them and on a change of weights.
-    A later decode whose prompt starts with exactly these ids can then start from the cache
-    (``decoding._TargetSide``): the keys and values are the bits a fresh prefill would write,
-    being that forward's (and, for positions ``prefill`` kept, the same bits: ``exact_rows``)."""
-
-    ids: tuple[int, ...]
-    seconds: float
-    # of ``ids``, the leading positions the cache already held from the sequence before and kept
-    # (``prefill``): the forward read only the rest
-    cached: int = 0
-
-
 def prefill(runner: Runner, ids: list[int]) -> Prefill:
     """Make ``runner``'s cache hold exactly ``ids``, as one forward of them into an empty cache
     would write it, and return that prefill (``runner.prefilled`` where the runner keeps one).
 
-    A runner whose cached positions hold the same bits whichever call wrote them
-    (``exact_rows``: ``FastLlamaRunner`` on the native int8 kernels with one activation width)
-    keeps the leading positions ``ids`` shares with what it holds (``held``: the previous
-    prompt and its output) and forwards only the rest: a prompt that begins like the one before
-    (a file's imports, the code above the cursor) is read in part. Any other runner starts
-    from an empty cache. The seconds are this call's, so a prefill that kept positions is
-    cheaper by what it did not read."""
-    keep = common_prefix_len(runner.held, ids) if getattr(runner, "exact_rows", False) else 0
+    The leading positions ``ids`` shares with what the runner holds (``held``: the previous
+    prompt and its output) are kept where they hold the bits that forward would write
+    (``cached_positions.exact_prefix``: the native int8 kernels, whose rows never mix, with the
+    rows written alike; the target's runner uses one activation width for prefill and steps)
+    and only the rest is forwarded: a prompt that begins like the one before (a file's imports,
+    the code above the cursor) is read in part. Any other runner starts from an empty cache.
+    The seconds are this call's, so a prefill that kept positions is cheaper by what it did
+    not read."""
+    keep = exact_prefix(runner, runner, ids, same_weights=True)
     if not keep:
         runner.reset()
         t0 = time.perf_counter()

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from omnidraft.shared.runtime.cached_positions import exact_prefix
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
-from omnidraft.shared.vocab.draft_context import common_prefix_len
 
 ROWS_PER_CALL = 4  # the kernels' rows per pass over a weight block (16-bit activations)
 
@@ -61,23 +61,22 @@ def forward_together(calls: Sequence[Call]) -> list[torch.Tensor]:
 
 def _forward_alone(runner, ids: list[int], keep: int, before: Sequence) -> torch.Tensor:
     """``runner.forward(ids, keep)``. A prompt's prefill into an empty cache first copies the
-    keys and values of the longest prefix it shares with what one of the runners ``before``
-    holds (the same weights: prompts from one module share its imports), where the rest is
-    still a prefill of its own (more than ``prefill_min_tokens`` tokens, so the same kernels
-    and activations compute it) on the native kernels (whose rows never mix; not oneDNN's):
-    the same rows, so the same cache and logits, as the whole prefill."""
-    if keep and not runner.held and batchable(runner) and runner.prefill_weights is None:
-        donor, shared = None, 0
+    keys and values of the longest prefix one of the runners ``before`` holds as that prefill
+    would write it (the same weights: ``cached_positions.exact_prefix``; prompts from one module
+    share its imports) and forwards the rest: the same cache and logits as the whole prefill."""
+    if keep and not runner.held and batchable(runner):
+        shared, donor = 0, None
         for other in before:
-            if batchable(other) and other._packing is runner._packing:
-                n = common_prefix_len(other.held, ids)
-                if n > shared:
-                    donor, shared = other, n
-        if donor is not None and len(ids) - shared > runner.prefill_min_tokens:
+            same = batchable(other) and other._packing is runner._packing
+            n = exact_prefix(other, runner, ids, same_weights=same, rest=1)
+            if n > shared:
+                shared, donor = n, other
+        if donor is not None:
             blocks = -(-shared // 16)  # keys are stored 16 positions to a block
             runner._kcache[:, :, :blocks].copy_(donor._kcache[:, :, :blocks])
             runner._vcache[:, :, :shared].copy_(donor._vcache[:, :, :shared])
             runner.held.extend(ids[:shared])
+            runner.alike, runner.alike_kind = shared, donor.alike_kind
             return runner.forward(ids[shared:], keep)
     return runner.forward(ids, keep)
 
@@ -122,6 +121,6 @@ def _forward_rows(calls: Sequence[Call]) -> list[torch.Tensor]:
     for runner, call_ids, keep in calls:
         n = min(keep, len(call_ids)) or len(call_ids)
         row += len(call_ids)
-        out.append(runner._appended(call_ids, logits[kept_row : kept_row + n], h[row - 1], t0))
+        out.append(runner._appended(call_ids, first._fd.act8, logits[kept_row : kept_row + n], h[row - 1], t0))
         kept_row += n
     return out

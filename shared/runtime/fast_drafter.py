@@ -40,7 +40,7 @@ from functools import partial
 
 import torch
 
-from omnidraft.shared.engine.model_runner import Prefill
+from omnidraft.shared.runtime.cached_positions import CachedPositions
 from omnidraft.shared.runtime.heap import release_freed_memory, zeros_on_demand
 from omnidraft.shared.runtime.layer_folding import fold_layer, linear_of, lora_deltas, rope_pair_perms
 from omnidraft.shared.runtime.native_kernels import (
@@ -66,7 +66,7 @@ from omnidraft.shared.runtime.weight_packing import (
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
-class FastLlamaRunner:
+class FastLlamaRunner(CachedPositions):
     """Incremental forward passes over one sequence for a Llama-architecture causal LM.
 
     Same interface as ``ModelRunner``: ``forward(ids, logits_to_keep)`` appends ``ids`` and returns
@@ -165,9 +165,6 @@ class FastLlamaRunner:
         self.prefill_weights = None if prefill_weights == weights else prefill_weights
         self.activation_bits = activation_bits if lib else None
         self._prefill_act8 = int(prefill_activation_bits == 8)
-        # every call on one kernel path and activation width (rows never mix): a cached position
-        # holds the bits any forward writes there, so a new sequence keeps what it shares (prefill)
-        self.exact_rows = lib is not None and not self.prefill_weights and prefill_activation_bits == activation_bits
         self.native_isa = native_isa if lib else None
         self.backend = {
             "fp32": "torch-fp32",
@@ -282,8 +279,7 @@ class FastLlamaRunner:
             )
             self._fd_ref = ctypes.addressof(self._fd)
         self.forward_calls = 0
-        self.held: list[int] = []  # the ids at the cached positions, in order
-        self.prefilled: Prefill | None = None  # the first forward into the empty cache, while held
+        self._empty_positions()
 
     # ------------------------------------------------------------------------------------------
     def _pack_layers(
@@ -388,7 +384,7 @@ class FastLlamaRunner:
         new._kcache, new._vcache = (zeros_on_demand(shape, dtype) for shape in self._cache_shapes)
         new._template, new._packing, new._last_residual = False, packing, None
         new.forward_calls = 0
-        new.held, new.prefilled = [], None
+        new._empty_positions()
         if self._lib is not None:
             new._fd = FdModel.from_buffer_copy(self._fd)
             new._fd.kcache, new._fd.vcache = new._kcache.data_ptr(), new._vcache.data_ptr()
@@ -406,22 +402,12 @@ class FastLlamaRunner:
         if self._lib is not None:
             self._fd.kcache = self._fd.vcache = 0
 
-    @property
-    def length(self) -> int:
-        """Token positions held in the cache."""
-        return len(self.held)
-
-    def reset(self) -> None:
-        self.held.clear()
-        self.prefilled = None
-
-    def crop(self, length: int) -> None:
-        """Roll the cache back so that it holds only the first ``length`` positions."""
-        if length < 0:
-            raise ValueError("length must be >= 0")
-        del self.held[length:]
-        if self.prefilled is not None and length < len(self.prefilled.ids):
-            self.prefilled = None
+    def row_kind(self, m: int) -> int | None:
+        """A forward of ``m`` tokens on the native int8 kernels (rows never mix): its activation
+        width (1: 8-bit, 0: 16-bit); None on the other kernels."""
+        if self._lib is None or (self.prefill_weights and m > self.prefill_min_tokens):
+            return None
+        return self._prefill_act8 if m > self.prefill_min_tokens else int(self.activation_bits == 8)
 
     @torch.inference_mode()
     def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
@@ -436,16 +422,14 @@ class FastLlamaRunner:
             raise ValueError(f"sequence of {t} positions exceeds max_positions={self.max_positions}")
         if self._template:
             raise RuntimeError("this runner is a template (as_template): forward on a fork of it")
-        kind = self.weights
-        if self.prefill_weights is not None and m > self.prefill_min_tokens:
-            kind = self.prefill_weights
+        rows = self.row_kind(m)
         t0 = time.perf_counter() if p == 0 else 0.0
         h = self._embed.index_select(0, torch.tensor(ids, dtype=torch.long))
         if h.dtype != torch.float32:
             h = h.float()
-        if kind == "int8" and self._lib is not None:
+        if rows is not None:
             out = torch.empty(min(logits_to_keep, m) or m, self._head_pad)
-            self._fd.act8 = self._prefill_act8 if m > self.prefill_min_tokens else int(self.activation_bits == 8)
+            self._fd.act8 = rows
             rc = self._lib.fd_forward(
                 self._fd_ref,
                 m,
@@ -459,6 +443,7 @@ class FastLlamaRunner:
                 raise MemoryError("native forward failed to allocate its work buffers")
             logits = out[:, : self.head_rows] if self._head_pad != self.head_rows else out
         else:
+            kind = self.prefill_weights if self.prefill_weights and m > self.prefill_min_tokens else self.weights
             logits = torch_forward(
                 self._packing.torch_layers[kind],
                 self._head[kind],
@@ -473,20 +458,19 @@ class FastLlamaRunner:
                 self.intermediate,
                 self.eps,
             )
-        return self._appended(ids, logits, h[-1], t0)  # both kernel paths leave the final residual in h
+        return self._appended(ids, rows, logits, h[-1], t0)  # both kernel paths leave the final residual in h
 
-    def _appended(self, ids: list[int], logits: torch.Tensor, residual: torch.Tensor, t0: float) -> torch.Tensor:
-        """What a forward of ``ids`` leaves: the cache holds them, the last ``residual`` is kept
-        (``last_hidden``), a prefill (``t0``: when it began) is remembered; returns the logits,
-        widened to the whole vocabulary where the head is pruned."""
+    def _appended(self, ids: list[int], rows, logits: torch.Tensor, residual: torch.Tensor, t0: float) -> torch.Tensor:
+        """What a forward of ``ids`` (rows computed as ``rows``: ``row_kind``) leaves: the cache
+        holds them, the last ``residual`` is kept (``last_hidden``), a prefill (``t0``: when it
+        began) is remembered; returns the logits, widened to the whole vocabulary where the head
+        is pruned."""
         self._last_residual = residual
         if self.vocab_rows is not None:
             full = torch.full((logits.shape[0], self.vocab), float("-inf"))
             full.index_copy_(1, self.vocab_rows, logits)
             logits = full
-        if not self.held:
-            self.prefilled = Prefill(tuple(ids), time.perf_counter() - t0)
-        self.held.extend(ids)
+        self._wrote(ids, rows, time.perf_counter() - t0)
         self.forward_calls += 1
         return logits
 
