@@ -10,16 +10,45 @@ import weakref
 import torch
 from tiny_pair import _engine
 
+from omnidraft.shared.engine import model_runner
+from omnidraft.shared.engine.precision import DRAFTER_PREFILL_ACTIVATION_BITS
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
+from omnidraft.shared.runtime.held_weights import held_dtype, hold_frozen_weights
+
+
+def _float32_drafter(pair_dir) -> torch.nn.Module:
+    """The tiny pair's drafter as loaded, its frozen weights still float32 (``Engine.load``
+    holds them in bf16 once the base is packed)."""
+    return model_runner.load(str(pair_dir / "drafter"), progress=False).model
+
+
+def test_the_engine_packs_the_drafter_from_float32_then_holds_its_frozen_weights_in_bf16(pair_dir):
+    """``Engine.load`` packs the drafter's base from its float32 weights, then holds them in
+    bf16 (half the bytes): the engine's drafter runner and an untrained adapter's draft on that
+    one packing, exactly as a runner packed from the float32 model."""
+    engine = _engine(pair_dir)
+    assert held_dtype(engine.drafter.model) == torch.bfloat16
+    reference = FastLlamaRunner(
+        _float32_drafter(pair_dir),
+        weights=engine.drafter_weights,
+        prefill_activation_bits=DRAFTER_PREFILL_ACTIVATION_BITS,
+    )
+    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
+    adapters.add("a")
+    ids = [1, 2, 3]
+    want = reference.forward(ids)
+    assert torch.equal(adapters.runner().forward(ids), want)
+    assert torch.equal(engine.drafter_runner.forward(ids), want)
+    assert adapters.runner()._packing is engine.drafter_runner._packing
 
 
 def test_one_packing_serves_every_adapter(pair_dir):
     """Adapters draft on forks of one base packing, each with its own KV cache; a trained
     adapter is merged into its own runner's weights: training, loading and resetting an
     adapter change its runner's logits and nobody else's."""
-    engine = _engine(pair_dir)
-    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
+    model = _float32_drafter(pair_dir)
+    adapters = DrafterAdapters(model, LoraSpec(rank=4), drafter_weights="fp32")
     adapters.add("a")
     ra = adapters.runner()
     adapters.add("b")
@@ -63,8 +92,8 @@ def test_loading_the_matrices_a_runner_merged_last_keeps_its_packing(pair_dir, m
     it once: loading matrices equal to the runner's last merge skips the ~1 s merge (the cache
     is still emptied, as a merge would), different matrices are merged, and so are equal ones
     once the base weights were held in another dtype."""
-    engine = _engine(pair_dir)
-    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights=engine.drafter_weights)
+    model = _float32_drafter(pair_dir)
+    adapters = DrafterAdapters(model, LoraSpec(rank=4), drafter_weights="fp32")
     adapters.add("t")
     merges = []
     real = FastLlamaRunner.set_lora
@@ -84,7 +113,7 @@ def test_loading_the_matrices_a_runner_merged_last_keeps_its_packing(pair_dir, m
     adapters.load_state_dict("t", trained)
     adapters.runner()
     assert merges == [True, True]
-    adapters.held_dtype = torch.bfloat16  # as the first bf16 training forward sets it
+    hold_frozen_weights(model)  # as Engine.load does (or a first training forward)
     adapters.load_state_dict("t", trained)
     adapters.runner()
     assert merges == [True, True, True]

@@ -63,6 +63,20 @@ def test_forwards_together_equal_each_runners_own(isa, variant):
             assert torch.equal(a.last_hidden(), b.last_hidden())
 
 
+def _prefilling_runner(prefill_bits: int) -> FastLlamaRunner:
+    """A runner that prefills on the native kernels too, as a drafter does, with
+    ``prefill_bits``-bit activations (8: the drafter's, per-row scales) and 16-bit steps."""
+    return FastLlamaRunner(
+        tiny_llama(tied=True),
+        weights="int8",
+        native=True,
+        native_isa=_native_isa(),
+        max_positions=128,
+        prefill_weights=None,
+        prefill_activation_bits=prefill_bits,
+    )
+
+
 @pytest.mark.parametrize("prefill_bits", [16, 8])
 def test_a_prefill_takes_the_prefix_it_shares_with_another_sequence_and_stays_exact(prefill_bits, monkeypatch):
     """Three prompts of 50 tokens: the second shares its first 30 with the first (a tail of 20,
@@ -70,16 +84,7 @@ def test_a_prefill_takes_the_prefix_it_shares_with_another_sequence_and_stays_ex
     10: with one activation width it copies 40 and forwards 10; where a step's activations are
     not a prefill's, it forwards 17, the shortest tail computed as a prefill, and copies 33).
     Logits and the steps after them equal those of prefills from nothing."""
-    isa = _native_isa()
-    base = FastLlamaRunner(
-        tiny_llama(tied=True),
-        weights="int8",
-        native=True,
-        native_isa=isa,
-        max_positions=128,
-        prefill_weights=None,  # prompts prefill on the native kernels too, as a drafter does
-        prefill_activation_bits=prefill_bits,  # 8: the drafter's (per-row activation scales)
-    )
+    base = _prefilling_runner(prefill_bits)
     first = _ids(50, seed=1)
     prompts = [first, first[:30] + _ids(20, seed=2), first[:40] + _ids(10, seed=3)]
     fresh = [base.fork(current=True) for _ in prompts]
@@ -109,16 +114,7 @@ def test_a_prefill_takes_from_another_sequence_only_the_positions_its_own_prefil
     prefill and steps share one activation width, only the prompt's 30 where the steps' 16-bit
     activations differ from the prefill's 8-bit ones (it forwards the other 26). Logits, cache
     and the steps after them equal those of a prefill from nothing."""
-    isa = _native_isa()
-    base = FastLlamaRunner(
-        tiny_llama(tied=True),
-        weights="int8",
-        native=True,
-        native_isa=isa,
-        max_positions=128,
-        prefill_weights=None,
-        prefill_activation_bits=prefill_bits,
-    )
+    base = _prefilling_runner(prefill_bits)
     donor = base.fork(current=True)
     donor.forward(_ids(30, seed=1), 1)
     for step in range(6):

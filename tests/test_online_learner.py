@@ -17,6 +17,7 @@ from tiny_pair import CONFIG, PROMPTS, _engine
 
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
+from omnidraft.shared.engine import model_runner
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.learning.distill import LossConfig
 
@@ -60,7 +61,10 @@ def test_a_windowed_sample_keeps_its_loss_positions_on_the_same_tokens(pair_dir)
 
 def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair_dir):
     engine = _engine(pair_dir)
-    base = {n: p.detach().clone() for n, p in engine.drafter.model.named_parameters()}
+    base = {
+        n.replace(".parametrizations.weight.original", ".weight"): p.detach().clone()
+        for n, p in engine.drafter.model.named_parameters()
+    }
     adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
     a = DeviceSession(engine, target_name="target-a", adapters=adapters, online=OnlineConfig(interval=2, lr=1e-2))
     DeviceSession(engine, target_name="target-b", adapters=adapters)  # registers target-b's adapter
@@ -71,8 +75,8 @@ def test_gradients_reach_only_the_adapter_and_two_adapters_stay_independent(pair
     assert all(p.grad is None for p in adapters.peft.parameters())  # not held between updates
     trainable = {n for n, p in adapters.peft.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n and ".t_target_a." in n for n in trainable)
-    # base weights untouched (compare through the unwrapped names); after the first training
-    # forward the frozen Linear weights are held in bf16: exactly the cast of the originals
+    # base weights untouched (compare through the unwrapped names; the frozen Linear weights
+    # held in bf16 since Engine.load)
     for n, p in adapters.peft.get_base_model().named_parameters():
         key = n.replace(".base_layer", "").replace(".parametrizations.weight.original", ".weight")
         if "lora_" not in n:
@@ -260,15 +264,16 @@ def test_the_memory_limit_is_a_control_groups_where_that_is_lower(tmp_path, monk
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_first_training_forward_holds_the_frozen_drafter_weights_in_bf16(pair_dir, tied):
-    """Where the drafter drafts on packings, its first training forward (with or without bf16
-    autocast) holds the frozen Linear weights in bf16 in place (the float32 originals are
+    """Where the drafter drafts on packings and its weights are not held yet (a model given to
+    the adapters without ``Engine.load``, which holds them itself), its first training forward
+    (with or without bf16 autocast) holds the frozen Linear weights in bf16 in place (the float32 originals are
     freed), read as float32 outside autocast: the base packing, built before, drafts exactly as
     before; a tied LM head stays the float32 input embedding; an adapter added afterwards still
     trains in float32."""
     from torch.nn.utils import parametrize
 
     engine = _engine(pair_dir)
-    model = engine.drafter.model
+    model = model_runner.load(str(pair_dir / "drafter"), progress=False).model  # as loaded: float32, not held
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
 

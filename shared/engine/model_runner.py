@@ -37,22 +37,30 @@ class LoadedModel:
     @property
     def logit_rows(self) -> int:
         """Number of logits columns the LM head produces (may exceed the tokenizer's size)."""
-        return self.model.get_output_embeddings().weight.shape[0]
+        head = self.model.get_output_embeddings()
+        return getattr(head, "out_features", None) or head.weight.shape[0]  # a held weight is not read whole
 
 
 def load(
-    name_or_path: str, dtype: torch.dtype = torch.float32, *, progress: bool = True, stream: bool = False
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    progress: bool = True,
+    stream: bool = False,
+    embeddings_in_file: bool = False,
 ) -> LoadedModel:
     """Load a catalog model (pulled on first use) or a local HF directory, in eval mode.
 
     A model kept as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at
     load; with ``stream`` its decoder layers and embeddings are left in the GGUF for a runner
-    that packs them one layer at a time (``LoadedModel.checkpoint``)."""
+    that packs them one layer at a time (``LoadedModel.checkpoint``); with ``embeddings_in_file``
+    (a drafter's) its input embeddings are read from the GGUF row by row
+    (``gguf_weights.GgufEmbedding``), a tied LM head keeping the matrix as its own weight."""
     path = catalog.resolve(name_or_path, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(path)
     checkpoint = None
     if gguf_weights.gguf_file(path) is not None:
-        model, checkpoint = gguf_weights.load_model(path, dtype, stream=stream)
+        model, checkpoint = gguf_weights.load_model(path, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()

@@ -93,10 +93,24 @@ def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None)
     return ModelRunner(quantize_linear_int8(model))
 
 
+def drafter_template(model: torch.nn.Module, weights: str) -> FastLlamaRunner:
+    """The base packing of a Llama-architecture drafter on ``weights``' kernels ("int8" |
+    "bf16" | "fp32"; 8-bit activations for prompt prefill on the native int8 kernels), packed
+    once per model and kind from the weights as they are then, kept as a template
+    (``as_template``: no KV cache of its own). Every drafting runner of the model is a fork of
+    it: the engine's and each adapter's."""
+    templates = model.__dict__.setdefault("_omnidraft_templates", {})
+    if weights not in templates:
+        runner = FastLlamaRunner(model, weights=weights, prefill_activation_bits=DRAFTER_PREFILL_ACTIVATION_BITS)
+        runner.as_template()
+        templates[weights] = runner
+    return templates[weights]
+
+
 def build_drafter_runner(model: torch.nn.Module, weights: str) -> FastLlamaRunner:
-    """The drafting runner of a Llama-architecture drafter (``weights``: "int8" | "bf16" |
-    "fp32"), with 8-bit activations for prompt prefill on the native int8 kernels."""
-    return FastLlamaRunner(model, weights=weights, prefill_activation_bits=DRAFTER_PREFILL_ACTIVATION_BITS)
+    """A drafting runner of a Llama-architecture drafter: a fork of its ``drafter_template``
+    (the base packing, its own KV cache)."""
+    return drafter_template(model, weights).fork()
 
 
 def quantize_linear_int8(model: torch.nn.Module) -> torch.nn.Module:

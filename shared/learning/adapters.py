@@ -27,9 +27,10 @@ from torch.func import functional_call
 from torch.nn.utils import parametrize
 
 from omnidraft.shared.engine.model_runner import ModelRunner
-from omnidraft.shared.engine.precision import build_drafter_runner
+from omnidraft.shared.engine.precision import drafter_template
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 from omnidraft.shared.runtime.heap import release_freed_memory
+from omnidraft.shared.runtime.held_weights import frozen_linears, held_dtype, hold_frozen_weights
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -121,8 +122,12 @@ class DrafterAdapters:
         self._merged: dict[str, bytes] = {}  # adapter name -> fingerprint of what its runner merged
         self._frozen: dict[torch.dtype, tuple[dict, dict]] = {}  # low-precision frozen weights (training)
         self._tensors: dict[str, dict[str, torch.nn.Parameter]] = {}  # adapter name -> {state-dict key: parameter}
-        self.held_dtype: torch.dtype | None = None  # set once the frozen Linear weights are held in it
         _ADAPTERS_OF[model] = self
+
+    @property
+    def held_dtype(self) -> torch.dtype | None:
+        """The dtype the drafter's frozen Linear weights are held in (``held_weights``), or None."""
+        return held_dtype(self.model)
 
     @property
     def names(self) -> list[str]:
@@ -284,8 +289,7 @@ class DrafterAdapters:
 
     def _base_runner(self) -> FastLlamaRunner:
         if self._base is None:  # only ever forked: no KV cache of its own
-            self._base = build_drafter_runner(self.peft.get_base_model(), self.drafter_weights)
-            self._base.as_template()
+            self._base = drafter_template(self.peft.get_base_model(), self.drafter_weights)
         return self._base
 
     @torch.no_grad()
@@ -324,12 +328,13 @@ class DrafterAdapters:
 
         Where drafting runs on packings (``drafts_on_packing``), nothing else reads the frozen
         Linear weights (the base layers under LoRA and an untied LM head) once the base packing
-        exists: the first call holds them in bf16, in place (``held_dtype``; the float32
-        originals are freed: about 0.2 GB for SmolLM2-135M), and they read as float32
-        (``torch.nn.utils.parametrize``), so a float32 training forward (CPUs without native
-        bf16: AVX2, most Arm boards) computes in float32 on the bf16 values. Adapters merged
-        afterwards are packed from them (``set_lora``), the values training read. A tied LM
-        head (the input embeddings) stays float32.
+        exists: they are held in bf16 (``held_weights``: ``Engine.load`` holds them as soon as
+        the base is packed; a model given to the adapters otherwise is held at the first
+        call), read as float32, so a float32 training forward (CPUs without native bf16: AVX2,
+        most Arm boards) computes in float32 on the bf16 values. Adapters merged afterwards are
+        packed from them (``set_lora``), the values training read. A tied LM head (the input
+        embeddings) stays float32; a model loaded from a GGUF has none (its rows stay in the
+        file, ``gguf_weights.GgufEmbedding``, and its head is held too).
 
         ``frozen_dtype`` (bf16 under bf16 autocast): callables with the same signatures that
         read the frozen weights in that dtype: held weights read as held under autocast, the
@@ -339,13 +344,9 @@ class DrafterAdapters:
         update's time spent re-casting weights. The swap is ``torch.func.functional_call``'s."""
         base = self.peft.get_base_model()
         decoder, head = base.get_decoder(), base.get_output_embeddings()
-        tied = base.get_input_embeddings().weight
         if self.drafts_on_packing and self.held_dtype is None:
             self._base_runner()  # drafting without an adapter keeps the float32 packing
-            for module in (decoder, head):
-                _hold_frozen_weights(module, torch.bfloat16, keep=tied)
-            self.held_dtype = torch.bfloat16
-            release_freed_memory()
+            hold_frozen_weights(base)
         if frozen_dtype is None:
             return decoder, head
         if frozen_dtype not in self._frozen:
@@ -360,41 +361,12 @@ class DrafterAdapters:
         )
 
 
-class _ReadAsFloat32(torch.nn.Module):
-    """A weight held in a lower precision (``torch.nn.utils.parametrize``): it reads as held
-    under CPU autocast to that dtype (which would cast it to that anyway), else as float32."""
-
-    def forward(self, held: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == held.dtype:
-            return held
-        return held.float()
-
-
-def _frozen_linears(module: torch.nn.Module):
-    """``(name, Linear)`` for every Linear in ``module`` whose weight does not train (LoRA's own
-    matrices excluded), names relative to ``module``."""
-    for name, mod in module.named_modules():
-        if isinstance(mod, torch.nn.Linear) and ".lora_" not in f".{name}" and not mod.weight.requires_grad:
-            yield name, mod
-
-
-@torch.no_grad()
-def _hold_frozen_weights(module: torch.nn.Module, dtype: torch.dtype, keep: torch.Tensor) -> None:
-    """Hold every frozen Linear weight of ``module`` in ``dtype``, in place (the old storage is
-    freed), read as float32; ``keep`` (a tied weight other modules read as it is) stays."""
-    for _, mod in list(_frozen_linears(module)):
-        if mod.weight is keep or parametrize.is_parametrized(mod, "weight"):
-            continue
-        mod.weight.data = mod.weight.detach().to(dtype)
-        parametrize.register_parametrization(mod, "weight", _ReadAsFloat32(), unsafe=True)  # unsafe: a dtype change
-
-
 @torch.no_grad()
 def _frozen_linear_weights(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``{name: copy of the weight in dtype}`` for every frozen Linear weight in ``module`` that
-    is not held in ``dtype`` (held ones read as held under autocast to it: ``_ReadAsFloat32``)."""
+    is not held in ``dtype`` (held ones read as held under autocast to it: ``held_weights.ReadAsFloat32``)."""
     out = {}
-    for name, mod in _frozen_linears(module):
+    for name, mod in frozen_linears(module):
         if not parametrize.is_parametrized(mod, "weight"):
             out[f"{name}.weight" if name else "weight"] = mod.weight.detach().to(dtype)
     return out
