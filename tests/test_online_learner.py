@@ -262,6 +262,27 @@ def test_the_memory_limit_is_a_control_groups_where_that_is_lower(tmp_path, monk
         OnlineConfig(recompute_layers=-1).validate()
 
 
+def test_a_held_weight_reads_the_same_float32_values_from_a_mapping_of_its_own():
+    """Inside ``mapped_reads`` (peft's injection) a held weight's float32 copy lives in a
+    mapping of its own rather than glibc's heap: the same values, and bf16 as held under bf16
+    autocast either way."""
+    from torch.nn.utils import parametrize
+
+    from omnidraft.shared.runtime.held_weights import ReadAsFloat32, mapped_reads
+
+    linear = torch.nn.Linear(64, 32, bias=False).requires_grad_(False)
+    held = linear.weight.detach().to(torch.bfloat16)
+    linear.weight.data = held
+    parametrize.register_parametrization(linear, "weight", ReadAsFloat32(), unsafe=True)
+    heap = linear.weight
+    with mapped_reads():
+        mapped = linear.weight
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert linear.weight.dtype == torch.bfloat16
+    assert heap.dtype == mapped.dtype == torch.float32 and torch.equal(heap, mapped)
+    assert torch.equal(heap, held.float()) and mapped.untyped_storage().data_ptr() != heap.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_first_training_forward_holds_the_frozen_drafter_weights_in_bf16(pair_dir, tied):
     """Where the drafter drafts on packings and its weights are not held yet (a model given to

@@ -30,7 +30,7 @@ from omnidraft.shared.engine.model_runner import ModelRunner
 from omnidraft.shared.engine.precision import drafter_template
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 from omnidraft.shared.runtime.heap import release_freed_memory
-from omnidraft.shared.runtime.held_weights import frozen_linears, held_dtype, hold_frozen_weights
+from omnidraft.shared.runtime.held_weights import frozen_linears, held_dtype, hold_frozen_weights, mapped_reads
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -142,13 +142,14 @@ class DrafterAdapters:
         if self.peft is None:
             from peft import get_peft_model
 
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), mapped_reads():
                 # peft reads transformers' deprecated ``is_gradient_checkpointing`` alias while
                 # wrapping: a FutureWarning on every device start that no user can act on
                 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
                 self.peft = get_peft_model(self.model, config, adapter_name=name)
         else:
-            self.peft.add_adapter(name, config)
+            with mapped_reads():  # peft reads every base weight it wraps
+                self.peft.add_adapter(name, config)
         self.activate(target)
         return name
 
