@@ -227,3 +227,49 @@ def test_a_gguf_that_does_not_match_its_config_is_refused(tmp_path):
     (tmp_path / "m" / "config.json").write_text(config.replace('"intermediate_size": 128', '"intermediate_size": 96'))
     with pytest.raises(ValueError, match=r"in the GGUF, \(96, 64\) in config.json"):
         model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
+
+
+def _resident_bytes(path) -> int:
+    """This process's resident bytes of the mappings of file ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: address range ... [path]
+                inside = len(fields) >= 6 and fields[5] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_rows_read_one_by_one_stay_resident_up_to_a_bound(tmp_path, monkeypatch):
+    """A decode reads one embedding row a step: its pages stay resident (releasing them every
+    read made the next read fault), but never more than ``RELEASE_AFTER_ROWS`` rows' worth;
+    one read of the whole table releases all of it."""
+    monkeypatch.setattr(gguf_weights.GgufRows, "RELEASE_AFTER_ROWS", 64)
+    rows, cols = 1200, 4096  # a Q8_0 row: 4,352 bytes, more than a page
+    table = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    path = tmp_path / GGUF_FILE
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor(
+        "token_embd.weight", quants.quantize(table, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _, tensors = gguf_weights.tensor_table(path)
+    embeddings = gguf_weights.GgufRows(path, tensors[0])
+    expected = quants.dequantize(quants.quantize(table, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+    resident = []
+    for i in range(3 * 64):
+        got = embeddings.index_select(0, torch.tensor([i]))
+        assert torch.equal(got[0], torch.from_numpy(expected[i]))
+        resident.append(_resident_bytes(path))
+    # kept from one read to the next, every page released each 64 rows read (the kernel maps
+    # a file's pages in folios of up to megabytes, so the bytes between releases vary)
+    assert all(r > 0 for k, r in enumerate(resident) if (k + 1) % 64)
+    assert [k for k, r in enumerate(resident) if r == 0] == [63, 127, 191]
+    whole = embeddings.index_select(0, torch.arange(rows))
+    assert torch.equal(whole, torch.from_numpy(expected)) and _resident_bytes(path) == 0

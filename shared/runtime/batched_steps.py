@@ -72,11 +72,7 @@ def _forward_alone(runner, ids: list[int], keep: int, before: Sequence) -> torch
             if n > shared:
                 shared, donor = n, other
         if donor is not None:
-            blocks = -(-shared // 16)  # keys are stored 16 positions to a block
-            runner._kcache[:, :, :blocks].copy_(donor._kcache[:, :, :blocks])
-            runner._vcache[:, :, :shared].copy_(donor._vcache[:, :, :shared])
-            runner.held.extend(ids[:shared])
-            runner.alike, runner.alike_kind = shared, donor.alike_kind
+            runner.copy_positions(donor, ids[:shared])
             return runner.forward(ids[shared:], keep)
     return runner.forward(ids, keep)
 

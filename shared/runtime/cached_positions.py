@@ -77,6 +77,14 @@ class CachedPositions:
         if self.prefilled is not None and length < len(self.prefilled.ids):
             self.prefilled = None
 
+    def _took(self, source: CachedPositions, ids: list[int]) -> None:
+        """The empty cache was given ``source``'s first ``len(ids)`` positions (``ids``) as
+        ``source`` holds them: written by its row kind (``exact_prefix``)."""
+        if self.held:
+            raise ValueError("positions are taken into an empty cache only")
+        self.held.extend(ids)
+        self.alike, self.alike_kind = len(ids), source.alike_kind
+
     def _wrote(self, ids: list[int], kind: Hashable | None, seconds: float) -> None:
         """A forward appended ``ids``, computing their rows as ``kind``; ``seconds``: its time
         (kept as ``prefilled`` where the cache was empty)."""

@@ -396,6 +396,14 @@ class FastLlamaRunner(CachedPositions):
             new._fd_ref = ctypes.addressof(new._fd)
         return new
 
+    def copy_positions(self, source: FastLlamaRunner, ids: list[int]) -> None:
+        """Give this runner's empty cache ``source``'s first ``len(ids)`` positions (holding
+        ``ids``; ``exact_prefix`` says how many hold the bits this runner's prefill writes)."""
+        n, blocks = len(ids), -(-len(ids) // 16)  # keys are stored 16 positions to a block
+        self._kcache[:, :, :blocks].copy_(source._kcache[:, :, :blocks])
+        self._vcache[:, :, :n].copy_(source._vcache[:, :, :n])
+        self._took(source, ids)
+
     def as_template(self) -> None:
         """Keep this runner only as the source of ``fork``s: its KV cache (``max_positions``
         positions, ~94 MB for SmolLM2-135M at 4,096) is freed, and ``forward`` refuses to run.
@@ -406,10 +414,14 @@ class FastLlamaRunner(CachedPositions):
         if self._lib is not None:
             self._fd.kcache = self._fd.vcache = 0
 
+    def _weights_for(self, m: int) -> str:
+        """The packed weights a forward of ``m`` tokens uses (``prefill_weights``: long ones)."""
+        return self.prefill_weights if self.prefill_weights and m > self.prefill_min_tokens else self.weights
+
     def row_kind(self, m: int) -> int | None:
         """A forward of ``m`` tokens on the native int8 kernels (rows never mix): its activation
         width (1: 8-bit, 0: 16-bit); None on the other kernels."""
-        if self._lib is None or (self.prefill_weights and m > self.prefill_min_tokens):
+        if self._lib is None or self._weights_for(m) != self.weights:
             return None
         return self._prefill_act8 if m > self.prefill_min_tokens else int(self.activation_bits == 8)
 
@@ -447,7 +459,7 @@ class FastLlamaRunner(CachedPositions):
                 raise MemoryError("native forward failed to allocate its work buffers")
             logits = out[:, : self.head_rows] if self._head_pad != self.head_rows else out
         else:
-            kind = self.prefill_weights if self.prefill_weights and m > self.prefill_min_tokens else self.weights
+            kind = self._weights_for(m)
             logits = torch_forward(
                 self._packing.torch_layers[kind],
                 self._head[kind],
