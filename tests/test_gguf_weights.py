@@ -225,7 +225,7 @@ def test_a_gguf_that_does_not_match_its_config_is_refused(tmp_path):
     write_gguf_dir(tiny("llama"), tmp_path / "m")
     config = (tmp_path / "m" / "config.json").read_text()
     (tmp_path / "m" / "config.json").write_text(config.replace('"intermediate_size": 128', '"intermediate_size": 96'))
-    with pytest.raises(ValueError, match=r"in the GGUF, \(96, 64\) in config.json"):
+    with pytest.raises(ValueError, match=r"is \(128, 64\) in model.gguf, \(96, 64\) in config.json"):
         model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
 
 

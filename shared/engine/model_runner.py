@@ -19,8 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from omnidraft.shared.engine import catalog
-from omnidraft.shared.runtime import gguf_weights
+from omnidraft.shared.runtime import gguf_weights, safetensors_weights
 from omnidraft.shared.runtime.cached_positions import Prefill, exact_prefix
+from omnidraft.shared.runtime.checkpoints import Checkpoint
 
 
 @dataclass
@@ -30,9 +31,9 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     path: Path
-    # where the weights not loaded yet are read from (``load(..., stream=True)`` of a model kept
-    # as GGUF): its decoder layers and embeddings stay on the meta device until a runner packs them
-    checkpoint: gguf_weights.GgufCheckpoint | None = None
+    # where the weights not loaded yet are read from (``load(..., stream=True)``): its decoder
+    # layers and embeddings stay on the meta device until a runner packs them
+    checkpoint: Checkpoint | None = None
 
     @property
     def logit_rows(self) -> int:
@@ -51,16 +52,19 @@ def load(
 ) -> LoadedModel:
     """Load a catalog model (pulled on first use) or a local HF directory, in eval mode.
 
-    A model kept as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at
-    load; with ``stream`` its decoder layers and embeddings are left in the GGUF for a runner
-    that packs them one layer at a time (``LoadedModel.checkpoint``); with ``embeddings_in_file``
-    (a drafter's) its input embeddings are read from the GGUF row by row
+    With ``stream`` the decoder layers and embeddings are left in the model's files for a runner
+    that packs them one layer at a time (``LoadedModel.checkpoint``: a model kept as GGUF, or as
+    safetensors of an architecture the native kernels run; any other loads whole). A model kept
+    as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at load; with
+    ``embeddings_in_file`` (a drafter's) its input embeddings are read from the GGUF row by row
     (``gguf_weights.GgufEmbedding``), a tied LM head keeping the matrix as its own weight."""
     path = catalog.resolve(name_or_path, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(path)
     checkpoint = None
     if gguf_weights.gguf_file(path) is not None:
         model, checkpoint = gguf_weights.load_model(path, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
+    elif stream and safetensors_weights.streams(path):
+        model, checkpoint = safetensors_weights.load_streamed(path, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()

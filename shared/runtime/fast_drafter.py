@@ -85,9 +85,9 @@ class FastLlamaRunner(CachedPositions):
     about half the arithmetic for multi-token calls); ``prefill_activation_bits`` (native
     kernels, calls with more than ``prefill_min_tokens`` tokens on the int8 kernels; None = as
     ``activation_bits``; drafters use 8: ~1.6x faster prefill); ``native_isa`` (a key of ``NATIVE_ISAS``;
-    None = ``default_native_isa()``); ``checkpoint`` (a ``gguf_weights.GgufCheckpoint`` with the
+    None = ``default_native_isa()``); ``checkpoint`` (a ``checkpoints.Checkpoint`` with the
     weights ``model`` left on the meta device: one decoder layer in float32 at a time, input
-    embeddings read from the GGUF row by row). ``backend`` names the kernels in use.
+    embeddings read from the file row by row). ``backend`` names the kernels in use.
     """
 
     def __init__(

@@ -26,15 +26,12 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import init_empty_weights
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
-from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     TensorProcessor,
@@ -43,7 +40,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 )
 
 from omnidraft.shared.engine.catalog import GGUF_FILE
-from omnidraft.shared.runtime.heap import release_freed_memory
+from omnidraft.shared.runtime.checkpoints import Checkpoint, ReleasedRows, prefix_of, skeleton, stream_into
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 
@@ -51,16 +48,6 @@ def gguf_file(model_dir: str | Path) -> Path | None:
     """The GGUF weights of a model directory kept in the GGUF format, else None."""
     path = Path(model_dir) / GGUF_FILE
     return path if path.is_file() else None
-
-
-def skeleton(model_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module:
-    """The transformers model of ``model_dir/config.json`` with its parameters on the meta
-    device (no memory) and its computed buffers (RoPE frequencies) real, on the CPU."""
-    config = AutoConfig.from_pretrained(model_dir)
-    with init_empty_weights(include_buffers=False):  # buffers are computed at construction
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.tie_weights()  # meta parameters are created apart: tied ones become one again
-    return model
 
 
 @dataclass(frozen=True)
@@ -121,38 +108,25 @@ def tensor_table(path: Path) -> tuple[str, list[_TensorAt]]:
     ]
 
 
-class GgufRows:
+class GgufRows(ReleasedRows):
     """Rows of one GGUF tensor (token embeddings), dequantized to float32 when read: only the
-    rows read are ever in memory. Has the ``index_select(0, ids)`` of a ``[rows, cols]`` tensor.
-
-    The file's pages a read touched count in this process's resident memory until released
-    (they stay in the page cache): an LM head packed from the embeddings reads all 0.2 GB of
-    them once. They are released once ``RELEASE_AFTER_ROWS`` rows were read since the last
-    release, so at most that many rows' pages stay resident. Releasing after every read cost a
-    decode step a page fault on its next read (73 us against 21 us for one row of
-    SmolLM2-135M's Q8_0 table, AMD EPYC)."""
-
-    RELEASE_AFTER_ROWS = 256
+    rows read are ever in memory. Has the ``index_select(0, ids)`` of a ``[rows, cols]`` tensor;
+    the file's pages it touched are released as ``ReleasedRows`` says."""
 
     def __init__(self, path: Path, at: _TensorAt) -> None:
         self._at, self._data = at, at.map(path)  # mapped once: a forward reads a few rows
         self._rows = np.asarray(self._data)  # a plain view: indexing a memmap costs more
-        self._unreleased = 0  # rows read since the last release
         self.shape = (at.shape[0], at.read(self._rows, slice(0, 1)).shape[-1])
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         if dim != 0:
             raise ValueError("GgufRows selects rows only (dim 0)")
         rows = self._at.read(self._rows, index.numpy())
-        self._unreleased += len(rows)
-        if self._unreleased >= self.RELEASE_AFTER_ROWS:
-            self._data._mmap.madvise(mmap.MADV_DONTNEED)  # numpy's memmap keeps its mmap there
-            self._unreleased = 0
+        self._read(len(rows))
         return torch.from_numpy(rows)
 
-    def clone(self) -> GgufRows:
-        """Itself: it holds nothing of the checkpoint in memory."""
-        return self
+    def _release(self) -> None:
+        self._data._mmap.madvise(mmap.MADV_DONTNEED)  # numpy's memmap keeps its mmap there
 
 
 class GgufEmbedding(torch.nn.Module):
@@ -171,7 +145,7 @@ class GgufEmbedding(torch.nn.Module):
         return found.view(*input_ids.shape, self.embedding_dim)
 
 
-class GgufCheckpoint:
+class GgufCheckpoint(Checkpoint):
     """The tensors of a GGUF file under the parameter names of ``model`` (built by ``skeleton``
     from the same model's config)."""
 
@@ -181,13 +155,8 @@ class GgufCheckpoint:
         self._processor: TensorProcessor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
         self._hf_names = get_gguf_hf_weights_map(model, self._processor)
         self._tensors = {self._hf_names[t.gguf_name]: t for t in tensors if t.gguf_name in self._hf_names}
-        expected = {name for name, _ in model.named_parameters()}
-        tied = set(getattr(model, "all_tied_weights_keys", None) or ())
-        missing = sorted(expected - set(self._tensors) - tied)
-        if missing:
-            raise ValueError(
-                f"{self.path.name}: no tensor for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-            )
+        self.names = set(self._tensors)
+        self._check_names(model)
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Parameter ``name`` dequantized (float32 values, then cast to ``dtype``)."""
@@ -204,49 +173,6 @@ class GgufCheckpoint:
         """Parameter ``name`` (token embeddings) as rows read on demand. Only for tensors no
         tensor processor rewrites (embeddings are stored as they are)."""
         return GgufRows(self.path, self._tensors[name])
-
-    def fill(self, model: torch.nn.Module, module: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
-        """Give ``module`` of ``model`` (``model`` itself included) its weights from the GGUF,
-        in ``dtype`` (None: each parameter's own). Tied parameters are left to ``tie_weights``."""
-        prefix = _prefix_of(model, module)
-        for name, param in list(module.named_parameters()):
-            full = prefix + name
-            if full not in self._tensors:
-                continue  # a tied parameter: filled through the one it is tied to
-            owner, _, attr = name.rpartition(".")
-            value = self.tensor(full, dtype or param.dtype)
-            if value.shape != param.shape:
-                raise ValueError(
-                    f"{self.path.name}: {full} is {tuple(value.shape)} in the GGUF, {tuple(param.shape)} in config.json"
-                )
-            module.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
-
-    def load(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Fill every parameter of ``model`` (one tensor in float32 at a time, then in the
-        parameter's dtype) and re-tie tied weights; returns ``model``."""
-        self.fill(model, model)
-        model.tie_weights()
-        return model
-
-    @contextlib.contextmanager
-    def materialized(self, model: torch.nn.Module, module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """``module`` of ``model`` filled in float32 inside the block, on the meta device after
-        (and the freed memory handed back to the system)."""
-        self.fill(model, module, torch.float32)
-        try:
-            yield module
-        finally:
-            module.to("meta")
-            release_freed_memory()
-
-
-def _prefix_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
-    if module is model:
-        return ""
-    for name, candidate in model.named_modules():
-        if candidate is module:
-            return name + "."
-    raise ValueError("module is not part of model")
 
 
 def load_model(
@@ -267,13 +193,9 @@ def load_model(
         embed = model.get_input_embeddings()
         if not embeddings_in_file or type(embed) is not torch.nn.Embedding:  # a subclass may scale (Gemma)
             return model, checkpoint
-        name = _prefix_of(model, embed) + "weight"
+        name = prefix_of(model, embed) + "weight"
         model.set_input_embeddings(GgufEmbedding(checkpoint.rows(name), dtype))
         model.config.tie_word_embeddings = False  # a tied head keeps the table as its own weight
         return model, checkpoint
-    base = model.get_decoder()
-    skip = {id(base.layers), id(model.get_input_embeddings()), id(model.get_output_embeddings())}
-    for module in base.children():
-        if id(module) not in skip:
-            checkpoint.fill(model, module, torch.float32)
+    stream_into(model, checkpoint)
     return model, checkpoint
