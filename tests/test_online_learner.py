@@ -161,7 +161,8 @@ def test_training_on_frozen_weights_held_in_bf16_is_bit_identical(pair_dir):
     import copy
 
     engine = _engine(pair_dir)
-    adapters = DrafterAdapters(engine.drafter.model, LoraSpec(rank=4), drafter_weights="fp32")
+    model = model_runner.load(str(pair_dir / "drafter"), progress=False).model  # as loaded: float32, not held
+    adapters = DrafterAdapters(model, LoraSpec(rank=4), drafter_weights="fp32")
     adapters.add("t")
     with torch.no_grad():  # a trained adapter: B != 0, so the LoRA path counts
         for n, p in adapters.peft.named_parameters():

@@ -4,8 +4,8 @@ Tiny random Llama (tied and untied head) and Qwen2 models saved with ``save_pret
 and in shards: a streamed load leaves the decoder layers, embeddings and head on the meta device;
 the int8 runner packed from the files layer by layer is bit-identical to the one packed from the
 model ``from_pretrained`` gives; embedding rows equal the table's; the file's pages do not stay
-mapped; an engine streams an int8 target and decodes exactly as with the whole model; an
-architecture the native kernels do not run loads whole.
+mapped; an engine streams an int8 target and decodes exactly as with the whole model, its
+drafter's embeddings left in the file; an architecture the native kernels do not run loads whole.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from omnidraft.benchmarks.tiny_models import corpus, train_tokenizer
 from omnidraft.shared.engine import model_runner
 from omnidraft.shared.runtime import safetensors_weights, weight_packing
+from omnidraft.shared.runtime.checkpoints import FileEmbedding
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 from omnidraft.shared.runtime.native_kernels import native_error, native_library
 
@@ -95,6 +96,12 @@ def test_an_engine_streams_an_int8_target_kept_as_safetensors(tmp_path):
     target = write_dir(tiny("qwen2", 2), tmp_path / "target")
     engine = Engine.load(str(drafter), str(target), "int8", progress=False)
     assert isinstance(engine.target.checkpoint, safetensors_weights.SafetensorsCheckpoint)
+    # the drafter: read from its file and closed, its embeddings left there, its head its own
+    embed = engine.drafter.model.get_input_embeddings()
+    assert isinstance(embed, FileEmbedding) and _resident_bytes(drafter / safetensors_weights.SINGLE_FILE) == 0
+    table = model_runner.load(str(drafter), torch.float32, progress=False).model.model.embed_tokens.weight
+    assert torch.equal(embed(torch.tensor([[3, 299, 3]]))[0], table[[3, 299, 3]])
+    assert torch.equal(engine.drafter.model.lm_head.weight.float(), table.bfloat16().float())  # held in bf16
     config = GenerationConfig(max_new_tokens=24)
     prompt = "def alpha(beta, gamma):\n"
     spec, alone = (engine.generate(prompt, config, method=m).token_ids for m in ("omnidraft", "ar"))
@@ -113,6 +120,6 @@ def test_an_engine_streams_an_int8_target_kept_as_safetensors(tmp_path):
 def test_an_architecture_the_kernels_do_not_run_loads_whole(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=1, n_head=2))
     path = write_dir(model, tmp_path / "gpt2")
-    assert not safetensors_weights.streams(path)
+    assert not safetensors_weights.supported(path)
     loaded = model_runner.load(str(path), torch.float32, progress=False, stream=True)
     assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())

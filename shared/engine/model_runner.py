@@ -55,16 +55,19 @@ def load(
     With ``stream`` the decoder layers and embeddings are left in the model's files for a runner
     that packs them one layer at a time (``LoadedModel.checkpoint``: a model kept as GGUF, or as
     safetensors of an architecture the native kernels run; any other loads whole). A model kept
-    as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at load; with
-    ``embeddings_in_file`` (a drafter's) its input embeddings are read from the GGUF row by row
-    (``gguf_weights.GgufEmbedding``), a tied LM head keeping the matrix as its own weight."""
+    as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at load. With
+    ``embeddings_in_file`` (a drafter's) the input embeddings of either are read from the file
+    row by row (``checkpoints.FileEmbedding``), a tied LM head keeping the matrix as its own
+    weight, and no page of the file stays mapped (transformers' own load maps the file)."""
     path = catalog.resolve(name_or_path, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(path)
     checkpoint = None
     if gguf_weights.gguf_file(path) is not None:
         model, checkpoint = gguf_weights.load_model(path, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
-    elif stream and safetensors_weights.streams(path):
-        model, checkpoint = safetensors_weights.load_streamed(path, dtype)
+    elif (stream or embeddings_in_file) and safetensors_weights.supported(path):
+        model, checkpoint = safetensors_weights.load_model(
+            path, dtype, stream=stream, embeddings_in_file=embeddings_in_file
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()

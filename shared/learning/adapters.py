@@ -334,8 +334,8 @@ class DrafterAdapters:
         call), read as float32, so a float32 training forward (CPUs without native bf16: AVX2,
         most Arm boards) computes in float32 on the bf16 values. Adapters merged afterwards are
         packed from them (``set_lora``), the values training read. A tied LM head (the input
-        embeddings) stays float32; a model loaded from a GGUF has none (its rows stay in the
-        file, ``gguf_weights.GgufEmbedding``, and its head is held too).
+        embeddings) stays float32; the engine's drafter has none (its rows stay in the model's
+        file, ``checkpoints.FileEmbedding``, and its head is held too).
 
         ``frozen_dtype`` (bf16 under bf16 autocast): callables with the same signatures that
         read the frozen weights in that dtype: held weights read as held under autocast, the

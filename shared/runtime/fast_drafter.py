@@ -41,7 +41,7 @@ from functools import partial
 import torch
 
 from omnidraft.shared.runtime.cached_positions import CachedPositions
-from omnidraft.shared.runtime.gguf_weights import GgufEmbedding
+from omnidraft.shared.runtime.checkpoints import FileEmbedding
 from omnidraft.shared.runtime.heap import release_freed_memory, zeros_on_demand
 from omnidraft.shared.runtime.layer_folding import fold_layer, linear_of, lora_deltas, rope_pair_perms
 from omnidraft.shared.runtime.native_kernels import (
@@ -217,8 +217,8 @@ class FastLlamaRunner(CachedPositions):
         gain = decoder.norm.weight.detach().float()[None, :]
         if checkpoint is not None:
             self._embed = checkpoint.rows(embed_name)
-        else:  # a GGUF model's rows stay in the file (``GgufEmbedding``)
-            self._embed = embed.rows if isinstance(embed, GgufEmbedding) else embed.weight.detach()
+        else:  # rows kept in the model's file stay there (``FileEmbedding``)
+            self._embed = embed.rows if isinstance(embed, FileEmbedding) else embed.weight.detach()
         self.vocab = head.weight.shape[0]
         self.vocab_rows = None
         head_slices = lib is not None and not torch_kinds and vocab_rows is None  # packed in row slices

@@ -12,7 +12,7 @@ Two ways to fill a model:
 
 * ``GgufCheckpoint.load(model)``: every tensor, in the requested dtype (a drafter that trains,
   a float target); ``load_model(..., embeddings_in_file=True)`` (a drafter's) then gives the
-  model a ``GgufEmbedding`` that reads the rows a lookup needs from the GGUF, and a tied LM
+  model a ``checkpoints.FileEmbedding`` that reads the rows a lookup needs from the GGUF, and a tied LM
   head keeps the matrix as its own weight (which the engine then holds in bf16:
   ``held_weights``), so no float32 table stays resident for lookups;
 * ``GgufCheckpoint.materialized(module)``: one module's tensors for the duration of a ``with``
@@ -40,7 +40,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 )
 
 from omnidraft.shared.engine.catalog import GGUF_FILE
-from omnidraft.shared.runtime.checkpoints import Checkpoint, ReleasedRows, prefix_of, skeleton, stream_into
+from omnidraft.shared.runtime.checkpoints import Checkpoint, ReleasedRows, fill_model, skeleton
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
 
 
@@ -129,22 +129,6 @@ class GgufRows(ReleasedRows):
         self._data._mmap.madvise(mmap.MADV_DONTNEED)  # numpy's memmap keeps its mmap there
 
 
-class GgufEmbedding(torch.nn.Module):
-    """A model's input embedding whose table stays in the GGUF (``GgufRows``): a lookup
-    dequantizes the rows it needs (the values a float32 load holds, bit for bit) and casts them
-    to ``dtype``. 0.11 GB of float32 not resident for SmolLM2-135M; about 20 us for one row
-    (Q8_0, AMD EPYC)."""
-
-    def __init__(self, rows: GgufRows, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.rows, self.dtype = rows, dtype
-        self.num_embeddings, self.embedding_dim = rows.shape
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        found = self.rows.index_select(0, input_ids.reshape(-1).cpu()).to(self.dtype)
-        return found.view(*input_ids.shape, self.embedding_dim)
-
-
 class GgufCheckpoint(Checkpoint):
     """The tensors of a GGUF file under the parameter names of ``model`` (built by ``skeleton``
     from the same model's config)."""
@@ -178,24 +162,13 @@ class GgufCheckpoint(Checkpoint):
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, *, stream: bool = False, embeddings_in_file: bool = False
 ) -> tuple[torch.nn.Module, GgufCheckpoint]:
-    """The model of a GGUF-format directory: every weight filled in ``dtype`` (with
-    ``embeddings_in_file``, the input embeddings read from the GGUF: ``GgufEmbedding``), or, with
-    ``stream``, only what lies outside the decoder layers and the embeddings (norms), for a
-    runner that packs layer by layer through ``checkpoint.materialized`` and reads embedding
-    rows through ``checkpoint.rows``."""
+    """The model of a GGUF-format directory and its checkpoint, filled as
+    ``checkpoints.fill_model`` says (``stream``: for a runner that packs it layer by layer;
+    ``embeddings_in_file``: the input embeddings read from the GGUF row by row)."""
     path = gguf_file(model_dir)
     if path is None:
         raise FileNotFoundError(f"{model_dir}: no {GGUF_FILE}")
     model = skeleton(model_dir, dtype)
     checkpoint = GgufCheckpoint(path, model)
-    if not stream:
-        checkpoint.load(model)
-        embed = model.get_input_embeddings()
-        if not embeddings_in_file or type(embed) is not torch.nn.Embedding:  # a subclass may scale (Gemma)
-            return model, checkpoint
-        name = prefix_of(model, embed) + "weight"
-        model.set_input_embeddings(GgufEmbedding(checkpoint.rows(name), dtype))
-        model.config.tie_word_embeddings = False  # a tied head keeps the table as its own weight
-        return model, checkpoint
-    stream_into(model, checkpoint)
+    fill_model(model, checkpoint, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
     return model, checkpoint

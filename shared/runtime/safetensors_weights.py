@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from omnidraft.shared.runtime.checkpoints import Checkpoint, ReleasedRows, skeleton, stream_into
+from omnidraft.shared.runtime.checkpoints import Checkpoint, ReleasedRows, fill_model, skeleton
 from omnidraft.shared.runtime.fast_drafter import SUPPORTED_MODEL_TYPES
 
 SINGLE_FILE = "model.safetensors"
@@ -46,9 +46,9 @@ def tensor_files(model_dir: str | Path) -> dict[str, Path] | None:
         return dict.fromkeys(f.keys(), single)
 
 
-def streams(model_dir: str | Path) -> bool:
-    """Whether the model in ``model_dir`` can be read one tensor at a time: safetensors weights
-    of an architecture the native kernels run (``load_streamed``)."""
+def supported(model_dir: str | Path) -> bool:
+    """Whether the model in ``model_dir`` is read one tensor at a time (``load_model``):
+    safetensors weights of an architecture the native kernels run."""
     return AutoConfig.from_pretrained(model_dir).model_type in SUPPORTED_MODEL_TYPES and (
         (Path(model_dir) / SINGLE_FILE).is_file() or (Path(model_dir) / SHARD_INDEX).is_file()
     )
@@ -86,6 +86,10 @@ class SafetensorsRows(ReleasedRows):
     def _release(self) -> None:
         self._slice = None  # the file closes with its last slice
 
+    def __getstate__(self) -> dict:
+        """Copied or pickled without the open file (a copy opens it again when it reads)."""
+        return {**self.__dict__, "_slice": None}
+
 
 class SafetensorsCheckpoint(Checkpoint):
     """The tensors of a safetensors model directory under the parameter names of ``model``
@@ -109,11 +113,14 @@ class SafetensorsCheckpoint(Checkpoint):
         return SafetensorsRows(self._files[name], name)
 
 
-def load_streamed(model_dir: str | Path, dtype: torch.dtype) -> tuple[torch.nn.Module, SafetensorsCheckpoint]:
-    """The model of a safetensors directory with only what lies outside its decoder layers,
-    input embeddings and LM head filled (``checkpoints.stream_into``), and the checkpoint a
-    runner packs the rest from, layer by layer."""
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, *, stream: bool = False, embeddings_in_file: bool = False
+) -> tuple[torch.nn.Module, SafetensorsCheckpoint]:
+    """The model of a safetensors directory (``supported``) and its checkpoint, filled as
+    ``checkpoints.fill_model`` says (``stream``: for a runner that packs it layer by layer;
+    ``embeddings_in_file``: the input embeddings read from the file row by row). Unlike
+    ``from_pretrained``'s, the model's tensors are copies: no page of the file stays mapped."""
     model = skeleton(model_dir, dtype)
     checkpoint = SafetensorsCheckpoint(model_dir, model)
-    stream_into(model, checkpoint)
+    fill_model(model, checkpoint, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
     return model, checkpoint
