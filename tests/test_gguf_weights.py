@@ -160,10 +160,16 @@ def test_int8_runner_packed_layer_by_layer_is_bit_identical(tmp_path, monkeypatc
     full = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
     streamed = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False, stream=True)
     assert all(p.is_meta for p in streamed.model.model.layers.parameters())
+    assert_packed_from_the_file_as_from_the_model(full, streamed, native)
+
+
+def assert_packed_from_the_file_as_from_the_model(full, streamed, native: bool) -> None:
+    """An int8 runner packed layer by layer from ``streamed``'s checkpoint holds the bytes of
+    one packed from the whole model ``full`` and computes the same logits, bit for bit; nothing
+    of the float layers stays in memory (they go back to the meta device)."""
     kwargs = dict(weights="int8", prefill_weights=None, native=native, activation_bits=8)
     a = FastLlamaRunner(full.model, **kwargs)
     b = FastLlamaRunner(streamed.model, checkpoint=streamed.checkpoint, **kwargs)
-    # nothing of the float layers is left in memory: they went back to the meta device
     assert all(p.is_meta for p in streamed.model.model.layers.parameters())
     assert streamed.model.model.embed_tokens.weight.is_meta
     if native:  # the same bytes (the head's last tensor is its pointer table)

@@ -14,7 +14,7 @@ import gc
 
 import pytest
 import torch
-from test_gguf_weights import VOCAB, _resident_bytes, tiny
+from test_gguf_weights import VOCAB, _resident_bytes, assert_packed_from_the_file_as_from_the_model, tiny
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from omnidraft.benchmarks.tiny_models import corpus, train_tokenizer
@@ -50,20 +50,7 @@ def test_int8_runner_packed_layer_by_layer_is_bit_identical(tmp_path, monkeypatc
     assert isinstance(streamed.checkpoint, safetensors_weights.SafetensorsCheckpoint)
     assert all(p.is_meta for p in streamed.model.model.layers.parameters())
     assert streamed.model.model.embed_tokens.weight.is_meta and not streamed.model.model.norm.weight.is_meta
-    kwargs = dict(weights="int8", prefill_weights=None, native=native, activation_bits=8)
-    a = FastLlamaRunner(full.model, **kwargs)
-    b = FastLlamaRunner(streamed.model, checkpoint=streamed.checkpoint, **kwargs)
-    assert all(p.is_meta for p in streamed.model.model.layers.parameters())  # back on the meta device
-    if native:  # the same bytes (the head's last tensor is its pointer table)
-        for x, y in zip(
-            a._packing.native_tensors + a._head_tensors[:-1], b._packing.native_tensors + b._head_tensors[:-1]
-        ):
-            assert torch.equal(x, y)
-    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    for chunk in (ids[:20], ids[20:21], ids[21:25], ids[25:26]):
-        assert torch.equal(a.forward(chunk), b.forward(chunk))
-    a.crop(10), b.crop(10)
-    assert torch.equal(a.forward(ids[30:33]), b.forward(ids[30:33]))
+    assert_packed_from_the_file_as_from_the_model(full, streamed, native)
 
 
 def test_rows_are_the_rows_of_the_table_and_the_file_does_not_stay_mapped(tmp_path, monkeypatch):
