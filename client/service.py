@@ -12,10 +12,12 @@ frees the engine. Bad requests get ``INVALID_ARGUMENT`` with a one-line reason.
 
 Only the owner teaches the device (``client.owner_token``): with an owner token set, a request
 that does not present it is served without learning or logging on loopback, and refused
-(``UNAUTHENTICATED``) where strangers are not served (any other address). The target keeps the
-positions a prompt shares with the request before (``model_runner.prefill``) only from one owner
-request to the next: a stranger's request neither finds the owner's prompt there nor leaves its
-own for the owner's, since the prefill's time would tell one of the other's text.
+(``UNAUTHENTICATED``) where strangers are not served (any other address). A stranger's request
+reads nothing the owner's requests left and leaves nothing for them (``DeviceSession.generate``
+with ``owner=False``): the runners keep the positions a prompt shares with the request before
+(``model_runner.prefill``, the drafter's) only from one owner request to the next, and model-free
+drafts come from the device's lookup history only for the owner, since how fast a prompt is read
+or a draft accepted would tell one of the other's text.
 
 The state directory may be shared with the device's SuperNode (``omnidraft device join``): each
 served prompt goes to the device's ``RequestLog`` (its federated rounds train on them), and when
@@ -101,7 +103,6 @@ class GenerationService(pb_grpc.GenerationServicer):
     ) -> None:
         self.session = session
         self.owner = owner  # the owner's token; None: every caller is the owner
-        self._owner_before = True  # the request before was the owner's (its prompt may be kept)
         self.serve_strangers = serve_strangers
         self.request_log = request_log
         self.limits = limits or ServiceLimits()
@@ -177,9 +178,6 @@ class GenerationService(pb_grpc.GenerationServicer):
                         f"the prompt has {len(ids)} tokens; this "
                         f"device accepts at most {self.limits.max_prompt_tokens}",
                     )
-                if not (teaches and self._owner_before):  # between a stranger and the owner
-                    self.session.engine.target_runner.reset()
-                self._owner_before = teaches
                 decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
                 token_bytes = self.session.engine.bridge.target_bytes
 
@@ -195,7 +193,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                     request.prompt,
                     config,
                     chat=request.chat,
-                    learn=self.learn and teaches,
+                    learn=self.learn,
+                    owner=teaches,
                     observe=False,
                     on_tokens=on_tokens,
                 )

@@ -116,6 +116,7 @@ class DeviceSession:
             self.head = AcceptanceHead(hidden) if adaptive else None
         self.inter = Intersection(engine.bridge, engine.drafter.logit_rows)
         self.lookup = lookup_drafter(lookup)
+        self._owner_before = True  # the decode before was the owner's (``generate``)
         config = online or OnlineConfig()
         if not adaptive:
             config = replace(config, head=False)
@@ -240,6 +241,7 @@ class DeviceSession:
         observe: bool = True,
         on_tokens=None,
         replay: Recording | None = None,
+        owner: bool = True,
     ) -> GenerationResult:
         """Decode ``prompt``; when learning, feed the learner afterwards (``last_update`` says
         whether that triggered a drafter update) and add the prompt and output to the lookup
@@ -247,12 +249,22 @@ class DeviceSession:
         later ``learn_from``. Without learning the generation leaves no trace (an evaluation).
         ``on_tokens(ids)`` streams the committed ids.
 
+        ``owner=False``: the caller is not the device's owner (``client.service``). Its decode
+        does not learn, drafts nothing from the lookup history, and neither finds the positions
+        an owner's decode left in the runners' caches nor leaves its own for the owner's (the
+        runners start empty between the two): how fast a prompt is read or a draft accepted
+        would tell one of the other's text.
+
         ``replay`` (greedy ``config``; a learning decode needs the recording's signal): the
         target's recorded decode of this prompt (``recordings``), replayed instead of running
         the target; the decisions, acceptance and training sample are the live ones, the
         wall-clock speed is not (``stats.modelled_s`` is). A live greedy learning decode
         returns its own recording in ``last_recording``."""
-        learn = self.learn if learn is None else learn
+        learn = (self.learn if learn is None else learn) and owner
+        if not (owner and self._owner_before):  # between a stranger and the owner
+            self.engine.target_runner.reset()
+            self.drafting_runner().reset()
+        self._owner_before = owner
         text, ids = self.engine.prompt_ids(prompt, chat)
         target, recorder = None, SignalRecorder(self.inter) if learn else None
         if replay is not None:
@@ -264,7 +276,7 @@ class DeviceSession:
                     raise ValueError("a replayed learning decode needs the recording's training signal")
                 recorder = ReplayedSignal(self.inter, replay.generated, replay.signal)
         result = self.decoder(target, rule=config.draft_stop != "confidence").generate(
-            text, ids, config, recorder=recorder, on_tokens=on_tokens, remember=learn
+            text, ids, config, recorder=recorder, on_tokens=on_tokens, remember=learn, history=owner
         )
         self.last_recording = None
         if replay is None and recorder is not None and config.greedy and recorder.tokens == result.token_ids:

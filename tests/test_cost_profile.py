@@ -170,6 +170,30 @@ def test_device_state_keeps_the_rule_calibration_and_the_lookup_history(tmp_path
     assert again.problems and again.rule.calibration() == fresh
 
 
+def test_a_strangers_decode_drafts_nothing_from_the_owners_lookup_history(tmp_path, monkeypatch, pair_dir):
+    """The lookup history holds what the device's owner wrote and was answered. A decode for a
+    caller who is not the owner (``owner=False``: ``device serve`` without the owner token) never
+    drafts from it (how fast its drafts were accepted would tell the caller whether the owner's
+    text continues its prompt) and does not add to it; the owner's decode of the same prompt does
+    draft from it."""
+    from omnidraft.client.session import DeviceSession
+
+    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
+    session = DeviceSession(_engine(pair_dir), state_dir=tmp_path / "state", learn=False, adaptive=False)
+    config = GenerationConfig(max_new_tokens=24)
+    session.generate(PROMPTS[1], config, learn=True, observe=False)  # the owner's: joins the history
+    held = list(session.lookup.history.tokens)
+    sources = []
+    propose = session.lookup.propose
+    session.lookup.propose = lambda k: (lambda found: (sources.append(found and found.source), found)[1])(propose(k))
+    stranger = session.generate(PROMPTS[1], config, learn=True, owner=False)
+    assert "history" not in sources and session.lookup.history.tokens == held
+    assert stranger.training_sample is None and session.last_update is None  # a stranger teaches nothing
+    sources.clear()
+    owners = session.generate(PROMPTS[1], config)
+    assert "history" in sources and owners.token_ids == stranger.token_ids
+
+
 def test_a_merged_adapter_keeps_the_drafter_costs(tmp_path, monkeypatch, pair_dir):
     """A trained adapter is merged into its runner's weights: the drafter costs the same as
     without it, so the session's rule keeps deciding with the one profile measured (no second

@@ -258,10 +258,11 @@ def test_only_the_owner_teaches_the_device(pair_dir, tmp_path, capsys):
     assert not any(owner_token.is_loopback(h) for h in ("0.0.0.0:1", "10.0.0.5:1", "board.local:1"))
 
 
-def test_a_strangers_request_neither_finds_nor_leaves_the_owners_prompt_in_the_target_cache(pair_dir, tmp_path):
+def test_a_strangers_request_neither_finds_nor_leaves_the_owners_prompt_in_the_runners_caches(pair_dir, tmp_path):
     """On the native int8 target a prompt that begins like the request before keeps the positions
-    it shares (a shorter prefill): from one owner request to the next, never from the owner's to
-    a stranger's nor back, where the prefill's time would tell one of the other's text."""
+    it shares (a shorter prefill), and so does the drafter: from one owner request to the next,
+    never from the owner's to a stranger's nor back, where the prefill's time would tell one of
+    the other's text."""
     from omnidraft.client import owner_token
 
     engine = Engine.load(
@@ -278,19 +279,29 @@ def test_a_strangers_request_neither_finds_nor_leaves_the_owners_prompt_in_the_t
     server, port = serve(service, "127.0.0.1:0")
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     header = "def items_9(count, result):\n    items = count // result\n    total = items * count\n"
-    kept = []
+    kept, drafter_kept = [], []
+    drafter = session.drafting_runner()
+    first_forwards = []  # where each forward of the drafter started (positions it kept)
+    forward = drafter.forward
+    drafter.forward = lambda ids, logits_to_keep=0: (
+        first_forwards.append(drafter.length),
+        forward(ids, logits_to_keep),
+    )[1]
     try:
         tails = ["    return total\n", "    delta = result", "    return items\n", "    total = count", "    x = 1\n"]
         for tail, owner in zip(tails + ["    return count\n"], (True, True, False, False, True, True)):
             metadata = owner_token.metadata(token) if owner else None
+            first_forwards.clear()
             stub.Generate(pb.GenerateRequest(prompt=header + tail, max_new_tokens=4), timeout=60, metadata=metadata)
             kept.append(runner.prefilled.cached)
+            drafter_kept.append(first_forwards[0])
     finally:
         server.stop(grace=None).wait()
         service.close()
     # owner after owner keeps the header; a stranger after the owner, a stranger after a
     # stranger (they may be two apps) and the owner after a stranger start from nothing
     assert kept[0] == 0 and kept[1] > 20 and kept[2:5] == [0, 0, 0] and kept[5] > 20
+    assert drafter_kept[0] == 0 and drafter_kept[1] > 20 and drafter_kept[2:5] == [0, 0, 0] and drafter_kept[5] > 20
 
 
 def test_serve_refuses_bad_settings(tmp_path, capsys):

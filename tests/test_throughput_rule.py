@@ -235,6 +235,9 @@ def test_lookup_drafter_prefers_this_generation_and_keeps_a_bounded_history():
     assert lookup.propose(3) == LookupDraft([7, 1, 2], 2, "context")
     lookup.start([8, 4, 5])  # only the history knows what followed (4, 5)
     assert lookup.propose(3) == LookupDraft([1, 2], 2, "history")
+    lookup.start([8, 4, 5], history=False)  # a caller who is not the device's owner
+    assert lookup.propose(3) is None
+    lookup.start([8, 4, 5])
     lookup.commit([6, 6])
     lookup.finish()  # 7 + 1 + 5 > 12: the oldest generation goes
     assert lookup.history.tokens == [8, 4, 5, 6, 6]

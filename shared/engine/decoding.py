@@ -333,6 +333,7 @@ class CrossVocabDecoder:
         recorder=None,
         on_tokens=None,
         remember: bool = True,
+        history: bool = True,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt_text`` (tokenized for the target as ``prompt_ids``).
 
@@ -340,7 +341,8 @@ class CrossVocabDecoder:
         committed token are kept and the result carries a ``training_sample``. ``on_tokens(ids)``
         is called with each round's committed ids (streaming; an exception it raises aborts).
         ``remember``: the prompt and output join the lookup history afterwards (False for an
-        evaluation that must not see its own earlier outputs).
+        evaluation that must not see its own earlier outputs); ``history``: model-free drafts
+        may come from the lookup history (False for a caller who is not the device's owner).
         """
         t0 = time.perf_counter()
         stop, generator = self.side.start(prompt_ids, config, on_tokens)
@@ -362,7 +364,7 @@ class CrossVocabDecoder:
         rule = self._active_rule(config)
         lookup = self.lookup if rule is not None else None
         if lookup is not None:
-            lookup.start(prompt_ids)
+            lookup.start(prompt_ids, history)
         draft = Draft([])
         modelled_ms = 0.0  # this decode under the cost profile (GenerationStats.modelled_s)
         while not stop.done:

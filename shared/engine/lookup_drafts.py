@@ -104,12 +104,16 @@ class LookupDrafter:
         self.min_n, self.max_n = min_n, max_n
         self.history = NgramLookup(min_n, max_n)
         self.context = NgramLookup(min_n, max_n)
+        self._read_history = True  # this generation may draft from the history (``start``)
 
     # -- one generation ------------------------------------------------------------------------
-    def start(self, prompt_ids: list[int]) -> None:
-        """A new generation over ``prompt_ids``."""
+    def start(self, prompt_ids: list[int], history: bool = True) -> None:
+        """A new generation over ``prompt_ids``; ``history``: whether its drafts may come from the
+        device's history (False for a caller who is not the device's owner: how fast a draft
+        from it is accepted would tell the caller what the owner wrote)."""
         self.context = NgramLookup(self.min_n, self.max_n)
         self.context.extend(list(prompt_ids))
+        self._read_history = history
 
     def commit(self, ids: list[int]) -> None:
         """Tokens the target committed in this generation."""
@@ -119,7 +123,7 @@ class LookupDrafter:
         """The best model-free continuation (at most ``k`` tokens) of the current generation."""
         tail = self.context.tokens[-self.max_n :]
         n_ctx, ctx = self.context.lookup(tail, k)
-        n_hist, hist = self.history.lookup(tail, k) if len(self.history) else (0, [])
+        n_hist, hist = self.history.lookup(tail, k) if self._read_history and len(self.history) else (0, [])
         if n_ctx and n_ctx >= n_hist:
             return LookupDraft(ctx, n_ctx, "context")
         if n_hist:
