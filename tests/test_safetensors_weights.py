@@ -110,3 +110,14 @@ def test_an_architecture_the_kernels_do_not_run_loads_whole(tmp_path):
     assert not safetensors_weights.supported(path)
     loaded = model_runner.load(str(path), torch.float32, progress=False, stream=True)
     assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())
+
+
+def test_a_checkpoint_saved_under_other_names_loads_whole(tmp_path):
+    """A directory whose tensors are not under the model's parameter names (saved from the base
+    model: no ``model.`` prefix) is left to transformers' own load, which maps the names."""
+    base = tiny("llama-tied").model  # LlamaModel: its state dict has no "model." prefix
+    base.config.architectures = ["LlamaModel"]
+    path = write_dir(base, tmp_path / "base")
+    loaded = model_runner.load(str(path), torch.float32, progress=False, stream=True, embeddings_in_file=True)
+    assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())
+    assert torch.equal(loaded.model.model.embed_tokens.weight, base.embed_tokens.weight)

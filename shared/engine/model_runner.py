@@ -54,7 +54,8 @@ def load(
 
     With ``stream`` the decoder layers and embeddings are left in the model's files for a runner
     that packs them one layer at a time (``LoadedModel.checkpoint``: a model kept as GGUF, or as
-    safetensors of an architecture the native kernels run; any other loads whole). A model kept
+    safetensors of an architecture the native kernels run under the model's own parameter
+    names; any other loads whole). A model kept
     as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at load. With
     ``embeddings_in_file`` (a drafter's) the input embeddings of either are read from the file
     row by row (``checkpoints.FileEmbedding``), a tied LM head keeping the matrix as its own
@@ -64,12 +65,13 @@ def load(
     checkpoint = None
     if gguf_weights.gguf_file(path) is not None:
         model, checkpoint = gguf_weights.load_model(path, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
-    elif (stream or embeddings_in_file) and safetensors_weights.supported(path):
-        model, checkpoint = safetensors_weights.load_model(
-            path, dtype, stream=stream, embeddings_in_file=embeddings_in_file
-        )
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        read = None
+        if (stream or embeddings_in_file) and safetensors_weights.supported(path):
+            read = safetensors_weights.load_model(path, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
+        model, checkpoint = (
+            read if read is not None else (AutoModelForCausalLM.from_pretrained(path, dtype=dtype), None)
+        )
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, path, checkpoint if stream else None)

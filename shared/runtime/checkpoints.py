@@ -89,6 +89,10 @@ class FileEmbedding(torch.nn.Module):
         return found.view(*input_ids.shape, self.embedding_dim)
 
 
+class MissingTensors(ValueError):
+    """A model's files hold no tensor under some of its parameter names."""
+
+
 class Checkpoint:
     """The tensors of a model's files under the parameter names of ``model`` (built by
     ``skeleton`` from the same model's config). A format gives ``path``, ``names`` (the
@@ -107,12 +111,12 @@ class Checkpoint:
 
     def _check_names(self, model: torch.nn.Module) -> None:
         """Refuse files that lack a parameter of ``model`` (tied ones are filled through the
-        parameter they are tied to)."""
+        parameter they are tied to): ``MissingTensors``."""
         expected = {name for name, _ in model.named_parameters()}
         tied = set(getattr(model, "all_tied_weights_keys", None) or ())
         missing = sorted(expected - self.names - tied)
         if missing:
-            raise ValueError(
+            raise MissingTensors(
                 f"{self.path.name}: no tensor for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
             )
 

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from omnidraft.shared.runtime.checkpoints import Checkpoint, ReleasedRows, fill_model, skeleton
+from omnidraft.shared.runtime.checkpoints import Checkpoint, MissingTensors, ReleasedRows, fill_model, skeleton
 from omnidraft.shared.runtime.fast_drafter import SUPPORTED_MODEL_TYPES
 
 SINGLE_FILE = "model.safetensors"
@@ -115,12 +115,18 @@ class SafetensorsCheckpoint(Checkpoint):
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, *, stream: bool = False, embeddings_in_file: bool = False
-) -> tuple[torch.nn.Module, SafetensorsCheckpoint]:
+) -> tuple[torch.nn.Module, SafetensorsCheckpoint] | None:
     """The model of a safetensors directory (``supported``) and its checkpoint, filled as
     ``checkpoints.fill_model`` says (``stream``: for a runner that packs it layer by layer;
     ``embeddings_in_file``: the input embeddings read from the file row by row). Unlike
-    ``from_pretrained``'s, the model's tensors are copies: no page of the file stays mapped."""
+    ``from_pretrained``'s, the model's tensors are copies: no page of the file stays mapped.
+    None where the files' tensor names are not the model's parameter names (what
+    ``save_pretrained`` writes; a checkpoint saved from the base model lacks the prefix, which
+    transformers' own load adds): such a directory is for ``from_pretrained``."""
     model = skeleton(model_dir, dtype)
-    checkpoint = SafetensorsCheckpoint(model_dir, model)
+    try:
+        checkpoint = SafetensorsCheckpoint(model_dir, model)
+    except MissingTensors:
+        return None
     fill_model(model, checkpoint, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
     return model, checkpoint
