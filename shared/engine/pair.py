@@ -25,6 +25,7 @@ from omnidraft.shared.engine.precision import (
     build_drafter_runner,
     build_target_runner,
     drafter_template,
+    drafts_on_packing,
     load_dtype,
     precision_name,
     quantize_linear_int8,
@@ -111,12 +112,12 @@ class Engine:
         d = drafter_model or model_runner.load(
             drafter, torch.float32 if fast else load_dtype(precision), progress=progress, embeddings_in_file=fast
         )
-        if fast and d.model.config.model_type == "llama":
+        if drafts_on_packing(d.model, drafter_weights):
             # the base packed from the float32 weights, which are then held in bf16 (what training
             # and merges read): 0.2 GB less for SmolLM2-135M before the target is loaded beside it
             drafter_template(d.model, drafter_weights)
             hold_frozen_weights(d.model)
-        # an int8 target kept as GGUF is packed from it layer by layer (no float copy in memory)
+        # an int8 target is packed from its file layer by layer (no float copy in memory)
         t = model_runner.load(target, load_dtype(precision), progress=progress, stream=precision == "int8")
         bridge = VocabBridge.from_tokenizers(d.tokenizer, t.tokenizer, d.logit_rows, t.logit_rows)
         engine = cls(
@@ -265,7 +266,7 @@ class Engine:
         """The base drafter's runner (packed on first use: a device session drafts with its
         adapter's runner instead and never needs this one)."""
         model = self.drafter.model
-        if self.drafter_weights != "hf" and model.config.model_type == "llama":
+        if drafts_on_packing(model, self.drafter_weights):
             return build_drafter_runner(model, self.drafter_weights)
         return ModelRunner(model)
 

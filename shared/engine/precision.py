@@ -93,6 +93,13 @@ def build_target_runner(model: torch.nn.Module, precision: str, checkpoint=None)
     return ModelRunner(quantize_linear_int8(model))
 
 
+def drafts_on_packing(model: torch.nn.Module, weights: str) -> bool:
+    """Whether a drafter drafts on ``FastLlamaRunner`` packings (``drafter_template``) with
+    ``weights`` ("int8" | "bf16" | "fp32": Llama drafters) rather than through transformers
+    (``hf``, or another architecture)."""
+    return weights != "hf" and model.config.model_type == "llama"
+
+
 def drafter_template(model: torch.nn.Module, weights: str) -> FastLlamaRunner:
     """The base packing of a Llama-architecture drafter on ``weights``' kernels ("int8" |
     "bf16" | "fp32"; 8-bit activations for prompt prefill on the native int8 kernels), packed

@@ -27,7 +27,7 @@ from torch.func import functional_call
 from torch.nn.utils import parametrize
 
 from omnidraft.shared.engine.model_runner import ModelRunner
-from omnidraft.shared.engine.precision import drafter_template
+from omnidraft.shared.engine.precision import drafter_template, drafts_on_packing
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 from omnidraft.shared.runtime.heap import release_freed_memory
 from omnidraft.shared.runtime.held_weights import frozen_linears, held_dtype, hold_frozen_weights, mapped_reads
@@ -286,7 +286,7 @@ class DrafterAdapters:
     def drafts_on_packing(self) -> bool:
         """Whether drafting runs on ``FastLlamaRunner`` packings (Llama drafters) rather than
         on the peft model itself."""
-        return self.drafter_weights != "hf" and self.model.config.model_type == "llama"
+        return drafts_on_packing(self.model, self.drafter_weights)
 
     def _base_runner(self) -> FastLlamaRunner:
         if self._base is None:  # only ever forked: no KV cache of its own
