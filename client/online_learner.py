@@ -16,10 +16,8 @@ runs ``observe`` between requests, so an update never blocks a generation in pro
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -27,28 +25,10 @@ from omnidraft.shared.learning.acceptance_head import AcceptanceHead, ReplayBuff
 from omnidraft.shared.learning.adapters import DrafterAdapters
 from omnidraft.shared.learning.distill import LossConfig, hybrid_loss, sequence_nll_rows
 from omnidraft.shared.learning.training_signal import Intersection, TrainingSample
+from omnidraft.shared.runtime.heap import small_machine
 from omnidraft.shared.runtime.native_kernels import cpu_has_native_bf16
 
 OPTIMIZERS = ("adamw", "sgd")
-
-# a board: where a training forward's activations (about 1 MB per token of a sample for
-# SmolLM2-135M, 0.25 GB for a 250-token sample) matter more than the update's time
-SMALL_MACHINE_BYTES = 8 * 2**30
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
-
-
-def memory_limit_bytes() -> int:
-    """The memory this process may use, in bytes: the machine's physical memory, or its
-    control group's limit where that is lower (a container on a larger host)."""
-    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for path in CGROUP_LIMITS:
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limit = min(limit, int(text))
-    return limit
 
 
 def default_training_autocast() -> torch.dtype | None:
@@ -59,10 +39,10 @@ def default_training_autocast() -> torch.dtype | None:
 
 def default_recompute_layers() -> int:
     """``OnlineConfig.recompute_layers`` when unset: 1 (every layer) where this process may use
-    at most ``SMALL_MACHINE_BYTES`` of memory (``memory_limit_bytes``), 0 elsewhere (a
+    at most ``heap.SMALL_MACHINE_BYTES`` of memory (``heap.small_machine``), 0 elsewhere (a
     checkpointed update takes about half as long again: each layer's forward runs again in
     the backward pass)."""
-    return 1 if memory_limit_bytes() <= SMALL_MACHINE_BYTES else 0
+    return 1 if small_machine() else 0
 
 
 @dataclass

@@ -5,7 +5,9 @@ a ``DeviceSession`` that learns), generates ``--prompts`` HumanEval prompts with
 update every ``--interval`` of them, and prints one JSON object: the models' bytes on disk and
 their format, the seconds to load, and the process's memory read from ``/proc/self/status``
 (``VmRSS`` resident, ``RssAnon`` of it not backed by a file, ``VmHWM`` the peak) after loading
-and after the generations. Run it in a fresh process per measurement:
+and after the generations. It acts as a board (``--memory-mb``, default 4096, sets
+``OMNIDRAFT_MEMORY_MB``: what the process does where memory is short, e.g. handing a re-pack's
+temporaries back layer by layer). Run it in a fresh process per measurement:
 
     omnidraft models pull smollm2-135m qwen2.5-coder-1.5b --format gguf
     python scripts/device_footprint.py --drafter smollm2-135m --target qwen2.5-coder-1.5b
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -62,9 +65,17 @@ def main() -> None:
         help="the drafter adapter's rank (default 32: a device learning alone; a fleet sets its own, 8 by default)",
     )
     ap.add_argument("--ffa", action="store_true", help="FFA-LoRA as a fleet may set it: A frozen, only B trained")
+    ap.add_argument(
+        "--memory-mb",
+        type=non_negative,
+        default=4096,
+        help="the board's memory the process acts on (OMNIDRAFT_MEMORY_MB; default 4096; 0: this machine's)",
+    )
     args = ap.parse_args()
     if args.lora_rank < 1:
         ap.error("--lora-rank must be >= 1")
+    if args.memory_mb:
+        os.environ["OMNIDRAFT_MEMORY_MB"] = str(args.memory_mb)
 
     from omnidraft.benchmarks.bench import load_prompts
     from omnidraft.client.online_learner import OnlineConfig
@@ -104,6 +115,7 @@ def main() -> None:
                 "after_generating_and_learning_mb": memory_mb(),
                 "adapter_updates": len(updates),
                 "recompute_layers": args.recompute_layers,
+                "memory_mb": args.memory_mb,
                 "lora": {"rank": args.lora_rank, "ffa": args.ffa},
                 "update_s": [round(t, 1) for t in updates],
             },

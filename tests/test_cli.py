@@ -61,6 +61,14 @@ def test_doctor_names_the_kernels_and_what_is_missing(capsys, monkeypatch, tmp_p
     if native_kernels.native_library() is not None:
         assert report["int8_backend"].startswith(f"native-{native_kernels.default_native_isa()} (")
         assert report["native_kernels"][native_kernels.default_native_isa()] == "ok"
+    monkeypatch.setenv("OMNIDRAFT_MEMORY_MB", "4096")  # acting as a 4 GiB board
+    code, out, _ = run(capsys, "doctor", "--json")
+    assert code == 0 and json.loads(out)["machine"]["memory_limit_bytes"] == 4 * 2**30
+    assert json.loads(out)["machine"]["board_settings"] is True
+    monkeypatch.setenv("OMNIDRAFT_MEMORY_MB", "4G")
+    code, _, err = run(capsys, "doctor")
+    assert code != 0 and err.strip() == "error: OMNIDRAFT_MEMORY_MB must be a positive whole number of MB, got '4G'"
+    monkeypatch.delenv("OMNIDRAFT_MEMORY_MB")
     monkeypatch.setenv("OMNIDRAFT_NATIVE_ISA", "sse2")
     code, out, _ = run(capsys, "doctor")
     assert code == 0 and "int8      fbgemm (no native kernels)" in out

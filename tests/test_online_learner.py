@@ -20,6 +20,7 @@ from omnidraft.client.session import DeviceSession
 from omnidraft.shared.engine import model_runner
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.learning.distill import LossConfig
+from omnidraft.shared.runtime import heap
 
 
 def test_sequence_loss_covers_every_response_token(pair_dir):
@@ -241,24 +242,33 @@ def test_recomputed_activations_train_exactly_as_held_ones(pair_dir, monkeypatch
     (loss0, held), (loss1, recomputed) = states
     assert loss0 == loss1 and held.keys() == recomputed.keys()
     assert all(torch.equal(held[k], recomputed[k]) for k in held)
-    monkeypatch.setattr(online_learner, "memory_limit_bytes", lambda: 4 * 2**30)
+    monkeypatch.setattr(heap, "memory_limit_bytes", lambda: 4 * 2**30)
     assert online_learner.default_recompute_layers() == 1
-    monkeypatch.setattr(online_learner, "memory_limit_bytes", lambda: 24 * 2**30)
+    monkeypatch.setattr(heap, "memory_limit_bytes", lambda: 24 * 2**30)
     assert online_learner.default_recompute_layers() == 0
 
 
 def test_the_memory_limit_is_a_control_groups_where_that_is_lower(tmp_path, monkeypatch):
-    """A device in a container limited to 3 GiB on a larger host counts as a board."""
+    """A device in a container limited to 3 GiB on a larger host counts as a board, and so does
+    any process told ``OMNIDRAFT_MEMORY_MB`` (a board's settings on a workstation)."""
     from omnidraft.client import online_learner
 
-    monkeypatch.setattr(online_learner, "CGROUP_LIMITS", (str(tmp_path / "absent"), str(tmp_path / "memory.max")))
-    physical = online_learner.memory_limit_bytes()  # no limit files: the machine's memory
+    monkeypatch.delenv(heap.MEMORY_ENV, raising=False)
+    monkeypatch.setattr(heap, "CGROUP_LIMITS", (str(tmp_path / "absent"), str(tmp_path / "memory.max")))
+    physical = heap.memory_limit_bytes()  # no limit files: the machine's memory
     assert physical == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     (tmp_path / "memory.max").write_text("max\n")  # cgroup v2 without a limit
-    assert online_learner.memory_limit_bytes() == physical
+    assert heap.memory_limit_bytes() == physical
     (tmp_path / "memory.max").write_text(f"{3 * 2**30}\n")
-    assert online_learner.memory_limit_bytes() == min(physical, 3 * 2**30)
+    assert heap.memory_limit_bytes() == min(physical, 3 * 2**30)
     assert online_learner.default_recompute_layers() == 1
+    (tmp_path / "memory.max").write_text("max\n")
+    monkeypatch.setenv(heap.MEMORY_ENV, "4096")
+    assert heap.memory_limit_bytes() == 4 * 2**30 and heap.small_machine()
+    for bad in ("4 GB", "0", "-1"):
+        monkeypatch.setenv(heap.MEMORY_ENV, bad)
+        with pytest.raises(ValueError, match=heap.MEMORY_ENV):
+            heap.memory_limit_bytes()
     with pytest.raises(ValueError, match="recompute_layers"):
         OnlineConfig(recompute_layers=-1).validate()
 

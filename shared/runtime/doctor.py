@@ -16,6 +16,7 @@ import torch
 
 from omnidraft.shared.engine import catalog
 from omnidraft.shared.engine.profiling import cpu_name
+from omnidraft.shared.runtime.heap import memory_limit_bytes, small_machine
 from omnidraft.shared.runtime.native_kernels import (
     FALLBACK_COST,
     NATIVE_MACHINES,
@@ -73,6 +74,8 @@ def diagnose() -> dict:
             "torch": torch.__version__,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
+            "memory_limit_bytes": memory_limit_bytes(),
+            "board_settings": small_machine(),
         },
         "cpu_features": {f: f in flags for f in FEATURES.get(machine, ())},
         "native_kernels": isas,
@@ -92,6 +95,8 @@ def format_report(report: dict) -> str:
     lines = [
         f"machine   {m['cpu']} ({m['arch']}, {m['cpus']} CPUs), torch {m['torch']} "
         f"({m['torch_cpu_capability']}, {m['threads']} threads)",
+        f"memory    {m['memory_limit_bytes'] / 2**30:.1f} GiB for this process; board settings (recompute "
+        f"activations, hand re-packs back): {'yes' if m['board_settings'] else 'no'}",
         "features  " + " ".join(f if on else f"-{f}" for f, on in report["cpu_features"].items()),
         "kernels   " + "; ".join(f"{isa}: {state}" for isa, state in report["native_kernels"].items()),
         f"int8      {report['int8_backend']}; native bf16: {'yes' if report['native_bf16'] else 'no'}",

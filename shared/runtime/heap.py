@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
+from pathlib import Path
 
 import torch
 
@@ -28,9 +30,42 @@ _TRIM = _malloc_trim()
 
 def release_freed_memory() -> None:
     """Return the C heap's free memory to the system (glibc's ``malloc_trim(0)``; a no-op with
-    other C libraries). Costs milliseconds: call it after a burst, not per token."""
+    other C libraries). Costs milliseconds, and the pages handed back fault in again when
+    reused: call it after a burst, not per token."""
     if _TRIM is not None:
         _TRIM(0)
+
+
+# a board: where memory matters more than time (a training forward's activations, about 1 MB
+# per token of a sample for SmolLM2-135M; what glibc keeps of a re-pack's temporaries)
+SMALL_MACHINE_BYTES = 8 * 2**30
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+MEMORY_ENV = "OMNIDRAFT_MEMORY_MB"  # act as a device with this much memory (a board's settings elsewhere)
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use, in bytes: the machine's physical memory, or its
+    control group's limit where that is lower (a container on a larger host), or
+    ``$OMNIDRAFT_MEMORY_MB`` where that is set (ValueError unless a positive whole number)."""
+    forced = os.environ.get(MEMORY_ENV, "").strip()
+    if forced:
+        if not forced.isdigit() or int(forced) == 0:
+            raise ValueError(f"{MEMORY_ENV} must be a positive whole number of MB, got {forced!r}")
+        return int(forced) * 2**20
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
+
+
+def small_machine() -> bool:
+    """True where this process may use at most ``SMALL_MACHINE_BYTES`` (``memory_limit_bytes``)."""
+    return memory_limit_bytes() <= SMALL_MACHINE_BYTES
 
 
 def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
