@@ -5,6 +5,10 @@ temporaries (packing a model layer by layer, a learner update's activations and 
 is hundreds of MB counted as resident although nothing uses it: 0.9 GB after packing
 Qwen2.5-Coder-1.5B, ~0.4 GB after an adapter update of SmolLM2-135M. On a 4 GB board that is
 the difference between fitting and swapping.
+
+How much memory the process may use (``memory_limit_bytes``: the machine's, its container's
+limit, or ``$OMNIDRAFT_MEMORY_MB``) decides where time is traded for memory (``small_machine``:
+a learner recomputing activations, a re-pack handing each layer's temporaries back).
 """
 
 from __future__ import annotations
