@@ -165,6 +165,8 @@ class OnlineLearner:
         forwards label the acceptance head's replay buffer (no forward of its own)."""
         t0 = time.perf_counter()
         self.adapters.activate(self.target)
+        if small_machine():  # its drafting weights go now (re-packed after the update anyway), not
+            self.adapters.release(self.target)  # kept for the next device loading the same global adapter
         kind = self.config.loss.kind
         samples = [s for s in self.buffer if s.positions(kind)]
         self.buffer = []

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
-from tiny_pair import _engine
+from tiny_pair import CONFIG, PROMPTS, _engine
 
+from omnidraft.client import online_learner
+from omnidraft.client.online_learner import OnlineConfig
+from omnidraft.client.session import DeviceSession
 from omnidraft.shared.engine import model_runner
 from omnidraft.shared.engine.precision import DRAFTER_PREFILL_ACTIVATION_BITS
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
@@ -117,3 +121,40 @@ def test_loading_the_matrices_a_runner_merged_last_keeps_its_packing(pair_dir, m
     adapters.load_state_dict("t", trained)
     adapters.runner()
     assert merges == [True, True, True]
+
+
+def test_an_update_on_a_board_drops_the_drafting_weights_it_is_about_to_change(pair_dir, monkeypatch):
+    """On a board an adapter update releases its drafting runner's packing before it trains
+    (re-packed after it anyway: a learning device's peak then does not hold it, 0.13 GB for
+    SmolLM2-135M; elsewhere it is kept for a merge the next device may skip): a forward on the
+    released runner raises instead of reading freed weights, and the next ``runner()`` packs the
+    adapter as trained, as a runner packed from scratch has it."""
+    monkeypatch.setattr(online_learner, "small_machine", lambda: True)
+    session = DeviceSession(
+        _engine(pair_dir), target_name="t", lora=LoraSpec(rank=4), online=OnlineConfig(interval=100, lr=3e-3)
+    )
+    learner, adapters = session.learner, session.adapters
+    samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:3]]
+    learner.buffer = list(samples)
+    learner.update()
+    runner = session.drafting_runner()
+    assert runner.lora_rank == 4  # drafts on its own packing, the adapter merged
+    packing = weakref.ref(runner._packing)
+    held_while_training = []
+    first_layer = adapters.peft.get_base_model().model.layers[0]
+    hook = first_layer.register_forward_pre_hook(lambda *_: held_while_training.append(packing() is not None))
+    learner.buffer = list(samples)
+    learner.update()
+    hook.remove()
+    assert held_while_training and not any(held_while_training)  # freed before the first training forward
+    with pytest.raises(RuntimeError, match="release_packing"):
+        runner.forward([1, 2])
+    ids = [1, 2, 3]
+    fresh = adapters._base_runner().fork()
+    fresh.set_lora(adapters.lora_layers(adapters.active))
+    assert session.drafting_runner() is runner and torch.equal(runner.forward(ids), fresh.forward(ids))
+    monkeypatch.setattr(online_learner, "small_machine", lambda: False)
+    kept = weakref.ref(runner._packing)
+    learner.buffer = list(samples)
+    learner.update()
+    assert kept() is not None and runner._packing is kept()  # elsewhere: kept until the next merge

@@ -15,18 +15,17 @@ itself, reusing the weights of a loaded HF ``LlamaForCausalLM`` (nothing is re-l
   cache while it holds it (``model_runner.Prefill``), for a decoder to reuse;
 * the kernels picked per call by the number of new tokens ``M`` (see ``weights``).
 
-``weights`` chooses the kernels: ``"fp32"`` (torch, MKL; HF's fp32 forward to ~1e-6),
-``"bf16"`` (oneDNN prepacked bf16 weights, AMX where present; norms, RoPE and attention in
-float32) or ``"int8"``: one native C call per step (``shared/runtime/native/``, built by ``pip
-install`` per instruction set or at first use: ``native_kernels``) with int8 weights scaled per
-(output row, 64 inputs), exact int32 group sums, float16 KV cache and fused norms/RoPE/softmax/
-SiLU, on the best ISA present (``amx``, ``avx512`` VNNI, ``avx2``; ``OMNIDRAFT_NATIVE_ISA`` or
-``native_isa`` force one); without them, fbgemm dynamic quantization (fast, less accurate).
-Calls of more than ``prefill_min_tokens`` tokens run the ``prefill_weights`` kernels (bf16, a
-second copy, where VNNI would run 16-bit prefill activations; else the int8 ones).
-
-The native kernel runs on ``threads`` OpenMP threads (default ``torch.get_num_threads()``).
-``vocab_rows`` prunes the LM head to the given drafter ids (logits stay full-size, ``-inf`` there).
+``weights`` chooses the kernels: ``"fp32"`` (torch, MKL; HF's fp32 forward to ~1e-6), ``"bf16"``
+(oneDNN prepacked bf16 weights, AMX where present; norms, RoPE and attention in float32) or
+``"int8"``: one native C call per step (``shared/runtime/native/``, built by ``pip install`` per
+instruction set or at first use: ``native_kernels``) with int8 weights scaled per (output row, 64
+inputs), exact int32 group sums, float16 KV cache and fused norms/RoPE/softmax/SiLU, on the best
+ISA present (``amx``, ``avx512`` VNNI, ``avx2``; ``OMNIDRAFT_NATIVE_ISA`` or ``native_isa`` force
+one); without them, fbgemm dynamic quantization (fast, less accurate). Calls of more than
+``prefill_min_tokens`` tokens run the ``prefill_weights`` kernels (bf16, a second copy, where
+VNNI would run 16-bit prefill activations; else the int8 ones). The native kernel runs on
+``threads`` OpenMP threads (default ``torch.get_num_threads()``). ``vocab_rows`` prunes the LM
+head to the given drafter ids (logits stay full-size, ``-inf`` there).
 """
 
 from __future__ import annotations
@@ -281,7 +280,6 @@ class FastLlamaRunner(CachedPositions):
         self.forward_calls = 0
         self._empty_positions()
 
-    # ------------------------------------------------------------------------------------------
     def _pack_layers(
         self, layer_deltas: list[dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]] | None = None
     ) -> Packing:
@@ -319,10 +317,10 @@ class FastLlamaRunner(CachedPositions):
 
     def set_lora(self, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] | None) -> None:
         """Merge a LoRA adapter into this runner's own weights, re-packed (``W + B A`` as peft's
-        ``merge_adapter`` computes it, quantized like the base): drafting costs what the base
-        costs at any rank; ~0.4 s for SmolLM2-135M on 2 cores per adapter change, never per
-        token. ``layers[i]``: decoder layer ``i``'s {Linear name: (A [r, in], B [out, r]), the
-        LoRA scaling in ``B``}; ``None`` returns to the shared base packing. Resets the cache."""
+        ``merge_adapter`` computes it, quantized like the base): drafting costs what the base costs at
+        any rank; ~0.4 s for SmolLM2-135M on 2 cores per adapter change, never per token. ``layers[i]``:
+        layer ``i``'s {Linear name: (A [r, in], B [out, r]), the LoRA scaling in ``B``}; ``None``
+        returns to the shared base packing. Resets the cache."""
         if layers is None:
             self.reset()
             self._use_packing(self._base())
@@ -331,11 +329,8 @@ class FastLlamaRunner(CachedPositions):
         if len(layers) != self.num_layers:
             raise ValueError(f"LoRA for {len(layers)} layers, the model has {self.num_layers}")
         if self._source_layers is None:
-            raise RuntimeError(
-                "this runner no longer holds the model's float weights (own_weights): an adapter cannot be merged"
-            )
-        ranks = {a.shape[0] for mods in layers for a, _ in mods.values()}
-        if len(ranks) != 1:
+            raise RuntimeError("no float weights held (own_weights): an adapter cannot be merged")
+        if len(ranks := {a.shape[0] for mods in layers for a, _ in mods.values()}) != 1:
             raise ValueError("LoRA matrices must share one rank")
         r = ranks.pop()
         for mods, layer in zip(layers, self._source_layers):  # shapes checked before anything is packed
@@ -343,11 +338,18 @@ class FastLlamaRunner(CachedPositions):
                 out_dim, in_dim = linear_of(layer, name).weight.shape
                 if tuple(a.shape) != (r, in_dim) or tuple(b.shape) != (out_dim, r):
                     raise ValueError(f"LoRA {name} has shapes {tuple(a.shape)}, {tuple(b.shape)}")
-        self.reset()
-        self._packing = None  # freed (where nothing else holds it) before the next is packed
-        self.release_base()
+        self.release_packing()  # freed (where nothing else holds it) before the next is packed
         self._use_packing(self._pack_layers([partial(lora_deltas, mods) for mods in layers]))
         self.lora_rank = r
+
+    def release_packing(self) -> None:
+        """Drop the weights this runner drafts on (0.13 GB for SmolLM2-135M; freed where nothing else
+        holds them) until ``set_lora`` packs them again; a forward before then raises. Resets the cache."""
+        self.reset()
+        self._packing = None
+        self.release_base()
+        if self._lib is not None:
+            self._fd.layer_ptrs = 0
 
     def _base(self) -> Packing:
         """The base packing, packed again from the model's weights as they are held now if
@@ -357,8 +359,8 @@ class FastLlamaRunner(CachedPositions):
         return self._base_packing
 
     def release_base(self) -> None:
-        """Drop this runner's reference to the base packing unless it drafts on it (a template
-        never does; ``set_lora`` drops it): once none holds it, its 0.1 GB (SmolLM2-135M) is freed."""
+        """Drop this runner's reference to the base packing unless it drafts on it (a template never
+        does): once none holds it, its 0.1 GB (SmolLM2-135M) is freed."""
         if self._template:
             self._packing = None
         if self._packing is not self._base_packing and self._source_layers is not None:
@@ -404,9 +406,8 @@ class FastLlamaRunner(CachedPositions):
         self._took(source, ids)
 
     def as_template(self) -> None:
-        """Keep this runner only as the source of ``fork``s: its KV cache (``max_positions``
-        positions, ~94 MB for SmolLM2-135M at 4,096) is freed, and ``forward`` refuses to run.
-        A device's drafter adapters draft on forks and never on their base runner."""
+        """Keep this runner only as the source of ``fork``s (a device's adapters draft on forks): its KV
+        cache (~94 MB for SmolLM2-135M at 4,096 positions) is freed, and ``forward`` refuses to run."""
         dtype = self._kcache.dtype
         self._kcache = self._vcache = torch.empty(0, dtype=dtype)
         self._template = True
@@ -435,8 +436,8 @@ class FastLlamaRunner(CachedPositions):
         t = p + m
         if t > self.max_positions:
             raise ValueError(f"sequence of {t} positions exceeds max_positions={self.max_positions}")
-        if self._template:
-            raise RuntimeError("this runner is a template (as_template): forward on a fork of it")
+        if self._template or self._packing is None:
+            raise RuntimeError("no weights to run: a template (forward on a fork) or released (release_packing)")
         rows = self.row_kind(m)
         t0 = time.perf_counter() if p == 0 else 0.0
         h = self._embed.index_select(0, torch.tensor(ids, dtype=torch.long))
