@@ -54,8 +54,7 @@ def main() -> None:
     ap.add_argument(
         "--recompute-layers",
         type=non_negative,
-        default=1,
-        help="the learner's recompute_layers (default 1: what a machine with at most 8 GiB gets; 0 holds "
+        help="the learner's recompute_layers (default: as --memory-mb decides, 1 on a board; 0 holds "
         "every layer's activations, as on larger machines)",
     )
     ap.add_argument(
@@ -74,8 +73,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.lora_rank < 1:
         ap.error("--lora-rank must be >= 1")
+    from omnidraft.shared.runtime.heap import MEMORY_ENV
+
     if args.memory_mb:
-        os.environ["OMNIDRAFT_MEMORY_MB"] = str(args.memory_mb)
+        os.environ[MEMORY_ENV] = str(args.memory_mb)
 
     from omnidraft.benchmarks.bench import load_prompts
     from omnidraft.client.online_learner import OnlineConfig
@@ -114,7 +115,7 @@ def main() -> None:
                 "after_load_mb": after_load,
                 "after_generating_and_learning_mb": memory_mb(),
                 "adapter_updates": len(updates),
-                "recompute_layers": args.recompute_layers,
+                "recompute_layers": session.learner.recompute_layers,
                 "memory_mb": args.memory_mb,
                 "lora": {"rank": args.lora_rank, "ffa": args.ffa},
                 "update_s": [round(t, 1) for t in updates],

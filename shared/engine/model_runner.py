@@ -55,11 +55,11 @@ def load(
     With ``stream`` the decoder layers and embeddings are left in the model's files for a runner
     that packs them one layer at a time (``LoadedModel.checkpoint``: a model kept as GGUF, or as
     safetensors of an architecture the native kernels run under the model's own parameter
-    names; any other loads whole). A model kept
-    as GGUF (``catalog.pull(..., fmt="gguf")``) is dequantized into ``dtype`` at load. With
-    ``embeddings_in_file`` (a drafter's) the input embeddings of either are read from the file
-    row by row (``checkpoints.FileEmbedding``), a tied LM head keeping the matrix as its own
-    weight, and no page of the file stays mapped (transformers' own load maps the file)."""
+    names; any other loads whole). A model kept as GGUF (``catalog.pull(..., fmt="gguf")``) is
+    dequantized into ``dtype`` at load. With ``embeddings_in_file`` (a drafter's) the input
+    embeddings of either are read from the file row by row (``checkpoints.FileEmbedding``), a
+    tied LM head keeping the matrix as its own weight, and no page of the file stays mapped
+    (transformers' own load maps the file)."""
     path = catalog.resolve(name_or_path, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(path)
     checkpoint = None
@@ -69,9 +69,7 @@ def load(
         read = None
         if (stream or embeddings_in_file) and safetensors_weights.supported(path):
             read = safetensors_weights.load_model(path, dtype, stream=stream, embeddings_in_file=embeddings_in_file)
-        model, checkpoint = (
-            read if read is not None else (AutoModelForCausalLM.from_pretrained(path, dtype=dtype), None)
-        )
+        model, checkpoint = read or (AutoModelForCausalLM.from_pretrained(path, dtype=dtype), None)
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, path, checkpoint if stream else None)
