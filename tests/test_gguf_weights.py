@@ -227,6 +227,25 @@ def test_the_tensor_table_is_kept_beside_the_file_and_follows_it(tmp_path):
     assert torch.equal(loaded.model.state_dict()["model.norm.weight"], expected["model.norm.weight"])
 
 
+def test_the_name_map_is_built_once_per_load_and_is_transformers_own(tmp_path, monkeypatch):
+    """transformers asks gguf-py for the tensor name map once per submodule; a load builds it
+    once, gets the map transformers' unpatched call gives, and leaves gguf-py as it was."""
+    write_gguf_dir(tiny("qwen2"), tmp_path / "m")
+    builds = []
+    build = gguf.get_tensor_name_map
+
+    def counted(arch, blocks):
+        builds.append((arch, blocks))
+        return build(arch, blocks)
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted)
+    model = gguf_weights.skeleton(tmp_path / "m", torch.float32)
+    checkpoint = gguf_weights.GgufCheckpoint(tmp_path / "m" / GGUF_FILE, model)
+    assert len(builds) == 1 and gguf.get_tensor_name_map is counted
+    unpatched = gguf_weights.get_gguf_hf_weights_map(model, checkpoint._processor)
+    assert len(builds) > 10 and checkpoint._hf_names == unpatched
+
+
 def test_a_gguf_that_does_not_match_its_config_is_refused(tmp_path):
     write_gguf_dir(tiny("llama"), tmp_path / "m")
     config = (tmp_path / "m" / "config.json").read_text()

@@ -24,11 +24,13 @@ Two ways to fill a model:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
@@ -68,7 +70,8 @@ class _TensorAt:
         """The tensor mapped as ``data`` (or ``rows`` of it) dequantized to float32, in memory of
         its own. Dequantizing selected rows gives exactly those rows of the whole (GGUF blocks
         never span rows)."""
-        out = dequantize(data[rows], self.qtype)
+        out = dequantize(np.asarray(data)[rows], self.qtype)  # a plain view: gguf-py slices it in
+        # groups of 16 rows, and every slice of a memmap pays numpy's memmap bookkeeping (half the time)
         # a float32 tensor comes back as a view of the map: copied, so the map can close
         return np.array(out, dtype=np.float32) if np.may_share_memory(out, data) else out.astype(np.float32, copy=False)
 
@@ -108,6 +111,20 @@ def tensor_table(path: Path) -> tuple[str, list[_TensorAt]]:
     ]
 
 
+@contextlib.contextmanager
+def _one_tensor_name_map():
+    """While open, gguf-py's ``get_tensor_name_map(arch, blocks)`` builds each map once.
+    transformers' ``get_gguf_hf_weights_map`` calls it again for every submodule of the model
+    (768 times for Qwen2.5-Coder-1.5B, each formatting every tensor name of every block: 13 s of
+    a 46 s load); the map depends on its two arguments only."""
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(build)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
+
+
 class GgufRows(ReleasedRows):
     """Rows of one GGUF tensor (token embeddings), dequantized to float32 when read: only the
     rows read are ever in memory. Has the ``index_select(0, ids)`` of a ``[rows, cols]`` tensor;
@@ -137,7 +154,8 @@ class GgufCheckpoint(Checkpoint):
         self.path = Path(path)
         arch, tensors = tensor_table(self.path)
         self._processor: TensorProcessor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
-        self._hf_names = get_gguf_hf_weights_map(model, self._processor)
+        with _one_tensor_name_map():
+            self._hf_names = get_gguf_hf_weights_map(model, self._processor)
         self._tensors = {self._hf_names[t.gguf_name]: t for t in tensors if t.gguf_name in self._hf_names}
         self.names = set(self._tensors)
         self._check_names(model)
