@@ -12,6 +12,7 @@ temporaries back layer by layer). Run it in a fresh process per measurement:
     omnidraft models pull smollm2-135m qwen2.5-coder-1.5b --format gguf
     python scripts/device_footprint.py --drafter smollm2-135m --target qwen2.5-coder-1.5b
     python scripts/device_footprint.py --lora-rank 8 --ffa    # the default simulation's device recipe
+    python scripts/device_footprint.py --float32-training    # as a CPU without native bf16 trains (AVX2, Arm)
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def main() -> None:
     )
     ap.add_argument("--ffa", action="store_true", help="FFA-LoRA as a fleet may set it: A frozen, only B trained")
     ap.add_argument(
+        "--float32-training",
+        action="store_true",
+        help="train in float32, as the learner does on CPUs without native bf16 (AVX2, most Arm boards)",
+    )
+    ap.add_argument(
         "--memory-mb",
         type=non_negative,
         default=4096,
@@ -90,7 +96,11 @@ def main() -> None:
     engine = Engine.load(args.drafter, args.target, "int8", progress=False)
     load_s = time.perf_counter() - start
     after_load = memory_mb()
-    online = OnlineConfig(interval=args.interval, recompute_layers=args.recompute_layers)
+    online = OnlineConfig(
+        interval=args.interval,
+        recompute_layers=args.recompute_layers,
+        bf16_autocast=False if args.float32_training else None,
+    )
     lora = LoraSpec(rank=args.lora_rank, ffa=args.ffa)
     session = DeviceSession(engine, target_name=args.target, online=online, lora=lora)
     updates = []
@@ -118,6 +128,7 @@ def main() -> None:
                 "recompute_layers": session.learner.recompute_layers,
                 "memory_mb": args.memory_mb,
                 "lora": {"rank": args.lora_rank, "ffa": args.ffa},
+                "training_dtype": "bfloat16" if session.learner.autocast else "float32",
                 "update_s": [round(t, 1) for t in updates],
             },
             indent=2,
