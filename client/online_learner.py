@@ -25,7 +25,7 @@ from omnidraft.shared.learning.acceptance_head import AcceptanceHead, ReplayBuff
 from omnidraft.shared.learning.adapters import DrafterAdapters
 from omnidraft.shared.learning.distill import LossConfig, hybrid_loss, sequence_nll_rows
 from omnidraft.shared.learning.training_signal import Intersection, TrainingSample
-from omnidraft.shared.runtime.heap import small_machine
+from omnidraft.shared.runtime.heap import release_freed_memory, small_machine
 from omnidraft.shared.runtime.native_kernels import cpu_has_native_bf16
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -165,7 +165,8 @@ class OnlineLearner:
         forwards label the acceptance head's replay buffer (no forward of its own)."""
         t0 = time.perf_counter()
         self.adapters.activate(self.target)
-        if small_machine():  # its drafting weights go now (re-packed after the update anyway), not
+        board = small_machine()
+        if board:  # its drafting weights go now (re-packed after the update anyway), not
             self.adapters.release(self.target)  # kept for the next device loading the same global adapter
         kind = self.config.loss.kind
         samples = [s for s in self.buffer if s.positions(kind)]
@@ -185,6 +186,8 @@ class OnlineLearner:
                     for s in batch:
                         n = s.positions(kind)
                         loss, parts, hidden, dm_logits = self._sample_loss(s, grad=True)
+                        if board:  # what the forward freed goes back before the backward's transients
+                            release_freed_memory()
                         (loss * (n / terms)).backward()
                         if epoch == 0:
                             totals["loss"] += float(loss.detach()) * n
