@@ -7,7 +7,6 @@ training."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import replace
 
@@ -20,7 +19,6 @@ from omnidraft.client.session import DeviceSession
 from omnidraft.shared.engine import model_runner
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.learning.distill import LossConfig
-from omnidraft.shared.runtime import heap
 
 
 def test_sequence_loss_covers_every_response_token(pair_dir):
@@ -206,128 +204,6 @@ def test_training_on_frozen_weights_held_in_bf16_is_bit_identical(pair_dir):
     assert adapters._frozen[torch.bfloat16] is copies  # made once
     adapters.respec(LoraSpec(rank=4, modules="attn"))
     assert not adapters._frozen
-
-
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
-def test_recomputed_activations_train_exactly_as_held_ones(pair_dir, monkeypatch, autocast):
-    """With ``recompute_layers`` the update runs each drafter layer's forward again in the
-    backward pass (transformers' activation checkpointing) instead of holding its activations:
-    the adapter after an update is the same, bit for bit; drafting forwards are not
-    checkpointed. Unset, it is on only on a machine with little memory (a board)."""
-    from omnidraft.client import online_learner
-
-    states, calls = [], []  # calls: bytes held for the backward pass
-    for recompute in (0, 1):
-        torch.manual_seed(0)  # the same LoRA initialization
-        engine = _engine(pair_dir)
-        session = DeviceSession(
-            engine,
-            target_name="t",
-            lora=LoraSpec(rank=4),
-            online=OnlineConfig(interval=100, lr=1e-2, bf16_autocast=autocast, recompute_layers=recompute),
-        )
-        samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:3]]
-        held_bytes = []  # what the update's forwards keep for the backward pass, outside checkpoints
-
-        def pack(t, held=held_bytes):
-            held.append(t.nbytes)
-            return t
-
-        session.learner.buffer = list(samples)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            report = session.learner.update()
-        calls.append(sum(held_bytes))
-        states.append((report.loss, session.adapters.state_dict("t")))
-    assert calls[1] < 0.6 * calls[0]  # the layers' activations are not held (the rest: the LM head's, the loss's)
-    (loss0, held), (loss1, recomputed) = states
-    assert loss0 == loss1 and held.keys() == recomputed.keys()
-    assert all(torch.equal(held[k], recomputed[k]) for k in held)
-    monkeypatch.setattr(heap, "memory_limit_bytes", lambda: 4 * 2**30)
-    assert online_learner.default_recompute_layers() == 1
-    monkeypatch.setattr(heap, "memory_limit_bytes", lambda: 24 * 2**30)
-    assert online_learner.default_recompute_layers() == 0
-
-
-def test_on_a_board_each_backward_pass_starts_with_the_forwards_freed_memory_handed_back(pair_dir, monkeypatch):
-    """Where memory is short, the heap's free memory (what the sample's forward freed: layer
-    temporaries that glibc would keep) goes back to the system before each sample's backward
-    pass, whose own transients (the LM head's float32 copy, under float32 training) then make
-    a lower peak; elsewhere it is not. The adapter is the same either way."""
-    from omnidraft.client import online_learner
-
-    states = []
-    for board in (False, True):
-        monkeypatch.setattr(heap, "memory_limit_bytes", lambda board=board: (4 if board else 24) * 2**30)
-        torch.manual_seed(0)
-        session = DeviceSession(
-            _engine(pair_dir),
-            target_name="t",
-            lora=LoraSpec(rank=4),
-            online=OnlineConfig(interval=100, lr=1e-2, bf16_autocast=False, recompute_layers=0),
-        )
-        samples = [session.generate(p, CONFIG, observe=False).training_sample for p in PROMPTS[:3]]
-        events = []
-        backward = torch.Tensor.backward
-        monkeypatch.setattr(online_learner, "release_freed_memory", lambda events=events: events.append("trim"))
-        monkeypatch.setattr(
-            torch.Tensor,
-            "backward",
-            lambda t, *a, events=events, backward=backward, **k: (events.append("backward"), backward(t, *a, **k)),
-        )
-        session.learner.buffer = list(samples)
-        report = session.learner.update()
-        monkeypatch.setattr(torch.Tensor, "backward", backward)
-        n = len(samples)  # then the acceptance head's own step
-        assert events[: 2 * n] == ["trim", "backward"] * n if board else "trim" not in events and len(events) > n
-        states.append((report.loss, session.adapters.state_dict("t")))
-    (loss0, a0), (loss1, a1) = states
-    assert loss0 == loss1 and all(torch.equal(a0[k], a1[k]) for k in a0)
-
-
-def test_the_memory_limit_is_a_control_groups_where_that_is_lower(tmp_path, monkeypatch):
-    """A device in a container limited to 3 GiB on a larger host counts as a board, and so does
-    any process told ``OMNIDRAFT_MEMORY_MB`` (a board's settings on a workstation)."""
-    from omnidraft.client import online_learner
-
-    monkeypatch.delenv(heap.MEMORY_ENV, raising=False)
-    monkeypatch.setattr(heap, "CGROUP_LIMITS", (str(tmp_path / "absent"), str(tmp_path / "memory.max")))
-    physical = heap.memory_limit_bytes()  # no limit files: the machine's memory
-    assert physical == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    (tmp_path / "memory.max").write_text("max\n")  # cgroup v2 without a limit
-    assert heap.memory_limit_bytes() == physical
-    (tmp_path / "memory.max").write_text(f"{3 * 2**30}\n")
-    assert heap.memory_limit_bytes() == min(physical, 3 * 2**30)
-    assert online_learner.default_recompute_layers() == 1
-    (tmp_path / "memory.max").write_text("max\n")
-    monkeypatch.setenv(heap.MEMORY_ENV, "4096")
-    assert heap.memory_limit_bytes() == 4 * 2**30 and heap.small_machine()
-    for bad in ("4 GB", "0", "-1"):
-        monkeypatch.setenv(heap.MEMORY_ENV, bad)
-        with pytest.raises(ValueError, match=heap.MEMORY_ENV):
-            heap.memory_limit_bytes()
-    with pytest.raises(ValueError, match="recompute_layers"):
-        OnlineConfig(recompute_layers=-1).validate()
-
-
-def test_a_held_weight_reads_the_same_float32_values_from_a_mapping_of_its_own():
-    """Inside ``mapped_reads`` (peft's injection) a held weight's float32 copy lives in a
-    mapping of its own rather than glibc's heap: the same values, and bf16 as held under bf16
-    autocast either way."""
-    from torch.nn.utils import parametrize
-
-    from omnidraft.shared.runtime.held_weights import ReadAsFloat32, mapped_reads
-
-    linear = torch.nn.Linear(64, 32, bias=False).requires_grad_(False)
-    held = linear.weight.detach().to(torch.bfloat16)
-    linear.weight.data = held
-    parametrize.register_parametrization(linear, "weight", ReadAsFloat32(), unsafe=True)
-    heap = linear.weight
-    with mapped_reads():
-        mapped = linear.weight
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert linear.weight.dtype == torch.bfloat16
-    assert heap.dtype == mapped.dtype == torch.float32 and torch.equal(heap, mapped)
-    assert torch.equal(heap, held.float()) and mapped.untyped_storage().data_ptr() != heap.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("tied", [False, True])
