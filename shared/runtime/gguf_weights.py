@@ -70,8 +70,9 @@ class _TensorAt:
         """The tensor mapped as ``data`` (or ``rows`` of it) dequantized to float32, in memory of
         its own. Dequantizing selected rows gives exactly those rows of the whole (GGUF blocks
         never span rows)."""
-        out = dequantize(np.asarray(data)[rows], self.qtype)  # a plain view: gguf-py slices it in
-        # groups of 16 rows, and every slice of a memmap pays numpy's memmap bookkeeping (half the time)
+        # a plain view: gguf-py slices it in groups of 16 rows, and each slice of a memmap would pay
+        # numpy's memmap bookkeeping (half the dequantization's time)
+        out = dequantize(np.asarray(data)[rows], self.qtype)
         # a float32 tensor comes back as a view of the map: copied, so the map can close
         return np.array(out, dtype=np.float32) if np.may_share_memory(out, data) else out.astype(np.float32, copy=False)
 
