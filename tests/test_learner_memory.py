@@ -136,3 +136,31 @@ def test_a_held_weight_reads_the_same_float32_values_from_a_mapping_of_its_own()
             assert linear.weight.dtype == torch.bfloat16
     assert heap.dtype == mapped.dtype == torch.float32 and torch.equal(heap, mapped)
     assert torch.equal(heap, held.float()) and mapped.untyped_storage().data_ptr() != heap.untyped_storage().data_ptr()
+
+
+def test_a_held_weight_is_copied_once_while_peft_reads_it_again_and_again(monkeypatch):
+    """peft reads each base weight about 20 times while wrapping it: inside ``mapped_reads`` the
+    float32 copy is made once per weight (the latest one kept, as long as the weight is
+    unchanged), the values always the held ones, and nothing is kept once the block ends."""
+    from torch.nn.utils import parametrize
+
+    from omnidraft.shared.runtime import held_weights
+
+    copies = []
+    real = held_weights.zeros_on_demand
+    monkeypatch.setattr(held_weights, "zeros_on_demand", lambda *a: copies.append(a) or real(*a))
+    linears = [torch.nn.Linear(64, 32, bias=False).requires_grad_(False) for _ in range(2)]
+    for linear in linears:
+        linear.weight.data = linear.weight.detach().to(torch.bfloat16)
+        parametrize.register_parametrization(linear, "weight", held_weights.ReadAsFloat32(), unsafe=True)
+    first, second = linears
+    with held_weights.mapped_reads():
+        reads = [first.weight for _ in range(20)]
+        assert len(copies) == 1 and all(r is reads[0] for r in reads) and hasattr(first, "weight")
+        assert torch.equal(second.weight, second.parametrizations.weight.original.float()) and len(copies) == 2
+        assert torch.equal(first.weight, reads[0]) and len(copies) == 3  # the latest one only
+        first.parametrizations.weight.original.mul_(2)  # changed: read again
+        assert torch.equal(first.weight, first.parametrizations.weight.original.float()) and len(copies) == 4
+        assert not torch.equal(first.weight, reads[0])
+    assert held_weights._last_mapped_read is None
+    assert first.weight is not first.weight  # outside the block every read is its own copy
