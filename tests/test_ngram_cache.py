@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -392,3 +393,22 @@ def test_merge_adds_every_entry_as_add_would() -> None:
         (e.draft_ids, e.target_id, e.count) for e in expected.entries()
     ]
     assert ours.nbytes == len(ours.to_bytes())
+
+
+def test_seeding_from_a_bridge_encodes_every_target_token_as_the_tokenizer_does(
+    drafter_tokenizer, qwen_bridge, gemma_bridge
+) -> None:
+    """``seed_cache_from_bridge`` encodes the target tokens' texts with the Rust tokenizer's batch
+    call: the same ids as calling the tokenizer, for every token text of two real vocabularies."""
+    from omnidraft.shared.engine.pair import _batch_encoder
+
+    assert getattr(drafter_tokenizer, "backend_tokenizer", None) is not None  # else the check is moot
+    for bridge in (qwen_bridge, gemma_bridge):
+        texts = []
+        for raw in bridge.target_bytes[: bridge.target_vocab_size]:
+            with contextlib.suppress(AttributeError, UnicodeDecodeError):
+                texts.append(raw.decode("utf-8"))
+        assert len(texts) > 100_000
+        assert (
+            _batch_encoder(drafter_tokenizer)(texts) == drafter_tokenizer(texts, add_special_tokens=False)["input_ids"]
+        )

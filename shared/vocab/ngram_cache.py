@@ -465,4 +465,5 @@ def seed_from_tokenizers(
     encoded = encode_draft_batch(texts) if encode_draft_batch is not None else map(encode_draft, texts)
     candidates = [(target_id, ids) for target_id, ids in zip(target_ids, encoded, strict=True) if len(ids) >= 2]
     kept = candidates[: cache.max_entries]
-    return sum(cache.add(ids, target_id) for target_id, ids in reversed(kept))
+    with _gc_paused():  # ~110,000 entries for SmolLM2 -> Qwen2.5
+        return sum(cache.add(ids, target_id) for target_id, ids in reversed(kept))
