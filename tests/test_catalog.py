@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
+import os
 import zipfile
 from pathlib import Path
 
@@ -143,6 +145,23 @@ def test_default_format_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "onnx")
     with pytest.raises(CatalogError, match="OMNIDRAFT_MODEL_FORMAT='onnx' is not a model format"):
         catalog.pull("gemma3-270m", progress=False)
+
+
+def test_a_devices_commands_keep_models_as_gguf_unless_told_otherwise(monkeypatch):
+    """``omnidraft device serve`` and ``join`` pull models not pulled yet as GGUF (a board's disk),
+    an explicit ``$OMNIDRAFT_MODEL_FORMAT`` still wins, and nothing leaks past the command."""
+    from omnidraft.cli import device_commands
+
+    seen = []
+    for action in ("serve", "join"):
+        monkeypatch.setattr(device_commands, f"_{action}", lambda args: seen.append(catalog.default_format()) or 0)
+    monkeypatch.delenv("OMNIDRAFT_MODEL_FORMAT", raising=False)
+    for action in ("serve", "join"):
+        assert device_commands.device(argparse.Namespace(action=action)) == 0
+    assert seen == ["gguf", "gguf"] and catalog.default_format() == "safetensors"
+    monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "safetensors")
+    device_commands.device(argparse.Namespace(action="serve"))
+    assert seen[-1] == "safetensors" and os.environ["OMNIDRAFT_MODEL_FORMAT"] == "safetensors"
 
 
 @pytest.mark.parametrize("force", [False, True])

@@ -19,6 +19,7 @@ Wherever a catalog name is accepted, a local Hugging Face model directory (one h
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from omnidraft.shared.util.atomic_io import file_lock
 CHUNK_BYTES = 8 << 20
 MARKER = "omnidraft-model.json"
 FORMATS = ("safetensors", "gguf")
+FORMAT_ENV = "OMNIDRAFT_MODEL_FORMAT"  # the format models not pulled yet are kept in (``default_format``)
 GGUF_FILE = "model.gguf"  # the weights of a model kept in the gguf format
 
 
@@ -173,12 +176,29 @@ def pulled_format(name: str) -> str | None:
 
 
 def default_format() -> str:
-    """The format a model not pulled yet is stored in: ``$OMNIDRAFT_MODEL_FORMAT`` (the device
-    image and unit set ``gguf``), else ``safetensors``."""
-    fmt = os.environ.get("OMNIDRAFT_MODEL_FORMAT") or "safetensors"
+    """The format a model not pulled yet is stored in: ``$OMNIDRAFT_MODEL_FORMAT``, else
+    ``safetensors`` (inside ``device_format``: ``gguf``)."""
+    fmt = os.environ.get(FORMAT_ENV) or "safetensors"
     if fmt not in FORMATS:
-        raise CatalogError(f"OMNIDRAFT_MODEL_FORMAT={fmt!r} is not a model format: choose one of {', '.join(FORMATS)}")
+        raise CatalogError(f"{FORMAT_ENV}={fmt!r} is not a model format: choose one of {', '.join(FORMATS)}")
     return fmt
+
+
+@contextlib.contextmanager
+def device_format() -> Iterator[None]:
+    """Inside the block (a device's commands: its service, its SuperNode and the processes they
+    start) models not pulled yet are kept as the GGUF they ship as, unless ``$OMNIDRAFT_MODEL_FORMAT``
+    says otherwise: 1.17 GB on disk for SmolLM2-135M + Qwen2.5-Coder-1.5B instead of 7.3 GB of
+    float32 safetensors, the same values, about 8 s more to load the pair (23 s against 15 s on
+    a 2-core AMD EPYC). Models pulled already stay as they are."""
+    if os.environ.get(FORMAT_ENV):
+        yield
+        return
+    os.environ[FORMAT_ENV] = "gguf"
+    try:
+        yield
+    finally:
+        os.environ.pop(FORMAT_ENV, None)
 
 
 def pull(name: str, *, progress: bool = True, force: bool = False, fmt: str | None = None) -> Path:
