@@ -298,3 +298,21 @@ def test_rows_read_one_by_one_stay_resident_up_to_a_bound(tmp_path, monkeypatch)
     assert [k for k, r in enumerate(resident) if r == 0] == [63, 127, 191]
     whole = embeddings.index_select(0, torch.arange(rows))
     assert torch.equal(whole, torch.from_numpy(expected)) and _resident_bytes(path) == 0
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1],
+)
+def test_dequantizing_many_rows_a_pass_gives_gguf_pys_values_bit_for_bit(qtype):
+    """``_dequantize`` (``DEQUANTIZE_ROWS`` rows a pass) against gguf-py's own ``dequantize`` on
+    every bit pattern a block can hold (random bytes: scales that are huge, tiny, inf or NaN
+    included), over a row count that ends inside a pass."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = gguf_weights.DEQUANTIZE_ROWS * 2 + 7
+    raw = np.random.default_rng(int(qtype)).integers(0, 256, (rows, 3 * type_size), dtype=np.uint8)
+    with np.errstate(all="ignore"):  # the inf and NaN scales
+        ours = gguf_weights._dequantize(raw, qtype)
+        theirs = np.asarray(gguf.dequantize(raw, qtype), dtype=np.float32)
+    assert ours.shape == theirs.shape == (rows, 3 * block_size) and ours.dtype == np.float32
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))

@@ -70,11 +70,34 @@ class _TensorAt:
         """The tensor mapped as ``data`` (or ``rows`` of it) dequantized to float32, in memory of
         its own. Dequantizing selected rows gives exactly those rows of the whole (GGUF blocks
         never span rows)."""
-        # a plain view: gguf-py slices it in groups of 16 rows, and each slice of a memmap would pay
-        # numpy's memmap bookkeeping (half the dequantization's time)
-        out = dequantize(np.asarray(data)[rows], self.qtype)
+        # a plain view: each slice of a memmap would pay numpy's memmap bookkeeping
+        out = _dequantize(np.asarray(data)[rows], self.qtype)
         # a float32 tensor comes back as a view of the map: copied, so the map can close
         return np.array(out, dtype=np.float32) if np.may_share_memory(out, data) else out.astype(np.float32, copy=False)
+
+
+# rows of a quantized matrix dequantized per numpy pass (``_dequantize``): the fastest of 16-4,096
+# for Qwen2.5-Coder-1.5B (6.0 s against 9.5 s at 16, 8.4 s at 1,024: temporaries that stay in
+# cache), at most 4.6 MB of float32 per pass for its widest rows (8,960 inputs)
+DEQUANTIZE_ROWS = 128
+
+
+def _dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """gguf-py's ``dequantize`` of ``raw`` (a quantized matrix: rows x bytes per row) with its
+    block type's own ``dequantize_rows`` over ``DEQUANTIZE_ROWS`` rows at a time. gguf-py's
+    ``dequantize`` makes a numpy pass per 16 rows and joins their results in one more copy: 9.0
+    s against 6.0 s for Qwen2.5-Coder-1.5B's tensors on a 2-core AMD EPYC. Blocks dequantize
+    independently of one another, so the values are the same, bit for bit. Other types (float
+    ones, a 1-D tensor): ``dequantize`` itself."""
+    quant = getattr(gguf.quants, qtype.name, None)  # gguf-py's class of this block type (Q4_K, ...)
+    if raw.ndim != 2 or getattr(quant, "qtype", None) != qtype or not hasattr(quant, "dequantize_rows"):
+        return dequantize(raw, qtype)
+    quant.init_grid()
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    out = np.empty((raw.shape[0], raw.shape[1] // type_size * block_size), dtype=np.float32)
+    for lo in range(0, raw.shape[0], DEQUANTIZE_ROWS):
+        out[lo : lo + DEQUANTIZE_ROWS] = quant.dequantize_rows(raw[lo : lo + DEQUANTIZE_ROWS])
+    return out
 
 
 TABLE_SUFFIX = ".tensors.json"  # beside the GGUF: its tensor table (``tensor_table``)
