@@ -189,8 +189,8 @@ def device_format() -> Iterator[None]:
     """Inside the block (a device's commands: its service, its SuperNode and the processes they
     start) models not pulled yet are kept as the GGUF they ship as, unless ``$OMNIDRAFT_MODEL_FORMAT``
     says otherwise: 1.17 GB on disk for SmolLM2-135M + Qwen2.5-Coder-1.5B instead of 7.3 GB of
-    float32 safetensors, the same values, about 8 s more to load the pair (23 s against 15 s on
-    a 2-core AMD EPYC). Models pulled already stay as they are."""
+    float32 safetensors, the same values, a few seconds more to load the pair (15-17 s against
+    12-14 s on a 2-core AMD EPYC). Models pulled already stay as they are."""
     if os.environ.get(FORMAT_ENV):
         yield
         return
