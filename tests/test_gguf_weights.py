@@ -302,7 +302,13 @@ def test_rows_read_one_by_one_stay_resident_up_to_a_bound(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize(
     "qtype",
-    [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1],
+    [
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q6_K,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.BF16,  # gguf-py's reader gives it as bytes per row too
+    ],
 )
 def test_dequantizing_many_rows_a_pass_gives_gguf_pys_values_bit_for_bit(qtype):
     """``_dequantize`` (``DEQUANTIZE_ROWS`` rows a pass) against gguf-py's own ``dequantize`` on
