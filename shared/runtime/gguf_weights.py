@@ -90,7 +90,7 @@ def _dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     independently of one another, so the values are the same, bit for bit. Other types (float
     ones, a 1-D tensor): ``dequantize`` itself."""
     quant = getattr(gguf.quants, qtype.name, None)  # gguf-py's class of this block type (Q4_K, ...)
-    if raw.ndim != 2 or getattr(quant, "qtype", None) != qtype or not hasattr(quant, "dequantize_rows"):
+    if raw.ndim != 2 or getattr(quant, "qtype", None) != qtype:  # not one of gguf-py's block types
         return dequantize(raw, qtype)
     quant.init_grid()
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
