@@ -38,8 +38,8 @@ from omnidraft.client.device_profile import DeviceProfile
 from omnidraft.client.device_state import sha256 as _sha256
 from omnidraft.client.device_state import slug
 from omnidraft.client.engine_pool import EnginePool
-from omnidraft.client.evaluation import AdaptivePass, FixedKPass, Phase, target_alone
-from omnidraft.client.recorded_outputs import keep, record, stored_outputs
+from omnidraft.client.evaluation import AdaptivePass, FixedKPass, Phase
+from omnidraft.client.recorded_outputs import keep, output, record, record_missing, stored_outputs
 from omnidraft.client.resource_policy import (
     DeviceConditions,
     SystemConditions,
@@ -49,6 +49,7 @@ from omnidraft.client.resource_policy import (
 from omnidraft.client.session import DeviceSession, name_seed
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.engine.recording_decodes import record_together
 from omnidraft.shared.engine.recordings import RecordingStore
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
 from omnidraft.shared.vocab.ngram_cache import NgramCache
@@ -323,8 +324,9 @@ class FleetDevice:
         outputs = []
         trained_tokens, update_s, replayed = 0, 0.0, 0
         store = self.recordings(session)
-        for i, prompt in enumerate(prompts):
-            recording = store.get(prompt, p.generation, signal=True) if store is not None else None
+        # what to replay: the recordings (the missing ones decoded first by the target alone, side by side)
+        found = record_missing(store, session, prompts, p.generation, signal=True) if store else [None] * len(prompts)
+        for i, (prompt, recording) in enumerate(zip(prompts, found)):
             result = session.generate(prompt, p.generation, learn=True, replay=recording)
             replayed += recording is not None
             if store is not None and session.last_recording is not None:
@@ -472,10 +474,12 @@ class FleetDevice:
         speed baseline, run in every evaluation beside the speculative decode of the same prompt,
         so a speedup compares two decodes seconds apart, never a baseline from an earlier round on
         a machine whose speed has moved). The other outputs are needed as outputs only ("s" 0):
-        from ``store``, the device's recording store where it has one (None where it lacks one:
-        the caller decodes that prompt live and keeps its output, ``recorded_outputs.record``),
-        else run once per (target, prompts, generation length and stops) and kept in ``fleet.json`` (only
-        the latest set: a deployed device's prompts change)."""
+        from ``store``, the device's recording store where it has one (the missing ones decoded
+        first by the target alone side by side, ``recorded_outputs.record_missing``; None where
+        one is still missing: the caller decodes that prompt live and keeps its output,
+        ``recorded_outputs.record``), else decoded by the target alone side by side
+        (``recording_decodes.record_together``) once per (target, prompts, generation length and
+        stops) and kept in ``fleet.json`` (only the latest set: a deployed device's prompts change)."""
         g = p.generation
         runs, rest = list(live), p.heldout[len(live) :]
         if store is None and rest:
@@ -484,13 +488,10 @@ class FleetDevice:
             )[:16]
             held = self._fleet_meta().get("target-alone", {})
             if held.get("key") != key:
-                held = {
-                    "key": key,
-                    "runs": [
-                        {"ids": r.token_ids, "tokens": r.stats.new_tokens, "s": 0.0}
-                        for r in target_alone(session, rest, g)
-                    ],
-                }
+                engine = session.engine
+                ids = [engine.prompt_ids(prompt)[1] for prompt in rest]
+                decoded = record_together(engine.target_runner, engine.bridge, session.inter, ids, g)
+                held = {"key": key, "runs": [output(r.generated) for r in decoded]}
                 self._save_fleet_meta({**self._fleet_meta(), "target-alone": held})
             return runs + list(held["runs"])
-        return runs + stored_outputs(store, rest, g)
+        return runs + stored_outputs(store, session, rest, g)

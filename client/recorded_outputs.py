@@ -3,7 +3,9 @@
 
 A greedy decode commits the target's greedy output whatever is drafted, so any live greedy
 decode of a prompt (the target alone's, or a speculative one at any draft length) yields its
-recording; an evaluation records a prompt from the first pass that decodes it live.
+recording. The prompts a round or an evaluation needs are looked up first and the missing ones
+recorded together by the target alone (``record_missing``) where the target's kernels decode
+several sequences in one call; elsewhere the first pass that decodes a prompt live records it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared.engine.generation import GenerationConfig
+from omnidraft.shared.engine.recording_decodes import record_together, records_together
 from omnidraft.shared.engine.recordings import Recording, RecordingStore
 
 log = logging.getLogger("omnidraft.device")
@@ -31,10 +34,32 @@ def keep(store: RecordingStore, prompt: str, config: GenerationConfig, recording
         log.warning("recording not kept (%s): later decodes of this prompt run the target", exc)
 
 
-def stored_outputs(store: RecordingStore, prompts: list[str], config: GenerationConfig) -> list[dict | None]:
-    """Each prompt's recorded output (``output``), None where the store has none yet."""
-    found = (store.get(prompt, config) for prompt in prompts)
+def stored_outputs(
+    store: RecordingStore, session: DeviceSession, prompts: list[str], config: GenerationConfig
+) -> list[dict | None]:
+    """Each prompt's recorded output (``output``; ``record_missing``), None where there is none yet."""
+    found = record_missing(store, session, prompts, config)
     return [None if recording is None else output(recording.generated) for recording in found]
+
+
+def record_missing(
+    store: RecordingStore, session: DeviceSession, prompts: list[str], config: GenerationConfig, *, signal: bool = False
+) -> list[Recording | None]:
+    """Each prompt's recording in ``store`` (with its training signal when ``signal``); two or
+    more that it lacks are first decoded by the target alone side by side and kept
+    (``recording_decodes.record_together``: their training signal too), where the target's
+    kernels run several sequences in one call. None for a prompt still without one (the caller's
+    live decode records it: ``keep``, ``record``)."""
+    found = [store.get(prompt, config, signal=signal) for prompt in prompts]
+    missing = [i for i, recording in enumerate(found) if recording is None]
+    engine = session.engine
+    if len(missing) < 2 or not records_together(engine.target_runner):
+        return found
+    ids = [engine.prompt_ids(prompts[i])[1] for i in missing]
+    for i, recording in zip(missing, record_together(engine.target_runner, engine.bridge, session.inter, ids, config)):
+        keep(store, prompts[i], config, recording)
+        found[i] = recording
+    return found
 
 
 def record(

@@ -216,35 +216,41 @@ def test_a_recording_store_that_cannot_be_written_costs_only_the_replay(tmp_path
     assert blocked.read_text() == "not a folder"
 
 
-def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_prompts(tmp_path, tiny, monkeypatch):
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_probe_with_a_recording_store_runs_the_target_alone_only_on_its_speed_prompts(
+    tmp_path, tiny, monkeypatch, dtype
+):
     """With a recording store, a probe runs the target alone live (timed: the speed baseline)
     on its ``speed_prompts`` only; its other held-out outputs come from the store, recorded the
-    first time from the fixed-k pass's own live decode (never a separate run of the target
-    alone), so a fresh probe later replays them. The fixed-k figures are the store-less probe's."""
-    from omnidraft.client import evaluation, fleet_device
+    first time by the target alone side by side where the target's kernels allow it (int8:
+    ``recording_decodes.record_together``, untimed) and elsewhere from the fixed-k pass's own
+    live decode (fp32), so a fresh probe later replays them. The fixed-k figures are the
+    store-less probe's."""
+    from omnidraft.client import evaluation, recorded_outputs
     from omnidraft.client.engine_pool import EnginePool
     from omnidraft.client.fleet_device import FleetDevice
 
     heldout = ["def f(x):", "def alpha_3(beta, gamma):\n", "x = 1\n", "    return "]
-    pool = EnginePool("fp32", "fp32")
+    pool = EnginePool(dtype, "fp32")
 
     def probe(name: str, recordings: str) -> FleetDevice:
         return FleetDevice(
             _probe_profile(tiny, name, heldout, tmp_path / name, speed_prompts=1, recordings=recordings), pool
         )
 
-    runs = []
-    real_alone = evaluation.target_alone
-    for module in (fleet_device, evaluation):  # the timed runs (evaluation) and the recordings
-        monkeypatch.setattr(module, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    runs, together = [], []
+    real_alone, real_together = evaluation.target_alone, recorded_outputs.record_together
+    monkeypatch.setattr(evaluation, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    monkeypatch.setattr(recorded_outputs, "record_together", lambda *a: together.append(len(a[3])) or real_together(*a))
     store = str(tmp_path / "recordings")
     first = probe("p1", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
     assert runs == [heldout[:1]] and first["speedup"] > 0  # the timed baseline only, each time
+    assert together == ([3] if dtype == "int8" else [])  # the three other prompts, side by side
     # recorded: the prompts the fixed-k pass decoded live (the timed one's baseline runs every time)
     assert len(list((tmp_path / "recordings").rglob("*.safetensors"))) == len(heldout) - 1
     runs.clear()
     second = probe("p2", store).evaluate(use_global=False, measure_ar=True, fixed_k=3)
-    assert runs == [heldout[:1]]
+    assert runs == [heldout[:1]] and together == ([3] if dtype == "int8" else [])
     plain = probe("p3", "").evaluate(use_global=False, measure_ar=True, fixed_k=3)
     for key in ("fixed-k-acceptance", "fixed-k-tokens-per-call"):
         assert first[key] == second[key] == plain[key]
@@ -280,8 +286,9 @@ def test_a_new_device_records_its_held_out_outputs_from_its_own_live_decodes(tmp
 
     runs, replayed = [], []
     real_alone, real_replay = evaluation.target_alone, RecordedTarget.__init__
-    for module in (fleet_device, evaluation):
-        monkeypatch.setattr(module, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    real_together = fleet_device.record_together
+    monkeypatch.setattr(evaluation, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    monkeypatch.setattr(fleet_device, "record_together", lambda *a: runs.append(a[3]) or real_together(*a))
     monkeypatch.setattr(RecordedTarget, "__init__", lambda self, *a: replayed.append(1) or real_replay(self, *a))
     first = device("d1").evaluate(use_global=False, fixed_k=3)
     assert runs == [] and len(list(store.rglob("*.safetensors"))) == len(heldout)
@@ -307,12 +314,13 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     profile = _probe_profile(tiny, "p", heldout, tmp_path / "probe", speed_prompts=1)
     device = FleetDevice(profile, EnginePool("fp32", "fp32"))
     runs = []
-    real_alone = evaluation.target_alone
-    for module in (fleet_device, evaluation):  # the timed runs (evaluation) and the outputs kept
-        monkeypatch.setattr(module, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    real_alone, real_together = evaluation.target_alone, fleet_device.record_together
+    # the timed runs (evaluation) and the outputs kept (the target alone, side by side where it can)
+    monkeypatch.setattr(evaluation, "target_alone", lambda *a: runs.append(a[1]) or real_alone(*a))
+    monkeypatch.setattr(fleet_device, "record_together", lambda *a: runs.append(len(a[3])) or real_together(*a))
     first = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
     again = device.evaluate(use_global=False, measure_ar=True, fixed_k=3)
-    assert runs == [heldout[:1], heldout[1:], heldout[:1]]  # outputs once; the timed baseline each time
+    assert runs == [heldout[:1], 3, heldout[:1]]  # outputs once; the timed baseline each time
     assert first["fixed-k-acceptance"] == again["fixed-k-acceptance"] and first["speedup"] > 0
     session = device.session(use_global=False)
     live = evaluation.evaluate_fixed_k(session, heldout, profile.generation, 3)
@@ -321,7 +329,7 @@ def test_probe_evaluation_replays_the_recorded_target(tmp_path, tiny, monkeypatc
     assert first["generated-tokens"] <= profile.generation.max_new_tokens < live["new_tokens"]  # adaptive: 1 prompt
     device.profile = replace(profile, heldout=heldout[:2])  # another prompt set: recorded anew
     device.evaluate(use_global=False, fixed_k=3, adaptive=False)
-    assert runs == [heldout[:1], heldout[1:], heldout[:1], heldout[:2]]
+    assert runs == [heldout[:1], 3, heldout[:1], 2]
 
 
 def test_a_fresh_evaluation_holds_nothing_the_device_learned_and_changes_nothing(tmp_path, tiny):

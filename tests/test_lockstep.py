@@ -37,25 +37,35 @@ def _ids(n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("isa", list(NATIVE_ISAS))
-@pytest.mark.parametrize("variant", ["tied", "bias", "pruned"])
-def test_forwards_together_equal_each_runners_own(isa, variant):
+@pytest.mark.parametrize("variant", ["tied", "bias", "pruned", "act8"])
+def test_forwards_together_equal_each_runners_own(isa, variant, monkeypatch):
     """Four sequences of different lengths on forks of one runner: steps of 1-4 tokens (and a
-    longer one, which runs alone) keeping 0, 1 or 2 logits rows, together and one runner at a
-    time give equal logits, the same cache contents and the same last hidden state."""
+    longer one, which runs alone with 16-bit activations; 8-bit ones, a target's, take up to
+    eight rows a call) keeping 0, 1 or 2 logits rows, together and one runner at a time give
+    equal logits, the same cache contents and the same last hidden state."""
     weights, native, isa = kind_of(f"int8-native-{isa}")
     model = tiny_llama(tied=variant == "tied", bias=variant == "bias")
     rows = torch.arange(0, VOCAB, 3) if variant == "pruned" else None
-    base = FastLlamaRunner(model, weights=weights, native=native, native_isa=isa, max_positions=128, vocab_rows=rows)
+    bits = 8 if variant == "act8" else 16
+    base = FastLlamaRunner(
+        model, weights=weights, native=native, native_isa=isa, max_positions=128, vocab_rows=rows, activation_bits=bits
+    )
+    assert batched_steps.rows_per_call(base) == (8 if bits == 8 else 4)
     alone = [base.fork(current=True) for _ in range(4)]
     together = [base.fork(current=True) for _ in range(4)]
     for k, (a, b) in enumerate(zip(alone, together)):  # prompts of 3-40 tokens
         prompt = _ids(3 + 12 * k, seed=k)
         assert torch.equal(a.forward(prompt, 1), b.forward(prompt, 1))
     steps = [[1, 1, 1, 1], [2, 1, 3, 1], [1, 4, 1, 1], [6, 1, 1, 2], [1, 1, 4, 4]]
+    real, widths = batched_steps._forward_rows, []
+    monkeypatch.setattr(batched_steps, "_forward_rows", lambda calls: widths.append(len(calls)) or real(calls))
     for s, lengths in enumerate(steps):
         calls = [(_ids(n, seed=100 * s + k), (0, 1, 2)[(s + k) % 3]) for k, n in enumerate(lengths)]
         want = [runner.forward(ids, keep) for runner, (ids, keep) in zip(alone, calls)]
+        widths.clear()
         got = forward_together([(runner, ids, keep) for runner, (ids, keep) in zip(together, calls)])
+        if bits == 8 and sum(lengths) <= 8:
+            assert widths == [4]  # every sequence's step in one call
         for w, g in zip(want, got):
             assert g.shape == w.shape and torch.equal(g, w)
         for a, b in zip(alone, together):

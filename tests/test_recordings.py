@@ -13,6 +13,7 @@ from tiny_pair import CONFIG, PROMPTS, _engine
 
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
+from omnidraft.shared.engine.pair import Engine
 
 
 def test_a_replayed_learning_decode_is_the_live_one_without_the_target(pair_dir, tmp_path):
@@ -104,3 +105,48 @@ def test_recording_store_keys_damage_and_misuse(pair_dir, tmp_path):
     replayed.record(None, recording.generated[:2])
     with pytest.raises(ValueError, match="left the recording"):
         replayed.record(None, [recording.generated[2] + 1])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp64"])
+def test_recordings_decoded_by_the_target_alone_side_by_side_are_the_live_ones(pair_dir, tmp_path, dtype, monkeypatch):
+    """The target alone's decodes of several prompts (``record_together``: side by side where
+    the target's kernels allow it, int8 here, where one native call takes every prompt's step;
+    fp64 one after another) give each prompt, training signal included, bit for bit the
+    recording a live speculative learning decode of it leaves. ``record_missing`` decodes so
+    the prompts a store lacks (where they go side by side; elsewhere the live decode records
+    them), keeps them, and never decodes a prompt the store holds."""
+    from omnidraft.client.recorded_outputs import record_missing
+    from omnidraft.shared.engine.recording_decodes import record_together
+    from omnidraft.shared.runtime import batched_steps
+
+    engine = Engine.load(str(pair_dir / "drafter"), str(pair_dir / "target"), dtype, progress=False)
+    session = DeviceSession(engine, target_name="t", online=OnlineConfig(interval=2, lr=2e-2))
+    prompts = PROMPTS[:6]
+    live = []
+    for prompt in prompts:
+        session.generate(prompt, CONFIG)
+        live.append(session.last_recording)
+    widths = []
+    real = batched_steps._forward_rows
+    monkeypatch.setattr(batched_steps, "_forward_rows", lambda calls: widths.append(len(calls)) or real(calls))
+    ids = [engine.prompt_ids(prompt)[1] for prompt in prompts]
+    decoded = record_together(engine.target_runner, engine.bridge, session.inter, ids, CONFIG)
+    assert max(widths) == len(prompts) if dtype == "int8" else not widths  # six prompts' steps in one call
+    for want, got in zip(live, decoded):
+        assert got.ids == want.ids and got.prompt_tokens == want.prompt_tokens
+        assert got.signal.keys() == want.signal.keys()
+        assert all(torch.equal(got.signal[k], want.signal[k]) for k in want.signal)
+    store = engine.recordings(tmp_path)
+    store.put(prompts[0], CONFIG, live[0])
+    widths.clear()
+    found = record_missing(store, session, prompts, CONFIG, signal=True)
+    if dtype == "fp64":
+        assert found[0].ids == live[0].ids and found[1:] == [None] * 5
+        return
+    assert max(widths) == len(prompts) - 1  # the five prompts the store lacked
+    for want, got, prompt in zip(live, found, prompts):
+        assert got.ids == want.ids and all(torch.equal(got.signal[k], want.signal[k]) for k in want.signal)
+        assert store.get(prompt, CONFIG, signal=True).ids == want.ids
+    widths.clear()
+    assert [r.ids for r in record_missing(store, session, prompts, CONFIG)] == [r.ids for r in live]
+    assert not widths  # all held now: nothing decoded

@@ -162,8 +162,12 @@ class TargetOnlyDecoder:
         self.side = _TargetSide(target, bridge, timings)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], config: GenerationConfig, on_tokens=None) -> GenerationResult:
-        """``on_tokens(ids)`` is called with each step's committed ids (see ``StopChecker``)."""
+    def generate(
+        self, prompt_ids: list[int], config: GenerationConfig, on_tokens=None, recorder=None
+    ) -> GenerationResult:
+        """``on_tokens(ids)`` is called with each step's committed ids (see ``StopChecker``).
+        ``recorder`` (``training_signal.SignalRecorder``): each step's row, as a speculative
+        decode's verification records the rows of the tokens it commits."""
         t0 = time.perf_counter()
         stop, generator = self.side.start(prompt_ids, config, on_tokens)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -175,6 +179,8 @@ class TargetOnlyDecoder:
                 pending = int(logits[-1].argmax())
             else:
                 pending = sample(warp(logits[-1:], config.temperature, config.top_p)[0], generator)
+            if recorder is not None:
+                recorder.record(logits[-1:], [pending])
             stop.extend([pending])
         return self.side.finish(stop, stats, t0)
 

@@ -5,7 +5,7 @@ A one-token step of a small drafter on the native int8 kernels is bound by readi
 four activation rows per pass over a weight block (``native/fd_avx512.h``): four tokens cost
 about what one does (8.3 ms there). ``forward_together`` runs the pending forwards of runners
 that share their weights (``FastLlamaRunner.fork(current=True)``: each its own KV cache) as one
-``fd_forward_rows`` call per group of up to ``ROWS_PER_CALL`` token rows. Every row is computed
+``fd_forward_rows`` call per group of up to ``rows_per_call`` token rows. Every row is computed
 as it would be alone (a kernel's rows never mix), so each runner gets exactly the logits its own
 ``forward`` returns (``tests/test_lockstep.py`` checks it bit for bit); a longer forward (a
 prompt's prefill) runs alone on its runner.
@@ -23,9 +23,16 @@ from omnidraft.shared.runtime.cached_positions import exact_prefix
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 
 ROWS_PER_CALL = 4  # the kernels' rows per pass over a weight block (16-bit activations)
+ROWS_PER_CALL_ACT8 = 8  # with 8-bit activations (a target's steps): eight rows a pass on AVX-512
 
 # one pending forward: the runner, the ids it appends and how many logits rows it keeps (0: all)
 Call = tuple[FastLlamaRunner, list[int], int]
+
+
+def rows_per_call(runner: FastLlamaRunner) -> int:
+    """Token rows one native call of ``runner``'s steps takes: what one pass over a weight block
+    computes (``native/fd_avx512.h``; a kernel that computes fewer a pass makes more passes)."""
+    return ROWS_PER_CALL_ACT8 if runner.activation_bits == 8 else ROWS_PER_CALL
 
 
 def batchable(runner) -> bool:
@@ -36,7 +43,7 @@ def batchable(runner) -> bool:
 @torch.inference_mode()
 def forward_together(calls: Sequence[Call]) -> list[torch.Tensor]:
     """Run every call (each as ``runner.forward(ids, logits_to_keep)`` would, with the same
-    logits and the same cache afterwards); calls of up to ``ROWS_PER_CALL`` tokens on batchable
+    logits and the same cache afterwards); calls of up to ``rows_per_call`` tokens on batchable
     runners that share weights go together, in order, as few native calls as the rows allow."""
     out: list[torch.Tensor | None] = [None] * len(calls)
     group: list[int] = []  # the calls that share the next native call
@@ -47,11 +54,11 @@ def forward_together(calls: Sequence[Call]) -> list[torch.Tensor]:
         group.clear()
 
     for i, (runner, ids, keep) in enumerate(calls):
-        if len(ids) > ROWS_PER_CALL or not batchable(runner):
+        if not batchable(runner) or len(ids) > rows_per_call(runner):
             out[i] = _forward_alone(runner, ids, keep, [c[0] for c in calls[:i]])
             continue
         rows = sum(len(calls[j][1]) for j in group)
-        if group and (rows + len(ids) > ROWS_PER_CALL or runner._packing is not calls[group[0]][0]._packing):
+        if group and (rows + len(ids) > rows_per_call(runner) or runner._packing is not calls[group[0]][0]._packing):
             flush()
         group.append(i)
     if group:
