@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import errno
 import hashlib
-import os
 import zipfile
 from pathlib import Path
 
@@ -137,31 +135,16 @@ def test_formats_pulled_and_switched(tmp_path, monkeypatch):
 
 
 def test_default_format_comes_from_the_environment(tmp_path, monkeypatch):
+    """Models not pulled yet are kept as GGUF unless ``$OMNIDRAFT_MODEL_FORMAT`` says otherwise;
+    a device's commands pull what any other command pulls."""
     monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
     monkeypatch.delenv("OMNIDRAFT_MODEL_FORMAT", raising=False)
-    assert catalog.default_format() == "safetensors"
-    monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "gguf")
     assert catalog.default_format() == "gguf"
+    monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "safetensors")
+    assert catalog.default_format() == "safetensors"
     monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "onnx")
     with pytest.raises(CatalogError, match="OMNIDRAFT_MODEL_FORMAT='onnx' is not a model format"):
         catalog.pull("gemma3-270m", progress=False)
-
-
-def test_a_devices_commands_keep_models_as_gguf_unless_told_otherwise(monkeypatch):
-    """``omnidraft device serve`` and ``join`` pull models not pulled yet as GGUF (a board's disk),
-    an explicit ``$OMNIDRAFT_MODEL_FORMAT`` still wins, and nothing leaks past the command."""
-    from omnidraft.cli import device_commands
-
-    seen = []
-    for action in ("serve", "join"):
-        monkeypatch.setattr(device_commands, f"_{action}", lambda args: seen.append(catalog.default_format()) or 0)
-    monkeypatch.delenv("OMNIDRAFT_MODEL_FORMAT", raising=False)
-    for action in ("serve", "join"):
-        assert device_commands.device(argparse.Namespace(action=action)) == 0
-    assert seen == ["gguf", "gguf"] and catalog.default_format() == "safetensors"
-    monkeypatch.setenv("OMNIDRAFT_MODEL_FORMAT", "safetensors")
-    device_commands.device(argparse.Namespace(action="serve"))
-    assert seen[-1] == "safetensors" and os.environ["OMNIDRAFT_MODEL_FORMAT"] == "safetensors"
 
 
 @pytest.mark.parametrize("force", [False, True])
@@ -204,7 +187,8 @@ def test_processes_pulling_the_same_model_take_turns(tmp_path, monkeypatch, caps
     first.join(30)
     second.join(30)
     assert results == [catalog.model_dir(name)] * 2
-    assert pulls == [(name, "safetensors")]  # one download; the waiter found the model pulled
+    # one download (in the format the model was pulled in before); the waiter found the model pulled
+    assert pulls == [(name, "safetensors" if force else catalog.default_format())]
     assert catalog.pull(name, force=force, progress=False) == catalog.model_dir(name)
     assert len(pulls) == (2 if force else 1)  # alone, a forced pull fetches again; a plain one does not
 

