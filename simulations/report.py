@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
+from omnidraft.simulations.profile_check import profile_table, stale_notes
 from omnidraft.simulations.report_plots import PLOTS, plot
 
 
@@ -317,22 +318,6 @@ def time_table(records: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
-def profile_table(records: list[dict]) -> str | None:
-    """Per round and target, the live panel's check of the cached cost profile the draft rule
-    and the modelled speedups read (``profile_check_metrics``), or None when no record has one."""
-    keys = ("eval-profile-target-step", "eval-profile-drafter-vs-target")
-    rows = [r for r in records if any(k in r for k in keys)]
-    if not rows:
-        return None
-    lines = [
-        "| round | target | one-token target step, in use / profile | drafter step against it, in use / profile |",
-        "|---|---|---|---|",
-    ]
-    for r in sorted(rows, key=lambda r: (r["round"], r["target"])):
-        lines.append(f"| {r['round']} | {r['target']} | " + " | ".join(_fmt(r.get(k), ".2f") for k in keys) + " |")
-    return "\n".join(lines)
-
-
 def finish(
     run_dir: str | Path,
     config: dict,
@@ -467,6 +452,7 @@ def write_report(run_dir: str | Path) -> Path:
             "",
             checked,
             "",
+            *[f"{note}\n" for note in stale_notes(records, cfg)],
         ]
     reasons = rejection_reasons(records)
     if reasons:

@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         from omnidraft.shared.util.processes import PeakMemory
         from omnidraft.simulations import report
         from omnidraft.simulations.flower_runner import FlowerRunError
+        from omnidraft.simulations.profile_check import stale_notes
         from omnidraft.simulations.scenario import run
 
         scenario = scenario_from_args(args)
@@ -356,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"\nwrote {out}/: metrics.jsonl, summary.json, plots, {path.name} "
                 f"({time.perf_counter() - t0:.0f} s, peak memory {peak_mb / 1024:.1f} GiB, {memory_scope})"
             )
+            for note in stale_notes(report.read_metrics(out / "metrics.jsonl"), scenario.to_dict()):
+                print(note, file=sys.stderr)
         return 0
     except (ValueError, RegistryError, CatalogError, FlowerRunError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from omnidraft.simulations import report
+from omnidraft.simulations.profile_check import stale_notes
 from omnidraft.simulations.scenario import Drift, Rollout, Scenario
 
 
@@ -257,3 +258,16 @@ def test_the_live_panels_profile_check_is_reported_round_by_round():
     table = report.profile_table(records).splitlines()
     assert table[2:] == ["| 0 | q | 0.90 | – |", "| 1 | q | 1.25 | 0.80 |"]
     assert report.profile_table([{"round": 1, "target": "q"}]) is None
+    # the last checked round decides: 1.25x and 0.80x are within 1.5x, not within 1.2x
+    real = {"models": "real", "cpus_per_device": 2, "dtype": "int8"}
+    assert "1.25x" in stale_notes(records, real)[0] and stale_notes(records[1:], real) == []
+    off = records[1:] + [
+        {"round": 3, "target": "q", "eval-profile-target-step": 0.72, "eval-profile-drafter-vs-target": 1.38}
+    ]
+    (note,) = stale_notes(off, real)
+    assert "round 3" in note and "0.72x" in note and "1.38x" in note
+    assert note.endswith(
+        "OMNIDRAFT_THREADS=2 omnidraft profile --drafter smollm2-135m --target q --dtype int8 --refresh"
+    )
+    (tiny,) = stale_notes(off[:-1] + [{"round": 3, "target": "q", "eval-profile-target-step": 1.6}], {"models": "tiny"})
+    assert "1.60x" in tiny and "omnidraft profile" not in tiny  # tiny models: no catalog names to give
