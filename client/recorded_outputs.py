@@ -51,15 +51,15 @@ def record_missing(
     kernels run several sequences in one call. None for a prompt still without one (the caller's
     live decode records it: ``keep``, ``record``)."""
     found = [store.get(prompt, config, signal=signal) for prompt in prompts]
-    missing = [i for i, recording in enumerate(found) if recording is None]
+    missing = list(dict.fromkeys(prompt for prompt, recording in zip(prompts, found) if recording is None))
     engine = session.engine
     if len(missing) < 2 or not records_together(engine.target_runner):
         return found
-    ids = [engine.prompt_ids(prompts[i])[1] for i in missing]
-    for i, recording in zip(missing, record_together(engine.target_runner, engine.bridge, session.inter, ids, config)):
-        keep(store, prompts[i], config, recording)
-        found[i] = recording
-    return found
+    ids = [engine.prompt_ids(prompt)[1] for prompt in missing]
+    decoded = dict(zip(missing, record_together(engine.target_runner, engine.bridge, session.inter, ids, config)))
+    for prompt, recording in decoded.items():
+        keep(store, prompt, config, recording)
+    return [decoded.get(prompt, recording) for prompt, recording in zip(prompts, found)]
 
 
 def record(

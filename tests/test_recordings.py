@@ -139,11 +139,12 @@ def test_recordings_decoded_by_the_target_alone_side_by_side_are_the_live_ones(p
     store = engine.recordings(tmp_path)
     store.put(prompts[0], CONFIG, live[0])
     widths.clear()
-    found = record_missing(store, session, prompts, CONFIG, signal=True)
+    found = record_missing(store, session, prompts + prompts[1:2], CONFIG, signal=True)  # one prompt twice
     if dtype == "fp64":
-        assert found[0].ids == live[0].ids and found[1:] == [None] * 5
+        assert found[0].ids == live[0].ids and found[1:] == [None] * 6
         return
-    assert max(widths) == len(prompts) - 1  # the five prompts the store lacked
+    assert max(widths) == len(prompts) - 1  # the five prompts the store lacked, each once
+    assert found[-1] is found[1]
     for want, got, prompt in zip(live, found, prompts):
         assert got.ids == want.ids and all(torch.equal(got.signal[k], want.signal[k]) for k in want.signal)
         assert store.get(prompt, CONFIG, signal=True).ids == want.ids
