@@ -14,8 +14,9 @@ import logging
 
 from omnidraft.client.session import DeviceSession
 from omnidraft.shared.engine.generation import GenerationConfig
-from omnidraft.shared.engine.recording_decodes import record_together, records_together
+from omnidraft.shared.engine.recording_decodes import record_together
 from omnidraft.shared.engine.recordings import Recording, RecordingStore
+from omnidraft.shared.runtime.batched_steps import batchable
 
 log = logging.getLogger("omnidraft.device")
 
@@ -53,7 +54,7 @@ def record_missing(
     found = [store.get(prompt, config, signal=signal) for prompt in prompts]
     missing = list(dict.fromkeys(prompt for prompt, recording in zip(prompts, found) if recording is None))
     engine = session.engine
-    if len(missing) < 2 or not records_together(engine.target_runner):
+    if len(missing) < 2 or not batchable(engine.target_runner):
         return found
     ids = [engine.prompt_ids(prompt)[1] for prompt in missing]
     decoded = dict(zip(missing, record_together(engine.target_runner, engine.bridge, session.inter, ids, config)))

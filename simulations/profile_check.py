@@ -10,7 +10,7 @@ says so and gives the command that measures it again for the next run.
 
 from __future__ import annotations
 
-from omnidraft.shared.engine.profiling import RELATIVE_STALE_RATIO, STALE_RATIO
+from omnidraft.shared.engine.profiling import RELATIVE_STALE_RATIO, STALE_RATIO, off_by_more_than
 from omnidraft.simulations.scenario import REAL_DRAFTER
 
 STEP, RELATIVE = "eval-profile-target-step", "eval-profile-drafter-vs-target"
@@ -41,16 +41,13 @@ def stale_notes(records: list[dict], config: dict) -> list[str]:
     more than ``RELATIVE_STALE_RATIO``; with the real models, the command that measures it again
     (the profile the run's devices read: its threads, precision and kernels)."""
 
-    def off(value: float | None, limit: float) -> bool:
-        return value is not None and not 1 / limit <= value <= limit
-
     last: dict[str, dict] = {}
     for r in sorted((r for r in records if STEP in r or RELATIVE in r), key=lambda r: r["round"]):
         last[r["target"]] = r
     notes = []
     for target, r in sorted(last.items()):
         step, relative = r.get(STEP), r.get(RELATIVE)
-        if not (off(step, STALE_RATIO) or off(relative, RELATIVE_STALE_RATIO)):
+        if not (off_by_more_than(step, STALE_RATIO) or off_by_more_than(relative, RELATIVE_STALE_RATIO)):
             continue
         note = (
             f"note: {target}'s cost profile is off on this machine now (round {r['round']}: a one-token "

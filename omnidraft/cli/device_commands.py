@@ -203,8 +203,10 @@ def _keygen(args) -> int:
 
 
 def device(args) -> int:
-    if args.action in ("serve", "join"):  # the commands that load models on the device
-        return _serve(args) if args.action == "serve" else _join(args)
+    if args.action == "serve":
+        return _serve(args)
+    if args.action == "join":
+        return _join(args)
     if args.action == "export-adapter":
         return _export_adapter(args)
     if args.action == "keygen":

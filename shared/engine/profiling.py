@@ -56,6 +56,11 @@ STALE_RATIO = 1.5  # a profile whose steps in use differ from it by more than th
 RELATIVE_STALE_RATIO = 1.2
 
 
+def off_by_more_than(ratio: float | None, limit: float) -> bool:
+    """True when ``ratio`` (in use over profiled; None: not measured) lies outside 1/limit..limit."""
+    return ratio is not None and not 1 / limit <= ratio <= limit
+
+
 def _ids(n: int, offset: int = 0) -> list[int]:
     """``n`` ordinary token ids valid in any vocabulary (below 100)."""
     return [3 + (offset + i) % 97 for i in range(n)]
@@ -394,32 +399,25 @@ class StepTimings:
         samples; ``stale`` when one differs by more than ``STALE_RATIO`` either way, or when the
         drafter step's ratio differs from the one-token target step's by more than
         ``RELATIVE_STALE_RATIO`` (``drafter_vs_target``: the first over the second)."""
-        rows = {}
-        for block, samples in sorted(self.target.items()):
+        measured = {f"target:{b}": (steps, profile.target_cost(b)) for b, steps in sorted(self.target.items())}
+        measured["drafter:1"] = (self.drafter_steps, profile.drafter_ms_per_token)
+        out = {}
+        for name, (samples, cached) in measured.items():
             if len(samples) >= min_samples:
-                rows[f"target:{block}"] = (statistics.median(samples), profile.target_cost(block), len(samples))
-        if len(self.drafter_steps) >= min_samples:
-            rows["drafter:1"] = (
-                statistics.median(self.drafter_steps),
-                profile.drafter_ms_per_token,
-                len(self.drafter_steps),
-            )
-        out = {
-            name: {
-                "in_use_ms": round(used, 2),
-                "profile_ms": round(cached, 2),
-                "samples": n,
-                "ratio": round(used / cached, 3) if cached > 0 else None,
-            }
-            for name, (used, cached, n) in rows.items()
-        }
-        stale = any(r["ratio"] is not None and not 1 / STALE_RATIO <= r["ratio"] <= STALE_RATIO for r in out.values())
-        report = {"steps": out, "stale": stale}
+                used = statistics.median(samples)
+                ratio = round(used / cached, 3) if cached > 0 else None
+                out[name] = {
+                    "in_use_ms": round(used, 2),
+                    "profile_ms": round(cached, 2),
+                    "samples": len(samples),
+                    "ratio": ratio,
+                }
+        report = {"steps": out, "stale": any(off_by_more_than(r["ratio"], STALE_RATIO) for r in out.values())}
         drafter, target = out.get("drafter:1", {}).get("ratio"), out.get("target:1", {}).get("ratio")
         if drafter and target:
             relative = drafter / target
             report["drafter_vs_target"] = round(relative, 3)
-            report["stale"] = stale or not 1 / RELATIVE_STALE_RATIO <= relative <= RELATIVE_STALE_RATIO
+            report["stale"] = report["stale"] or off_by_more_than(relative, RELATIVE_STALE_RATIO)
         return report
 
 

@@ -27,11 +27,6 @@ from omnidraft.shared.runtime.batched_steps import batchable
 from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 
-def records_together(target_runner) -> bool:
-    """True where ``record_together`` decodes the prompts side by side (the native int8 kernels)."""
-    return batchable(target_runner)
-
-
 def record_together(
     target_runner,
     bridge: VocabBridge,
@@ -40,11 +35,11 @@ def record_together(
     config: GenerationConfig,
 ) -> list[Recording]:
     """Each prompt's recording (target ids, with the training signal over ``inter``): the target
-    alone's greedy decodes, side by side where ``records_together``, else one after another on
-    ``target_runner``. The runner's own cache is left as it was only in the first case."""
+    alone's greedy decodes, side by side where the runner is ``batchable`` (the native int8
+    kernels), else one after another on ``target_runner``. The runner's own cache is left as it was only in the first case."""
     if not config.greedy:
         raise ValueError("only a greedy decode can be recorded")
-    if not records_together(target_runner) or len(prompts_ids) < 2:
+    if not batchable(target_runner) or len(prompts_ids) < 2:
         return [_record(TargetOnlyDecoder(target_runner, bridge), list(ids), config, inter) for ids in prompts_ids]
     group = Lockstep([target_runner.fork(current=True) for _ in prompts_ids])
     jobs = [
