@@ -397,16 +397,22 @@ def test_prefill_activation_bits(isa):
 
 @pytest.mark.parametrize("rows", [300, 32, 7])
 def test_native_packing_in_row_slices_is_the_documented_layout(monkeypatch, rows):
-    """``pack_native`` quantizes a matrix a slice of rows at a time (32 here: ten slices of a
-    300-row matrix, the last padded); the bytes are the documented layout computed whole: per
-    (row, 64 inputs) a scale max|w| / 127, weights round(w / scale) + 128 as uint8 in blocks of
-    16 rows x 4 inputs, padding rows zero."""
+    """``pack_native`` (``fd_pack_rows`` in C) quantizes a matrix a slice of rows at a time (32
+    here: ten slices of a 300-row matrix, the last padded); the bytes are the documented layout
+    computed whole by torch: per (row, 64 inputs) a scale max|w| / 127 (at least 1e-30),
+    weights round(w / scale) to the nearest, ties to even, + 128 as uint8 in blocks of 16 rows x
+    4 inputs, padding rows zero. Exact ties and an all-zero group are among the inputs."""
     from omnidraft.shared.runtime import weight_packing
 
+    lib = native_library()
+    if lib is None:
+        pytest.skip(f"no native kernels: {native_error()}")
     monkeypatch.setattr(weight_packing, "PACK_SLICE_ROWS", 32)
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(rows, 128, generator=g) * torch.rand(rows, 1, generator=g), torch.randn(rows, generator=g)
-    packed, scales, bias = weight_packing.pack_native(w, b)
+    w[0, :64] = 0.0  # an all-zero group: scale 1e-30, weights 128
+    w[-1, 64:70] = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, -0.5])  # scale 1: ties, to even
+    packed, scales, bias = weight_packing.pack_native(w, b, lib)
 
     n = -(-rows // 16) * 16
     whole = torch.cat([w, torch.zeros(n - rows, 128)]).view(n, 2, 64)
@@ -418,6 +424,8 @@ def test_native_packing_in_row_slices_is_the_documented_layout(monkeypatch, rows
             assert scales[r // 16, c // 64, r % 16] == scale[r, c // 64]
     assert packed.shape == (n // 16, 32, 16, 4) and scales.shape == (n // 16, 2, 16)
     assert torch.equal(packed.permute(0, 2, 1, 3).reshape(n, 128), q)
+    assert torch.equal(scales.permute(0, 2, 1).reshape(n, 2), scale)
+    assert q[rows - 1, 64:70].tolist() == [255, 128, 130, 130, 126, 128] and q[0, :64].eq(128).all()
     assert torch.equal(bias, torch.cat([b, torch.zeros(n - rows)]))
 
 

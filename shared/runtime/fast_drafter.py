@@ -248,11 +248,11 @@ class FastLlamaRunner(CachedPositions):
             if w_head is None:  # PACK_SLICE_ROWS rows at a time (no float32 copy of the whole head)
                 rows = head.weight.detach() if checkpoint is None else checkpoint.rows(head_name)
                 bufs = pack_native_slices(
-                    lambda lo, hi: rows.index_select(0, torch.arange(lo, hi)).float() * gain, self.vocab
+                    lambda lo, hi: rows.index_select(0, torch.arange(lo, hi)).float() * gain, self.vocab, lib
                 )
                 release_freed_memory()
             else:
-                bufs = pack_native(w_head, None)
+                bufs = pack_native(w_head, None, lib)
             head_ptrs = torch.tensor([0 if t is None else t.data_ptr() for t in bufs], dtype=torch.int64)
             self._head_tensors = [t for t in bufs if t is not None] + [head_ptrs]
             self._head_pad = bufs[0].shape[0] * 16
@@ -299,7 +299,7 @@ class FastLlamaRunner(CachedPositions):
                     for k in self._torch_kinds:
                         linears[k].append(make_linear(k, w, b))
                     if self._lib is not None:
-                        bufs = pack_native(w, b)
+                        bufs = pack_native(w, b, self._lib)
                         native_tensors += [t for t in bufs if t is not None]
                         ptrs += [0 if t is None else t.data_ptr() for t in bufs]
             for k in self._torch_kinds:

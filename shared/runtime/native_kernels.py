@@ -302,6 +302,15 @@ def _build_native(isa: str):
         ctypes.c_void_p,
         ctypes.c_int,
     ]
+    lib.fd_pack_rows.restype = None
+    lib.fd_pack_rows.argtypes = [
+        ctypes.c_void_p,  # const float* w
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,  # uint8_t* packed
+        ctypes.c_void_p,  # float* scales
+        ctypes.c_int,
+    ]
     if isa == "amx" and lib.fd_amx_init() != 0:
         raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
     return lib

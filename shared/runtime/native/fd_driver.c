@@ -185,3 +185,43 @@ int fd_forward(const fd_model* md, int M, float* h, int pos, int logits_to_keep,
     free(rmd); free(rpos); free(keep);
     return rc;
 }
+
+// Lay out n rows of a float32 matrix w [n][K] (K a multiple of 64) for the kernels above: one
+// scale per (row, 64 inputs), max |w| / 127 (at least 1e-30); weights q = round(w / scale) to
+// the nearest, ties to even, clamped to [-127, 127], stored as q + 128 in [N/16][K/4][16][4]
+// order and scales as [N/16][K/64][16], with n padded to N (a multiple of 16) by zero rows.
+// The same IEEE operations in the same order as shared/runtime/weight_packing.py's reference,
+// so the bytes are identical; one pass over w (the torch expression makes six, ~1.2 GB/s).
+void fd_pack_rows(const float* w, int n, int K, uint8_t* packed, float* scales, int nthreads) {
+    const int N = (n + 15) / 16 * 16, G = K / 64;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
+#endif
+    for (int blk = 0; blk < N / 16; blk++) {
+        for (int r = 0; r < 16; r++) {
+            const int row = blk * 16 + r;
+            for (int g = 0; g < G; g++) {
+                float x[64], amax = 0.f;
+                uint8_t q[64];
+                if (row < n) memcpy(x, w + (size_t)row * K + (size_t)g * 64, sizeof x);
+                else memset(x, 0, sizeof x);
+                for (int i = 0; i < 64; i++) {  // a max of magnitudes: exact in any order
+                    const float a = fabsf(x[i]);
+                    amax = a > amax ? a : amax;
+                }
+                float s = amax / 127.0f;
+                if (s < 1e-30f) s = 1e-30f;
+                scales[((size_t)blk * G + g) * 16 + r] = s;
+                for (int i = 0; i < 64; i++) {
+                    float v = nearbyintf(x[i] / s);
+                    v = v < -127.f ? -127.f : (v > 127.f ? 127.f : v);
+                    q[i] = (uint8_t)(int)(v + 128.f);
+                }
+                // four inputs of this row to a 64-byte line of 16 rows x 4 inputs
+                for (int j = 0; j < 16; j++)
+                    memcpy(packed + (((size_t)blk * (K / 4) + (size_t)g * 16 + j) * 16 + r) * 4, q + 4 * j, 4);
+            }
+        }
+    }
+    (void)nthreads;
+}
