@@ -9,6 +9,9 @@ device's target and traffic may change with the round (``DeviceProfile.at_round`
   (``can-serve``), held global version and checksums, tokenizer digest. No local text.
 * ``query.switch`` ← ``"query"`` ConfigRecord with ``target``: serve that target from now on (a
   staged rollout chose this device) → reply the new status.
+* ``query.announce`` ← ``"query"`` ConfigRecord with ``announce`` (``train``, ``heldout``): a
+  simulation's round names ahead what it will ask (``FleetDevice.announce``; the recordings are
+  then decoded together) → reply ``"metrics"`` with ``announced``, how many the store lacked.
 * ``train`` ← ``"fleet"`` ConfigRecord: ``round``, ``spec`` (TargetSpec), ``manifest``
   (StateManifest), ``manifest-sig`` (Ed25519 over the manifest bytes), and ``adapter`` /
   ``cache`` bytes only when the device does not hold them.
@@ -84,6 +87,13 @@ def make_client_app(device_for: Callable[[Context], FleetDevice], mods: Sequence
     @app.query("status")
     def status(msg: Message, context: Context) -> Message:
         return Message(RecordDict({Record.STATUS: ConfigRecord(device_at(msg, context).status())}), reply_to=msg)
+
+    @app.query("announce")
+    def announce(msg: Message, context: Context) -> Message:
+        """A simulation's round names ahead what it will ask of this device (``FleetDevice.announce``)."""
+        asked = str(msg.content[Record.QUERY][FleetKey.ANNOUNCE]).split(",")
+        lacking = device_at(msg, context).announce(train="train" in asked, heldout="heldout" in asked)
+        return Message(RecordDict({Record.METRICS: MetricRecord({MetricKey.ANNOUNCED: lacking})}), reply_to=msg)
 
     @app.query("switch")
     def switch(msg: Message, context: Context) -> Message:

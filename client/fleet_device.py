@@ -12,12 +12,10 @@ trains on the prompts its generation service logged since its previous round (``
 
 A training round (FedAvg semantics): the local adapter restarts from the global one, global cache
 entries are merged into the local cache once per global version, the device decodes its next
-``prompts_per_round`` local prompts with online learning, flushes the learner, and reports
-
-* the adapter (tensors, to be averaged),
-* ``NgramStats``: the set of target-token ids it learned as n-gram entries this round,
-* metrics (acceptance and tokens per target call of the round's first session, which ran with the
-  global state alone, and of the whole round; tokens trained; update seconds; payload bytes).
+``prompts_per_round`` local prompts with online learning, flushes the learner, and reports the
+adapter, ``NgramStats`` (the target-token ids it learned as n-gram entries this round) and
+metrics (acceptance and tokens per target call of the round's first session and of the whole
+round; tokens trained; update seconds; payload bytes).
 
 Models are shared: ``EnginePool`` (``engine_pool``) loads each base model once per process, and devices that run
 one after the other in the same process swap only their adapters, caches and data.
@@ -39,18 +37,14 @@ from omnidraft.client.device_state import sha256 as _sha256
 from omnidraft.client.device_state import slug
 from omnidraft.client.engine_pool import EnginePool
 from omnidraft.client.evaluation import AdaptivePass, FixedKPass, Phase
-from omnidraft.client.recorded_outputs import keep, output, record, record_missing, stored_outputs
-from omnidraft.client.resource_policy import (
-    DeviceConditions,
-    SystemConditions,
-    UplinkLedger,
-    busy_reason,
-)
+from omnidraft.client.recorded_outputs import announce, keep, output, record, record_missing, stored_outputs
+from omnidraft.client.resource_policy import DeviceConditions, SystemConditions, UplinkLedger, busy_reason
 from omnidraft.client.session import DeviceSession, name_seed
 from omnidraft.proto import fleet_pb2
 from omnidraft.shared.engine.pair import Engine
 from omnidraft.shared.engine.recording_decodes import record_together
 from omnidraft.shared.engine.recordings import RecordingStore
+from omnidraft.shared.runtime.batched_steps import batchable
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
 from omnidraft.shared.vocab.ngram_cache import NgramCache
 from omnidraft.shared.wire import MetricKey, StatusKey, lora_spec
@@ -246,11 +240,9 @@ class FleetDevice:
         held global adapter and merges a newly received global cache (the fleet's released
         n-grams) into the local one. ``fresh`` (with ``use_global=False``): a session with
         nothing this device holds (the base drafter, a new rule and an empty lookup history,
-        never saved): what the device would do had it never learned or joined. A device whose
-        translator reads the n-gram cache (``translate="ngram"``) adds what the two tokenizers
-        imply once (``Engine.seed_cache``):
-        those entries are the same on every device, so the coordinator does not send them.
-        Both are recorded as done only when the session is saved (``save``)."""
+        never saved). A device whose translator reads the n-gram cache (``translate="ngram"``)
+        adds what the two tokenizers imply once (``Engine.seed_cache``; the same on every
+        device, so never sent). Both are recorded as done when the session is saved (``save``)."""
         if fresh and use_global:
             raise ValueError("a fresh session holds no global state: pass use_global=False")
         manifest = self.held_manifest() if use_global else None
@@ -312,18 +304,11 @@ class FleetDevice:
             raise StateMismatch(f"busy: {reason}")
         session = self.session()
         cache_before = {e.draft_ids: e.count for e in session.cache.entries()}
-        start = self._fleet_meta().get("next-prompt", 0)
-        if p.prompts:
-            prompts = [p.prompts[(start + i) % len(p.prompts)] for i in range(p.prompts_per_round)]
-            next_prompt = start + len(prompts)
-        else:  # a deployed device: the requests it served since its previous round
-            served = self.request_log().since(start)[: p.prompts_per_round]
-            prompts = [prompt for _, prompt in served]
-            next_prompt = served[-1][0] + 1 if served else start
+        prompts, next_prompt = self._round_prompts()
         first, whole = Phase(), Phase()
         outputs = []
         trained_tokens, update_s, replayed = 0, 0.0, 0
-        store = self.recordings(session)
+        store = self.recordings()
         # what to replay: the recordings (the missing ones decoded first by the target alone, side by side)
         found = record_missing(store, session, prompts, p.generation, signal=True) if store else [None] * len(prompts)
         for i, (prompt, recording) in enumerate(zip(prompts, found)):
@@ -367,13 +352,33 @@ class FleetDevice:
         }
         return session.adapters.state_dict(p.target_model), learned, metrics
 
-    def recordings(self, session: DeviceSession) -> RecordingStore | None:
+    def _round_prompts(self) -> tuple[list[str], int]:
+        """The prompts this device's next round trains on (a deployed device: what it served
+        since its previous round) and where the round after starts."""
+        p, start = self.profile, self._fleet_meta().get("next-prompt", 0)
+        if p.prompts:
+            return [
+                p.prompts[(start + i) % len(p.prompts)] for i in range(p.prompts_per_round)
+            ], start + p.prompts_per_round
+        served = self.request_log().since(start)[: p.prompts_per_round]
+        return [prompt for _, prompt in served], served[-1][0] + 1 if served else start
+
+    def announce(self, *, train: bool, heldout: bool) -> int:
+        """Simulations: name to the recording store what this round will ask of this device
+        (``recorded_outputs.announce``): its training prompts and the held-out ones an evaluation
+        replays (a probe decodes its speed prompts live). Returns how many the store lacks."""
+        p, store = self.profile, self.recordings()
+        if store is None or not batchable(self.engine.target_runner):  # recorded one by one anyway
+            return 0
+        lacking = announce(store, self._round_prompts()[0], p.generation, signal=True) if train else 0
+        live = (p.speed_prompts or len(p.heldout)) if p.probe else 0
+        return lacking + (announce(store, p.heldout[live:], p.generation) if heldout else 0)
+
+    def recordings(self) -> RecordingStore | None:
         """The store this device's learning decodes replay from and record to (simulations
         only: ``profile.recordings``), or None."""
         p = self.profile
-        if not p.recordings or not p.generation.greedy:
-            return None
-        return session.engine.recordings(p.recordings)
+        return self.engine.recordings(p.recordings) if p.recordings and p.generation.greedy else None
 
     def request_log(self):
         """The prompts this device's generation service logged (``RequestLog``)."""
@@ -414,12 +419,8 @@ class FleetDevice:
         ``fixed-k-acceptance`` does not depend on how long the drafter chooses to draft). With
         greedy decoding that pass replays the target's recorded output (``RecordedTarget``)
         instead of running the target, the prompts side by side after the adaptive pass
-        (``FixedKPass.decode_together``: the same figures, their drafter steps in shared calls).
-        The target alone's outputs do not change between rounds (``_target_alone`` keeps them);
-        its speed is timed again in every evaluation. With a
-        recording store, a prompt not recorded yet is decoded live by the first pass that needs
-        its output and recorded from that decode (a greedy decode commits the target's greedy
-        output), never by a separate run of the target alone."""
+        (``FixedKPass.decode_together``). The target alone's outputs do not change between
+        rounds (``_target_alone`` keeps them); its speed is timed in every evaluation."""
         if not adaptive and not fixed_k:
             raise ValueError("an evaluation without the adaptive pass needs a fixed draft length")
         session = self.session(use_global=use_global, fresh=fresh)
@@ -432,7 +433,7 @@ class FleetDevice:
         timed = adaptive and measure_ar
         # untimed, with a recording store (a simulation's newcomers and veterans; never a probe, the
         # live panel), the adaptive pass replays the target's recorded output too: its speed is modelled
-        store = self.recordings(session)
+        store = self.recordings()
         replay_adaptive = adaptive and not timed and not p.probe and store is not None
         speed = p.heldout[: p.speed_prompts or len(p.heldout)] if adaptive else []
         # the recorded outputs the passes replay; a timed evaluation records its speed prompts live

@@ -6,6 +6,11 @@ decode of a prompt (the target alone's, or a speculative one at any draft length
 recording. The prompts a round or an evaluation needs are looked up first and the missing ones
 recorded together by the target alone (``record_missing``) where the target's kernels decode
 several sequences in one call; elsewhere the first pass that decodes a prompt live records it.
+
+Simulated devices share one process and one store, and each asks for only a few prompts at a
+time (a training device its 4), too few to fill the kernels' rows. Before a round, each device
+the coordinator sampled names the prompts the round will ask of it (``announce``); the first
+``record_missing`` of that store records them all together, whichever device it runs for.
 """
 
 from __future__ import annotations
@@ -19,6 +24,28 @@ from omnidraft.shared.engine.recordings import Recording, RecordingStore
 from omnidraft.shared.runtime.batched_steps import batchable
 
 log = logging.getLogger("omnidraft.device")
+
+# prompts named ahead (``announce``), per store (root, identity digest): [(prompt, generation, with signal)]
+_announced: dict[tuple[str, str], list[tuple[str, GenerationConfig, bool]]] = {}
+
+
+def announce(store: RecordingStore, prompts: list[str], config: GenerationConfig, *, signal: bool = False) -> int:
+    """Name prompts this process will soon ask ``store`` for (with the training signal where
+    ``signal``), so that the next ``record_missing`` on ``store`` records those it lacks beside
+    its own; returns how many of ``prompts`` the store lacks now."""
+    lacking = [prompt for prompt in prompts if store.get(prompt, config, signal=signal) is None]
+    _announced.setdefault((str(store.root), store.digest), []).extend((p, config, signal) for p in lacking)
+    return len(lacking)
+
+
+def _take_announced(store: RecordingStore, config: GenerationConfig) -> list[str]:
+    """The prompts announced for ``store`` under ``config`` that it still lacks (taken off the list)."""
+    key = (str(store.root), store.digest)
+    named = _announced.pop(key, [])
+    rest = [entry for entry in named if entry[1] != config]
+    if rest:
+        _announced[key] = rest
+    return [prompt for prompt, c, signal in named if c == config and store.get(prompt, c, signal=signal) is None]
 
 
 def output(generated: list[int]) -> dict:
@@ -47,14 +74,17 @@ def record_missing(
     store: RecordingStore, session: DeviceSession, prompts: list[str], config: GenerationConfig, *, signal: bool = False
 ) -> list[Recording | None]:
     """Each prompt's recording in ``store`` (with its training signal when ``signal``); two or
-    more that it lacks are first decoded by the target alone side by side and kept
-    (``recording_decodes.record_together``: their training signal too), where the target's
-    kernels run several sequences in one call. None for a prompt still without one (the caller's
-    live decode records it: ``keep``, ``record``)."""
+    more that it lacks, with those announced for it (``announce``), are first decoded by the
+    target alone side by side and kept (``recording_decodes.record_together``: their training
+    signal too), where the target's kernels run several sequences in one call. None for a prompt
+    still without one (the caller's live decode records it: ``keep``, ``record``)."""
     found = [store.get(prompt, config, signal=signal) for prompt in prompts]
-    missing = list(dict.fromkeys(prompt for prompt, recording in zip(prompts, found) if recording is None))
+    own = [prompt for prompt, recording in zip(prompts, found) if recording is None]
     engine = session.engine
-    if len(missing) < 2 or not batchable(engine.target_runner):
+    if not batchable(engine.target_runner):
+        return found
+    missing = list(dict.fromkeys(own + (_take_announced(store, config) if own else [])))
+    if len(missing) < 2:
         return found
     ids = [engine.prompt_ids(prompt)[1] for prompt in missing]
     decoded = dict(zip(missing, record_together(engine.target_runner, engine.bridge, session.inter, ids, config)))

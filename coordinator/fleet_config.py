@@ -25,6 +25,9 @@ class FleetConfig:
     fixed_k: int = 0  # evaluation also decodes drafting exactly this many tokens per round (0: not)
     newcomer_evals: int = 2  # per target and round, newcomers measured with and without the global state (0: all)
     newcomer_speed: bool = False  # newcomers and veterans also decode adaptively (their speed) beside fixed k
+    # simulations: sampled devices and probes name the round's prompts ahead (query.announce), so
+    # that the target's outputs they lack are recorded together
+    announce_recordings: bool = False
     seed: int = 0
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)  # how an aggregate moves the global adapter

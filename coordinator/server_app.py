@@ -37,7 +37,6 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +45,7 @@ from flwr.serverapp import Grid
 
 from omnidraft.coordinator.device_replies import EVAL_KEYS, eval_metrics_usable, status_problem
 from omnidraft.coordinator.fleet_config import FleetConfig
+from omnidraft.coordinator.panels import Panel, first_session_panels
 from omnidraft.coordinator.registry import GlobalState, TargetRegistry, rollout_rank
 from omnidraft.coordinator.round_aggregate import aggregate_replies
 from omnidraft.coordinator.round_log import PhaseClock, finish_round, forget_unfinished, last_round
@@ -80,24 +80,6 @@ def state_record(state: GlobalState, status: ConfigRecord | None, round_: int, *
     if status is None or status.get(StatusKey.CACHE_SHA256) != state.manifest.cache_sha256:
         record[FleetKey.CACHE] = state.cache_blob
     return record
-
-
-@dataclass
-class Panel:
-    """Devices that evaluate together: ``nodes`` decode their held-out prompts with ``state``
-    (None: their local state alone); ``held`` is their status (the parts they hold);
-    ``prefix`` names the panel's metrics; ``adaptive=False`` decodes at the fixed draft length
-    only (``FleetConfig.fixed_k``); ``timed=False``: the adaptive decode is not timed against
-    the target alone (its speed is the modelled one); ``fresh`` (no ``state``): with nothing the
-    devices hold, neither global nor local state (what they would do had they never learned)."""
-
-    nodes: list[int]
-    state: GlobalState | None
-    held: dict[int, ConfigRecord] | None = None
-    prefix: str = "eval-"
-    adaptive: bool = True
-    timed: bool = True
-    fresh: bool = False
 
 
 class Coordinator:
@@ -155,6 +137,8 @@ class Coordinator:
         phases.lap("census")
         records = []
         if rnd == 1 and cfg.evaluate:  # the starting point: every target's state before any round
+            if cfg.announce_recordings:
+                self._announce(grid, rnd, {node: "heldout" for group in probes.values() for node in group})
             start = self.evaluate_panels(grid, 0, {t: Panel(list(probes[t]), states[t], probes[t]) for t in probes})
             records += [
                 {"round": 0, "target": t, "version": int(states[t].manifest.version), **start[t]}
@@ -175,7 +159,12 @@ class Coordinator:
         recovered = sorted(t for t in by_target if self._committed_in(states[t], rnd))
         round_devices = by_target  # who evaluates a target's new state where it has no probes
         by_target = {t: g for t, g in by_target.items() if t not in recovered}
-        newcomers = self._first_sessions(grid, rnd, states, by_target)
+        cold, warm = first_session_panels(cfg, states, by_target)
+        if cfg.announce_recordings:  # what this round's sampled devices (and panels) will be asked
+            panel = {node for p in cold.values() for node in p.nodes}
+            asks = {node: "train,heldout" if node in panel else "train" for g in by_target.values() for node in g}
+            self._announce(grid, rnd, asks)
+        newcomers = self._first_sessions(grid, rnd, cold, warm)
         phases.lap("newcomers")
 
         secure = {FleetKey.UPDATE_BITS: cfg.aggregation.update_bits}
@@ -372,39 +361,29 @@ class Coordinator:
             )
         return switched
 
-    def _first_sessions(
-        self, grid: Grid, rnd: int, states: dict[str, GlobalState], by_target: dict[str, dict[int, ConfigRecord]]
-    ) -> dict[str, dict]:
-        """Per target, sampled devices that never trained for it and meet a trained global state
-        (at most ``newcomer_evals`` of them): their first session's acceptance without it
-        (``new-cold-``) and with it (``new-warm-``); alongside, as many sampled devices that did
-        train before (``veteran-``) decode their own held-out prompts with the same state and
-        with nothing they hold (``veteran-cold-``): the veterans' gain, the reference a
-        newcomer's warm start is measured against. Every target's devices are
-        measured in the same two exchanges. With a fixed draft length (``fixed_k``) these panels
-        decode at that length only: the acceptance that compares states, at half the cost."""
-        n = self.config.newcomer_evals
-        # with a fixed draft length, the adaptive pass only where newcomer_speed asks for it (untimed)
-        adaptive, timed = not self.config.fixed_k or self.config.newcomer_speed, not self.config.fixed_k
-        cold, warm = {}, {}
-        for target, group in by_target.items():
-            order = sorted(group, key=lambda node: str(group[node].get(StatusKey.DEVICE, node)))
-            new = [node for node in order if not group[node].get(StatusKey.TRAINED)][: n or None]
-            if not new or states[target].manifest.version == 0:
-                continue
-            cold[target, "cold"] = Panel(new, None, None, "new-cold-", adaptive, timed)
-            warm[target, "warm"] = Panel(new, states[target], group, "new-warm-", adaptive, timed)
-            veterans = [node for node in order if group[node].get(StatusKey.TRAINED)][: n or None]
-            if veterans:
-                warm[target, "veteran"] = Panel(veterans, states[target], group, "veteran-", adaptive, timed)
-                cold[target, "veteran"] = Panel(veterans, None, None, "veteran-cold-", adaptive, timed, fresh=True)
-        if not cold:
-            return {}
+    def _first_sessions(self, grid: Grid, rnd: int, cold: dict, warm: dict) -> dict[str, dict]:
+        """Per target, the first-session panels' metrics (``panels.first_session_panels``): every
+        target's devices measured in the same two exchanges, without the global state, then with it."""
         out: dict[str, dict] = defaultdict(dict)
-        for measured in (self.evaluate_panels(grid, rnd, cold), self.evaluate_panels(grid, rnd, warm)):
+        for measured in (self.evaluate_panels(grid, rnd, cold), self.evaluate_panels(grid, rnd, warm)) if cold else ():
             for (target, _), metrics in measured.items():
                 out[target].update(metrics)
         return dict(out)
+
+    def _announce(self, grid: Grid, rnd: int, asks: dict[int, str]) -> None:
+        """Simulations (``announce_recordings``): tell each device in ``asks`` what this round will
+        ask of it (``query.announce``: ``train``, ``heldout``), so the target's outputs they need
+        are recorded together; a device that fails to answer only records its own later."""
+        replies = self._send(
+            grid,
+            list(asks),
+            "query.announce",
+            lambda node: RecordDict({Record.QUERY: ConfigRecord({FleetKey.ROUND: rnd, FleetKey.ANNOUNCE: asks[node]})}),
+            rnd,
+        )
+        failed = sum(reply.has_error() for reply in replies.values()) + len(asks) - len(replies)
+        if failed:
+            log.info("round %d: %d of %d devices did not take the announcement", rnd, failed, len(asks))
 
     def _send(
         self, grid: Grid, nodes: list[int], message_type: str, content: Callable[[int], RecordDict], rnd: int

@@ -49,6 +49,7 @@ class FleetKey:
     FIXED_K = "fixed-k"  # evaluate: also draft a fixed number of drafter tokens (0: not)
     ADAPTIVE = "adaptive"  # evaluate: the device's draft-length rule (else a fixed length)
     STATE_VERSION = "state-version"  # train reply: the global version the update starts from
+    ANNOUNCE = "announce"  # query.announce: what this round will ask ("train", "heldout"; comma-separated)
     NGRAM_STATS = "ngram-stats"  # train reply: NgramStats bytes
 
 
@@ -92,6 +93,7 @@ class MetricKey:
     PROFILE_TARGET_STEP = "profile-target-step"
     PROFILE_DRAFTER_VS_TARGET = "profile-drafter-vs-target"
     CACHE_ENTRIES = "cache-entries"
+    ANNOUNCED = "announced"  # query.announce reply: prompts named ahead that the recording store lacked
     UPLINK_BYTES = "uplink-bytes"
 
 

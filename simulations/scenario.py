@@ -352,6 +352,7 @@ def fleet_config(scenario: Scenario, nodes: int) -> FleetConfig:
         newcomer_evals=scenario.newcomer_evals,
         fixed_k=scenario.acceptance_k,
         newcomer_speed=scenario.replay,
+        announce_recordings=scenario.replay,
         server_opt=scenario.server_opt,
         aggregation=aggregation,
         release=scenario.release,

@@ -92,7 +92,10 @@ def federation(tmp_path_factory, tiny):
 
 
 def test_federation_rounds_versions_and_bad_updates(federation):
-    out, profiles, records, _ = federation
+    out, profiles, records, captured = federation
+    # a simulation's round names each sampled device's prompts ahead (query.announce) before training it
+    announced = {c["partition"] for c in captured if c["type"] == "query.announce"}
+    assert {c["partition"] for c in captured if c["type"] == "train"} <= announced
     assert sorted({(r["round"], r["target"]) for r in records}) == [
         (rnd, t) for rnd in (1, 2, 3) for t in ("tiny-target-a", "tiny-target-b")
     ]

@@ -400,3 +400,65 @@ def test_an_evaluations_fixed_k_pass_reports_what_a_separate_pass_does(tmp_path,
     session = device.session(use_global=False)
     separate = evaluate_fixed_k(session, heldout, profile.generation, 3)  # its own pass, live target
     assert metrics["fixed-k-acceptance"] == pytest.approx(separate["acceptance_rate"])
+
+
+def test_prompts_announced_by_several_devices_are_recorded_together(tmp_path, tiny, monkeypatch):
+    """Simulated devices that name a round's prompts ahead (``FleetDevice.announce``: their
+    training prompts, and their held-out ones where a panel will evaluate them) have them all
+    recorded by the first decode that lacks one, in one ``record_together``, whichever device
+    it runs for; the others then record nothing. Every device's round and evaluation report
+    what they report without the announcement (int8: the kernels that decode side by side)."""
+    from omnidraft.client import recorded_outputs
+    from omnidraft.client.device_profile import DeviceProfile
+    from omnidraft.client.engine_pool import EnginePool
+    from omnidraft.client.fleet_device import FleetDevice
+    from omnidraft.shared.runtime.native_kernels import native_error, native_library
+
+    if native_library() is None:
+        pytest.skip(f"no native kernels: {native_error()}")
+    reg = TargetRegistry(tmp_path / "coord")
+    reg.register("tiny-target-a", str(tiny["tiny-target-a"]), str(tiny["tiny-drafter"]), LoraSpec(rank=8))
+    state = reg.load("tiny-target-a")
+    pool = EnginePool("int8", "fp32")
+    train = [["def add(a, b):", "class Point:\n"], ["import os\n", "def alpha_3(beta, gamma):\n"]]
+    heldout = [["x = 1\n"], ["def f(x):", "    return ", "for i in range(3):\n"]]
+
+    def device(i: int, store) -> FleetDevice:
+        profile = DeviceProfile(
+            device_id=f"d{i}",  # the same seeds in both runs
+            target="tiny-target-a",
+            target_model=str(tiny["tiny-target-a"]),
+            drafter=str(tiny["tiny-drafter"]),
+            prompts=train[i],
+            prompts_per_round=2,
+            heldout=heldout[i],
+            state_dir=store.parent / f"d{i}",
+            recordings=str(store),
+        )
+        d = FleetDevice(profile, pool)
+        d.receive(state.spec, state.manifest_blob, state.adapter_blob, state.cache_blob, state.signature)
+        return d
+
+    together = []
+    real = recorded_outputs.record_together
+    monkeypatch.setattr(recorded_outputs, "record_together", lambda *a: together.append(len(a[3])) or real(*a))
+    reports = []
+    for run, announced in (("plain", False), ("announced", True)):
+        devices = [device(i, tmp_path / run / "recordings") for i in range(2)]
+        if announced:
+            assert devices[0].announce(train=True, heldout=False) == 2
+            assert devices[1].announce(train=True, heldout=True) == 5
+        together.clear()
+        trained = [d.train_round(1) for d in devices]
+        evaluated = devices[1].evaluate(use_global=False, fixed_k=3)
+        assert together == ([2 + 2 + 3] if announced else [2, 2, 3])
+        reports.append((trained, evaluated))
+    (plain, plain_eval), (ahead, ahead_eval) = reports
+    for (tensors, learned, metrics), (tensors2, learned2, metrics2) in zip(plain, ahead):
+        assert learned == learned2 and all(torch.equal(tensors[k], tensors2[k]) for k in tensors)
+        assert {k: v for k, v in metrics.items() if k != "update-s"} == {
+            k: v for k, v in metrics2.items() if k != "update-s"
+        }
+    assert {k: v for k, v in plain_eval.items() if k != "eval-s"} == {
+        k: v for k, v in ahead_eval.items() if k != "eval-s"
+    }
