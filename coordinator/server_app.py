@@ -10,7 +10,9 @@ One round:
    (``query.switch``); a seeded ``fraction`` of the devices that joined is sampled to train;
    where no device answered at all, the round is not held (nor recorded: a restart holds it);
 3. send each device its target's global state (only the parts it lacks) in a ``train``
-   message; wait at most ``round_timeout_s``: devices that drop out or time out are left out;
+   message; wait at most ``round_timeout_s``: devices that drop out or time out are left out
+   (a simulation that replays recorded target outputs first tells the sampled devices what
+   the round will ask of them, ``query.announce``, so what they lack is recorded together);
 4. per target: check every reply (``aggregation.check_reply``), aggregate the adapters with the
    configured Flower strategy (or, with SecAgg+, sum the devices' masked updates with
    ``secure_aggregation``: the coordinator never sees one device's adapter), move the global
@@ -364,8 +366,10 @@ class Coordinator:
     def _first_sessions(self, grid: Grid, rnd: int, cold: dict, warm: dict) -> dict[str, dict]:
         """Per target, the first-session panels' metrics (``panels.first_session_panels``): every
         target's devices measured in the same two exchanges, without the global state, then with it."""
+        if not cold:
+            return {}
         out: dict[str, dict] = defaultdict(dict)
-        for measured in (self.evaluate_panels(grid, rnd, cold), self.evaluate_panels(grid, rnd, warm)) if cold else ():
+        for measured in (self.evaluate_panels(grid, rnd, cold), self.evaluate_panels(grid, rnd, warm)):
             for (target, _), metrics in measured.items():
                 out[target].update(metrics)
         return dict(out)
