@@ -54,6 +54,11 @@ class DeviceProfile:
     # decode of a prompt recorded before replays it, at the drafter's cost ("": the target always runs)
     recordings: str = ""
 
+    @property
+    def speed_heldout(self) -> list[str]:
+        """The held-out prompts an evaluation decodes adaptively (a probe: timed and live)."""
+        return self.heldout[: self.speed_prompts or len(self.heldout)]
+
     def at_round(self, round_: int) -> DeviceProfile:
         """The device as it is at ``round_`` (domain drift applied)."""
         out = self

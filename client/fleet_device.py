@@ -371,7 +371,7 @@ class FleetDevice:
         if store is None or not batchable(self.engine.target_runner):  # recorded one by one anyway
             return 0
         lacking = announce(store, self._round_prompts()[0], p.generation, signal=True) if train else 0
-        live = (p.speed_prompts or len(p.heldout)) if p.probe else 0
+        live = len(p.speed_heldout) if p.probe else 0
         return lacking + (announce(store, p.heldout[live:], p.generation) if heldout else 0)
 
     def recordings(self) -> RecordingStore | None:
@@ -435,7 +435,7 @@ class FleetDevice:
         # live panel), the adaptive pass replays the target's recorded output too: its speed is modelled
         store = self.recordings()
         replay_adaptive = adaptive and not timed and not p.probe and store is not None
-        speed = p.heldout[: p.speed_prompts or len(p.heldout)] if adaptive else []
+        speed = p.speed_heldout if adaptive else []
         # the recorded outputs the passes replay; a timed evaluation records its speed prompts live
         alone = self._target_alone(session, p, store) if replay_adaptive or (replay and not timed) else None
         adaptive_pass = (
