@@ -23,7 +23,7 @@ import torch
 
 from omnidraft.shared.learning.acceptance_head import AcceptanceHead, ReplayBuffer, soft_labels
 from omnidraft.shared.learning.adapters import DrafterAdapters
-from omnidraft.shared.learning.distill import LossConfig, hybrid_loss, sequence_nll_rows
+from omnidraft.shared.learning.distill import SEQ_ROWS, LossConfig, hybrid_loss, sequence_nll_rows
 from omnidraft.shared.learning.training_signal import Intersection, TrainingSample
 from omnidraft.shared.runtime.heap import release_freed_memory, small_machine
 from omnidraft.shared.runtime.native_kernels import cpu_has_native_bf16
@@ -276,11 +276,23 @@ class OnlineLearner:
         forward's); returns the rows added."""
         if not s.dm_pos.numel():
             return 0
-        if logits is None:  # the sequence loss kept none: the DM positions' logits, without autograd
+        if logits is None:  # the sequence loss kept none: the DM positions' logits, without autograd,
+            # ``SEQ_ROWS`` rows at a time (a label reads its own row): all of them at once, with their
+            # log-softmax, were the peak of a float32 update (0.1 GB for 256 positions of SmolLM2's vocabulary)
             _, lm_head = self.adapters.decoder_and_head(torch.bfloat16 if self.autocast else None)
             with torch.no_grad(), self._autocast():
-                logits = lm_head(hidden).float()
-        labels, keep = soft_labels(logits, self.inter.index_of_draft, s.dm_top_idx, s.dm_top_logp)
+                rows = [
+                    soft_labels(
+                        lm_head(hidden[lo : lo + SEQ_ROWS]).float(),
+                        self.inter.index_of_draft,
+                        s.dm_top_idx[lo : lo + SEQ_ROWS],
+                        s.dm_top_logp[lo : lo + SEQ_ROWS],
+                    )
+                    for lo in range(0, hidden.shape[0], SEQ_ROWS)
+                ]
+            labels, keep = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        else:
+            labels, keep = soft_labels(logits, self.inter.index_of_draft, s.dm_top_idx, s.dm_top_logp)
         self.replay.push(hidden[keep], labels[keep])
         return int(keep.sum())
 

@@ -164,3 +164,35 @@ def test_a_held_weight_is_copied_once_while_peft_reads_it_again_and_again(monkey
         assert not torch.equal(first.weight, reads[0])
     assert held_weights._last_mapped_read is None
     assert first.weight is not first.weight  # outside the block every read is its own copy
+
+
+def test_a_held_head_is_applied_a_block_of_rows_at_a_time_never_copied_whole(monkeypatch):
+    """A frozen Linear held in bf16 and read as float32 (an LM head: 108 MB as float32 for
+    SmolLM2-135M, copied at every read) is applied by ``read_in_row_blocks`` in blocks of rows
+    (here 16 of 50, the last block short): the logits and the input's gradient equal the module's
+    own float32 forward and backward up to the products' rounding, and the weight is never read
+    whole as float32, forward or backward. A Linear not held is returned as it is."""
+    from torch.nn.utils import parametrize
+
+    from omnidraft.shared.runtime import held_weights
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(24, 50, bias=False).requires_grad_(False)
+    assert held_weights.read_in_row_blocks(head) is head
+    head.weight.data = head.weight.detach().to(torch.bfloat16)
+    parametrize.register_parametrization(head, "weight", held_weights.ReadAsFloat32(), unsafe=True)
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    grad = torch.randn(3, 5, 50)
+    ref = head(x)
+    (ref_grad,) = torch.autograd.grad(ref, x, grad)
+
+    whole_reads = []
+    read = held_weights.ReadAsFloat32.forward
+    monkeypatch.setattr(
+        held_weights.ReadAsFloat32, "forward", lambda self, w: whole_reads.append(w.shape) or read(self, w)
+    )
+    logits = held_weights.read_in_row_blocks(head, rows=16)(x)
+    (x_grad,) = torch.autograd.grad(logits, x, grad)
+    assert not whole_reads and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_grad, ref_grad, rtol=1e-5, atol=1e-6)

@@ -30,7 +30,13 @@ from omnidraft.shared.engine.model_runner import ModelRunner
 from omnidraft.shared.engine.precision import drafter_template, drafts_on_packing
 from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 from omnidraft.shared.runtime.heap import release_freed_memory
-from omnidraft.shared.runtime.held_weights import frozen_linears, held_dtype, hold_frozen_weights, mapped_reads
+from omnidraft.shared.runtime.held_weights import (
+    frozen_linears,
+    held_dtype,
+    hold_frozen_weights,
+    mapped_reads,
+    read_in_row_blocks,
+)
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -352,7 +358,9 @@ class DrafterAdapters:
         most Arm boards) computes in float32 on the bf16 values. Adapters merged afterwards are
         packed from them (``set_lora``), the values training read. A tied LM head (the input
         embeddings) stays float32; the engine's drafter has none (its rows stay in the model's
-        file, ``checkpoints.FileEmbedding``, and its head is held too).
+        file, ``checkpoints.FileEmbedding``, and its head is held too). Read as float32, a held
+        head is applied a block of its rows at a time (``held_weights.read_in_row_blocks``): a
+        float32 copy of SmolLM2-135M's head is 108 MB, the peak of a float32 update.
 
         ``frozen_dtype`` (bf16 under bf16 autocast): callables with the same signatures that
         read the frozen weights in that dtype: held weights read as held under autocast, the
@@ -365,8 +373,8 @@ class DrafterAdapters:
         if self.drafts_on_packing and self.held_dtype is None:
             self._base_runner()  # drafting without an adapter keeps the float32 packing
             hold_frozen_weights(base)
-        if frozen_dtype is None:
-            return decoder, head
+        if frozen_dtype is None:  # a held head read a block of rows at a time, not copied whole
+            return decoder, read_in_row_blocks(head)
         if frozen_dtype not in self._frozen:
             self._frozen[frozen_dtype] = (
                 _frozen_linear_weights(decoder, frozen_dtype),

@@ -7,12 +7,20 @@ nothing under bf16 autocast, which casts them to bf16 anyway, and a float32 forw
 without native bf16) computes in float32 on the bf16 values (``torch.nn.utils.parametrize``).
 Merges read the same values training reads. A tied LM head (the input embeddings, which the
 runner reads rows of) stays float32.
+
+Each float32 read copies the whole weight. For the decoder's matrices that is a few MB; for an
+LM head it is the largest allocation of a float32 update (108 MB for SmolLM2-135M's 49,152 x
+576 head, made for every 64-position slice of the sequence loss and again when its backward
+pass recomputes it), and the peak of a learning device. ``read_in_row_blocks`` applies a held
+head in float32 reading ``ROW_BLOCK`` rows of it at a time into one buffer instead. No library
+op multiplies a float32 input by a bf16 weight in float32 without that copy (``torch.matmul``
+wants one dtype; autocast computes in bf16), hence the small autograd function.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.nn.utils import parametrize
@@ -92,3 +100,56 @@ def held_dtype(model: torch.nn.Module) -> torch.dtype | None:
         if parametrize.is_parametrized(mod, "weight"):
             return mod.parametrizations.weight.original.dtype
     return None
+
+
+ROW_BLOCK = 4096  # weight rows read as float32 at once by ``read_in_row_blocks`` (9.4 MB of 576 columns)
+
+
+class _RowBlockLinear(torch.autograd.Function):
+    """``x @ weight.T`` in float32 for a frozen ``weight`` held in a lower precision, ``rows``
+    rows of the weight read as float32 at a time into one buffer, in the backward pass too (the
+    input's gradient; the weight gets none)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.rows = rows
+        out_features, in_features = weight.shape
+        flat = x.reshape(-1, in_features)
+        out = flat.new_empty((flat.shape[0], out_features))
+        buf = flat.new_empty((min(rows, out_features), in_features))
+        for lo in range(0, out_features, rows):
+            block = buf[: min(rows, out_features - lo)].copy_(weight[lo : lo + rows])
+            out[:, lo : lo + block.shape[0]] = flat @ block.T
+        return out.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        out_features, in_features = weight.shape
+        flat = grad.reshape(-1, out_features)
+        grad_x = flat.new_zeros((flat.shape[0], in_features))
+        buf = flat.new_empty((min(ctx.rows, out_features), in_features))
+        for lo in range(0, out_features, ctx.rows):
+            block = buf[: min(ctx.rows, out_features - lo)].copy_(weight[lo : lo + ctx.rows])
+            grad_x.addmm_(flat[:, lo : lo + block.shape[0]], block)
+        return grad_x.view(*grad.shape[:-1], in_features), None, None
+
+
+def read_in_row_blocks(linear: torch.nn.Linear, rows: int = ROW_BLOCK) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``linear``'s forward outside autocast, for a frozen Linear whose weight is held in a lower
+    precision (``hold_frozen_weights``): the float32 outputs and input gradient of ``linear``'s
+    own float32 forward up to the products' rounding (the outputs bit for bit for a head of
+    SmolLM2-135M's shape on the AVX-512 EPYC, not for every shape), without ever holding a float32 copy of the whole weight
+    (``rows`` of its rows at a time). Any other Linear is returned as it is."""
+    if not parametrize.is_parametrized(linear, "weight"):
+        return linear
+    held = linear.parametrizations.weight.original  # reading ``linear.weight`` would copy it whole
+    if held.requires_grad:
+        return linear
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = _RowBlockLinear.apply(x.float(), held, rows)
+        return out if linear.bias is None else out + linear.bias
+
+    return forward
