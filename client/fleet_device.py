@@ -47,7 +47,7 @@ from omnidraft.shared.engine.recordings import RecordingStore
 from omnidraft.shared.runtime.batched_steps import batchable
 from omnidraft.shared.util.atomic_io import write_bytes_atomic
 from omnidraft.shared.vocab.ngram_cache import NgramCache
-from omnidraft.shared.wire import MetricKey, StatusKey, lora_spec
+from omnidraft.shared.wire import MetricKey, StatusKey, lora_spec, spec_digest
 
 GLOBAL_DIR = "global"
 FLEET_FILE = "fleet.json"
@@ -193,6 +193,8 @@ class FleetDevice:
             raise StateMismatch("the state manifest does not parse") from None
         if manifest.target != self.profile.target or spec.name != self.profile.target:
             raise StateMismatch(f"global state for {manifest.target!r}, this device serves {self.profile.target!r}")
+        if manifest.spec_sha256 and spec_digest(spec) != manifest.spec_sha256:  # (states signed before it: none)
+            raise StateMismatch(f"target {spec.name!r}: the received spec does not match its signed manifest")
         if spec.tokenizer_sha256 != self._tokenizer_digest:
             raise StateMismatch(f"target {spec.name!r}: the coordinator's tokenizer differs from this device's")
         held = self.held_manifest()

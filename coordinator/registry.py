@@ -48,7 +48,7 @@ from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.util.atomic_io import file_lock, write_bytes_atomic
 from omnidraft.shared.vocab.ngram_cache import NgramCache, NgramCacheError
 from omnidraft.shared.vocab.vocab_bridge import VocabBridge
-from omnidraft.shared.wire import lora_spec, tokenizer_digest  # noqa: F401 (re-exported)
+from omnidraft.shared.wire import lora_spec, spec_digest, tokenizer_digest  # noqa: F401 (re-exported)
 
 SPEC_FILE = "spec.pb"
 MANIFEST_FILE = "manifest.pb"
@@ -342,6 +342,7 @@ class TargetRegistry:
         write_bytes_atomic(out / self._file("cache", m.version), cache_blob)
         m.adapter_sha256, m.adapter_bytes = sha256(adapter_blob), len(adapter_blob)
         m.cache_sha256, m.cache_bytes = sha256(cache_blob), len(cache_blob)
+        m.spec_sha256 = spec_digest(self.spec_of(out.name))
         blob = m.SerializeToString()
         write_bytes_atomic(out / self._file("manifest", m.version), blob)
         write_bytes_atomic(out / self._file("signature", m.version), self.signing_key().sign(blob))

@@ -140,5 +140,12 @@ def tokenizer_digest(bridge: VocabBridge) -> str:
     return h.hexdigest()
 
 
+def spec_digest(spec: fleet_pb2.TargetSpec) -> str:
+    """sha256 (hex) of ``spec``'s deterministic serialization: what a state's signed manifest
+    records (``StateManifest.spec_sha256``), so that a device applies no spec the coordinator did
+    not sign (its LoRA settings, its tokenizer digest)."""
+    return hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
+
+
 def lora_spec(spec: fleet_pb2.TargetSpec) -> LoraSpec:
     return LoraSpec(rank=spec.lora_rank, alpha=spec.lora_alpha, modules=spec.lora_modules, ffa=spec.lora_ffa)

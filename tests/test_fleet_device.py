@@ -37,8 +37,8 @@ def _probe_profile(tiny, name: str, heldout: list[str], state_dir, **settings):
 
 def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tiny):
     """A device that pins the coordinator's Ed25519 key stores a state only if the manifest's
-    signature verifies, every part matches its hash and the version is not older than the one
-    it holds; otherwise it keeps what it had."""
+    signature verifies, every part (the target's spec included) matches the hash the manifest
+    signs and the version is not older than the one it holds; otherwise it keeps what it had."""
     from dataclasses import replace
 
     from omnidraft.client.device_profile import DeviceProfile
@@ -70,7 +70,11 @@ def test_device_checks_signature_hashes_and_version_before_storing(tmp_path, tin
     forged = fleet_pb2.StateManifest()
     forged.ParseFromString(v1.manifest_blob)
     forged.version = 9
+    respec = fleet_pb2.TargetSpec()
+    respec.CopyFrom(v1.spec)
+    respec.lora_rank = 64  # what the device would apply: a spec the coordinator did not sign
     bad = [
+        ((respec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, v1.signature), "spec does not match"),
         ((v1.spec, forged.SerializeToString(), v1.adapter_blob, v1.cache_blob, v1.signature), "signature"),
         ((v1.spec, v1.manifest_blob, v1.adapter_blob, v1.cache_blob, b""), "signature"),
         ((v1.spec, v1.manifest_blob, v1.adapter_blob[:-1] + b"!", v1.cache_blob, v1.signature), "checksum"),
