@@ -140,8 +140,9 @@ def read_in_row_blocks(linear: torch.nn.Linear, rows: int = ROW_BLOCK) -> Callab
     """``linear``'s forward outside autocast, for a frozen Linear whose weight is held in a lower
     precision (``hold_frozen_weights``): the float32 outputs and input gradient of ``linear``'s
     own float32 forward up to the products' rounding (the outputs bit for bit for a head of
-    SmolLM2-135M's shape on the AVX-512 EPYC, not for every shape), without ever holding a float32 copy of the whole weight
-    (``rows`` of its rows at a time). Any other Linear is returned as it is."""
+    SmolLM2-135M's shape on the AVX-512 EPYC, not for every shape), without ever holding a
+    float32 copy of the whole weight (``rows`` of its rows at a time). Any other Linear is
+    returned as it is."""
     if not parametrize.is_parametrized(linear, "weight"):
         return linear
     held = linear.parametrizations.weight.original  # reading ``linear.weight`` would copy it whole
