@@ -359,9 +359,8 @@ class FleetDevice:
         since its previous round) and where the round after starts."""
         p, start = self.profile, self._fleet_meta().get("next-prompt", 0)
         if p.prompts:
-            return [
-                p.prompts[(start + i) % len(p.prompts)] for i in range(p.prompts_per_round)
-            ], start + p.prompts_per_round
+            prompts = [p.prompts[(start + i) % len(p.prompts)] for i in range(p.prompts_per_round)]
+            return prompts, start + len(prompts)
         served = self.request_log().since(start)[: p.prompts_per_round]
         return [prompt for _, prompt in served], served[-1][0] + 1 if served else start
 

@@ -105,6 +105,15 @@ def held_dtype(model: torch.nn.Module) -> torch.dtype | None:
 ROW_BLOCK = 4096  # weight rows read as float32 at once by ``read_in_row_blocks`` (9.4 MB of 576 columns)
 
 
+def _float32_row_blocks(weight: torch.Tensor, rows: int, like: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, those rows as float32)`` for ``rows`` rows of ``weight`` at a time, each read
+    into the same buffer (made like ``like``): valid until the next block is read."""
+    out_features, in_features = weight.shape
+    buf = like.new_empty((min(rows, out_features), in_features))
+    for lo in range(0, out_features, rows):
+        yield lo, buf[: min(rows, out_features - lo)].copy_(weight[lo : lo + rows])
+
+
 class _RowBlockLinear(torch.autograd.Function):
     """``x @ weight.T`` in float32 for a frozen ``weight`` held in a lower precision, ``rows``
     rows of the weight read as float32 at a time into one buffer, in the backward pass too (the
@@ -114,26 +123,20 @@ class _RowBlockLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.rows = rows
-        out_features, in_features = weight.shape
-        flat = x.reshape(-1, in_features)
-        out = flat.new_empty((flat.shape[0], out_features))
-        buf = flat.new_empty((min(rows, out_features), in_features))
-        for lo in range(0, out_features, rows):
-            block = buf[: min(rows, out_features - lo)].copy_(weight[lo : lo + rows])
+        flat = x.reshape(-1, weight.shape[1])
+        out = flat.new_empty((flat.shape[0], weight.shape[0]))
+        for lo, block in _float32_row_blocks(weight, rows, flat):
             out[:, lo : lo + block.shape[0]] = flat @ block.T
-        return out.view(*x.shape[:-1], out_features)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (weight,) = ctx.saved_tensors
-        out_features, in_features = weight.shape
-        flat = grad.reshape(-1, out_features)
-        grad_x = flat.new_zeros((flat.shape[0], in_features))
-        buf = flat.new_empty((min(ctx.rows, out_features), in_features))
-        for lo in range(0, out_features, ctx.rows):
-            block = buf[: min(ctx.rows, out_features - lo)].copy_(weight[lo : lo + ctx.rows])
+        flat = grad.reshape(-1, weight.shape[0])
+        grad_x = flat.new_zeros((flat.shape[0], weight.shape[1]))
+        for lo, block in _float32_row_blocks(weight, ctx.rows, flat):
             grad_x.addmm_(flat[:, lo : lo + block.shape[0]], block)
-        return grad_x.view(*grad.shape[:-1], in_features), None, None
+        return grad_x.view(*grad.shape[:-1], weight.shape[1]), None, None
 
 
 def read_in_row_blocks(linear: torch.nn.Linear, rows: int = ROW_BLOCK) -> Callable[[torch.Tensor], torch.Tensor]:
