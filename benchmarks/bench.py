@@ -312,6 +312,8 @@ def run_bench(
                 "lookup_rounds",
                 "lookup_proposed",
                 "lookup_accepted",
+                "tail_proposed",
+                "tail_accepted",
                 "plain_rounds",
                 "prompt_tokens",
                 "prompt_tokens_cached",

@@ -185,7 +185,9 @@ def test_a_strangers_decode_drafts_nothing_from_the_owners_lookup_history(tmp_pa
     held = list(session.lookup.history.tokens)
     sources = []
     propose = session.lookup.propose
-    session.lookup.propose = lambda k: (lambda found: (sources.append(found and found.source), found)[1])(propose(k))
+    session.lookup.propose = lambda k, after=(): (lambda found: (sources.append(found and found.source), found)[1])(
+        propose(k, after)
+    )
     stranger = session.generate(PROMPTS[1], config, learn=True, owner=False)
     assert "history" not in sources and session.lookup.history.tokens == held
     assert stranger.training_sample is None and session.last_update is None  # a stranger teaches nothing

@@ -116,6 +116,31 @@ def test_lookup_drafts_are_chosen_by_expected_tokens_per_cost():
     assert rule.lookup_acceptance("history", 2) < 0.05 and rule.lookup_acceptance("context", 4) > 0.9
 
 
+def test_a_draft_likely_accepted_carries_the_lookup_that_continues_it():
+    """``extend_draft``: the lookup's continuation of a draft is verified after it while it
+    raises the round's expected tokens per ms: all of it when more rows cost little, none when
+    each row costs a step, when the lookup is usually wrong, or when nothing was drafted."""
+    found = LookupDraft(list(range(6)), 4, "context")
+
+    def extension(profile: CostProfile, lookup_right: bool, drafted: int = 2) -> int:
+        rule = ThroughputRule(profile)
+        for _ in range(40):
+            rule.observe_lookup("context", 4, proposed=6, accepted=6 if lookup_right else 0)
+        rule.begin(drafted)
+        for _ in range(drafted):
+            rule.keep_drafting(0.95)
+        return rule.extend_draft(found, drafted)
+
+    gentle = CostProfile({1: 100.0, 16: 115.0}, drafter_ms_per_token=1.0)  # 1 ms a row
+    assert extension(gentle, lookup_right=True) == 6
+    assert extension(CostProfile({1: 100.0, 2: 200.0, 16: 1600.0}, 1.0), lookup_right=True) == 0
+    assert extension(gentle, lookup_right=False) == 0
+    assert extension(FLAT, lookup_right=False) == 1  # a row that costs nothing is worth a long shot
+    assert extension(gentle, lookup_right=True, drafted=0) == 0
+    # a few cheap rows, then each costs a step: only the cheap ones are worth verifying
+    assert extension(CostProfile({1: 100.0, 5: 101.0, 6: 200.0, 16: 1200.0}, 1.0), lookup_right=True) == 2
+
+
 def test_rule_refits_when_the_drafter_changes():
     rule = ThroughputRule(CostProfile({1: 100.0, 16: 400.0}, drafter_ms_per_token=30.0))
     for _ in range(100):
@@ -320,6 +345,25 @@ def test_greedy_output_identical_with_lookups_and_plain_steps(pair, bridge, prof
         assert kinds["plain"] > kinds["drafter"] and kinds["lookup"] == 0
 
 
+def test_a_drafts_lookup_tail_keeps_greedy_output_and_is_charged_and_counted(pair, bridge):
+    """Where verifying more rows costs little, drafter rounds carry the lookup's continuation of
+    their draft (``extend_draft``): the output stays the target alone's, some tail tokens are
+    accepted, and each round is charged its whole block."""
+    profile = CostProfile({1: 10.0, 4: 10.2, 16: 10.5}, drafter_ms_per_token=0.5)
+    decoder = spd(pair, bridge, profile)
+    ar = TargetOnlyDecoder(pair.target, bridge)
+    proposed = accepted = 0
+    for prompt in REPETITIVE * 2:
+        ids = pair.target_tokenizer.encode(prompt)
+        config = GenerationConfig(max_new_tokens=40)
+        got = decoder.generate(prompt, ids, config)
+        assert got.token_ids == ar.generate(ids, config).token_ids, prompt
+        s = got.stats
+        assert s.tail_accepted <= s.tail_proposed and s.tail_accepted <= s.accepted_tokens
+        proposed, accepted = proposed + s.tail_proposed, accepted + s.tail_accepted
+    assert proposed > 0 and accepted > 0
+
+
 def test_decisions_do_not_depend_on_the_clock(pair, bridge, monkeypatch):
     """The rule decides from the profile and counts alone: with the clock perturbed, the same
     inputs take the same rounds."""
@@ -370,6 +414,41 @@ def test_sampling_with_lookup_drafts_follows_the_target_distribution(pair, bridg
     assert_follows(counts, exact)
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_with_a_drafts_lookup_tail_follows_the_target_distribution(
+    pair, bridge, monkeypatch, temperature, top_p
+):
+    """The token at the first position of a draft's lookup tail follows the target's marginal
+    distribution there (sum over the first token of p(t1) p(t2 | t1)) within sampling noise, and
+    the first token the target's own (2000 samples; every first round drafts one token and
+    carries the tail)."""
+    prompt = "def total_1(index, value):\n    total = index * value\n    return total\n\ndef total_2(index"
+    ids = pair.target_tokenizer.encode(prompt)
+    mask = bridge.target_invalid_mask
+    with torch.inference_mode():
+        logits = pair.target(input_ids=torch.tensor([ids])).logits[0, -1:].float()
+        first = warp(logits.masked_fill(mask[: logits.shape[-1]], float("-inf")), temperature, top_p)[0]
+        support = first.nonzero().flatten().tolist()
+        after = pair.target(input_ids=torch.tensor([ids + [t] for t in support])).logits[:, -1].float()
+        after = warp(after.masked_fill(mask[: after.shape[-1]], float("-inf")), temperature, top_p)
+    second = (first[support, None] * after).sum(0)
+    # verifying blocks is free, the drafter is cheap, and this generation's lookups are always right
+    decoder = spd(pair, bridge, CostProfile({1: 10.0, 16: 10.1}, drafter_ms_per_token=0.1), LookupDrafter(capacity=0))
+    for match in range(1, 9):
+        decoder.rule.observe_lookup("context", match, proposed=8, accepted=8)
+    monkeypatch.setattr(decoder.rule, "plan", lambda found=None, drafter=True: (DRAFTER, 0))
+    n, counts1, counts2, tails = 2000, collections.Counter(), collections.Counter(), 0
+    for seed in range(n):
+        config = GenerationConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed, k_max=1)
+        out = decoder.generate(prompt, ids, config)
+        counts1[out.token_ids[0]] += 1
+        counts2[out.token_ids[1]] += 1
+        tails += out.stats.tail_proposed > 0
+    assert tails == n  # every first round verified a tail after its one-token draft
+    assert_follows(counts1, first)
+    assert_follows(counts2, second)
+
+
 def test_modelled_speed_charges_each_round_its_profiled_cost(pair, bridge):
     """With blocks that cost what one target step does and nothing else charged, the modelled
     decoding time is 10 ms per target call and the target alone's 10 ms per token: the modelled
@@ -400,7 +479,9 @@ def test_lookup_acceptance_is_measured_in_rounds_that_verified_no_lookup(pair, b
     rounds, position = [], [0]  # (tokens generated when proposed, candidate), per round
     propose, commit = lookup.propose, lookup.commit
 
-    def recording_propose(k):
+    def recording_propose(k, after=()):
+        if after:  # a continuation of a draft (``extend_draft``): none here, so only rounds are scored
+            return None
         found = propose(k)
         rounds.append((position[0], found))
         return found

@@ -376,7 +376,8 @@ class CrossVocabDecoder:
         while not stop.done:
             budget = config.max_new_tokens - len(stop.generated)
             kind, n = DRAFTER, 0
-            found = None
+            found = tail = None
+            extended = 0  # model-free tokens verified after the drafter's draft (``extend_draft``)
             if rule is not None:
                 found = lookup.propose(min(LOOKUP_TOKENS, budget - 1)) if lookup is not None and budget > 1 else None
                 kind, n = rule.plan(found)
@@ -389,6 +390,11 @@ class CrossVocabDecoder:
                 prefilled = True
                 units = self.translate(draft.ids, draft.overlap)[: max(0, budget - 1)]
                 proposal = [u.target_id for u in units]
+                if lookup is not None and proposal and len(proposal) < budget - 1:
+                    # the device's own text may continue the draft: verified after it, same block
+                    tail = lookup.propose(min(LOOKUP_TOKENS, budget - 1 - len(proposal)), after=proposal)
+                    extended = rule.extend_draft(tail, len(proposal))
+                    proposal += tail.ids[:extended] if extended else []
             elif kind == LOOKUP:
                 proposal = found.ids[:n]
                 stats.lookup_rounds += 1
@@ -410,14 +416,21 @@ class CrossVocabDecoder:
             stats.accepted_tokens += accepted
             if rule is not None:  # (a plain or model-free round's cost does not read the draft)
                 modelled_ms += rule.round_ms(kind, len(proposal), len(draft.ids), draft.refeed)
+            verified = proposal[:accepted] + [nxt]
             if kind == DRAFTER:
+                drafted = len(proposal) - extended  # target tokens the drafter's draft became
                 if rule is not None:
                     rule.observe(
-                        self._accepted_drafts(draft, proposal[:accepted]),
+                        self._accepted_drafts(draft, proposal[: min(accepted, drafted)]),
                         len(draft.ids) - draft.healing,
-                        len(proposal),
+                        drafted,
                         accepted + 1,
+                        extended,
                     )
+                    if tail is not None and accepted >= drafted:  # the draft was accepted whole
+                        rule.observe_lookup(tail.source, tail.match, *_agreement(tail.ids, verified[drafted:]))
+                stats.tail_proposed += extended
+                stats.tail_accepted += max(0, accepted - drafted)
                 for unit in units[:accepted]:
                     if unit.ngram:
                         stats.ngram_hits += 1
@@ -425,7 +438,6 @@ class CrossVocabDecoder:
             elif kind == LOOKUP:
                 stats.lookup_proposed += len(proposal)
                 stats.lookup_accepted += accepted
-            verified = proposal[:accepted] + [nxt]
             if found is not None and found.ids:
                 # the model-free candidate is scored against what the target committed, whichever
                 # round ran: its acceptance is measured even while drafter rounds win every plan

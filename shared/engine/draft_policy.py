@@ -23,7 +23,11 @@ Every round of speculative decoding picks one of three things (``ThroughputRule.
   tokens raise ``E/t``, each expected at ``a'_n``: the measured acceptance of the token *after*
   one drafted in ``a_n``'s bucket (a second table, counted from the same verifications). A
   learned drafter's hesitant token is often followed by confident ones (a name chosen, the rest
-  of the line follows), which ``a_n`` itself would not foresee.
+  of the line follows), which ``a_n`` itself would not foresee. When the drafter stops, the
+  device's text may continue its draft (a model-free lookup keyed on the draft's last tokens):
+  ``extend_draft`` verifies ``j`` of those tokens after the draft in the same block while the
+  ``P_n (a + ... + a^j)`` tokens they add are worth their extra rows (a few more rows of a
+  block cost little on the native kernels), and the lookup's acceptance is counted from them.
 
 ``T(block)``, ``d`` (a drafter step), ``D(block)``, ``o`` and ``s`` (the fixed work of a drafter
 round, and of a plain or model-free round, outside the forward passes) come from the machine's
@@ -274,11 +278,36 @@ class ThroughputRule:
                 return True
         return False
 
+    def extend_draft(self, lookup, proposed: int) -> int:
+        """How many tokens of ``lookup`` (a ``LookupDraft`` continuing the draft just ended, which
+        became ``proposed`` target tokens) to verify after the draft in the same block.
+
+        They can commit only when the whole draft is accepted (``P_n``), each then at the
+        measured acceptance ``a`` of lookups from that source and match length, so ``j`` of them
+        add ``P_n (a + ... + a^j)`` expected tokens for ``T(1 + proposed + j) - T(1 + proposed)``
+        ms: taken while they raise the round's expected tokens per ms. A verification block
+        costs little more for a few more rows (``CostProfile``), so a draft that is likely
+        accepted carries the device's own text after it almost for free."""
+        if lookup is None or not lookup.ids or self._n == 0:
+            return 0
+        a = self.lookup_acceptance(lookup.source, lookup.match)
+        drafting_ms = self._fixed_ms + self._n * self.drafter_ms
+        n, best = 0, self._e / (drafting_ms + self._target_ms(1 + proposed))
+        expected, p = self._e, self._p
+        for j in range(1, len(lookup.ids) + 1):
+            p *= a
+            expected += p
+            rate = expected / (drafting_ms + self._target_ms(1 + proposed + j))
+            if rate > best:
+                n, best = j, rate
+        return n
+
     # -- what verification said --------------------------------------------------------------------
-    def observe(self, accepted_drafts: int, drafted: int, proposed: int, committed: int) -> None:
+    def observe(self, accepted_drafts: int, drafted: int, proposed: int, committed: int, extended: int = 0) -> None:
         """After verifying a drafter round: its first ``accepted_drafts`` drafted tokens were
-        accepted; ``drafted`` drafter tokens became ``proposed`` target tokens; ``committed``
-        tokens were committed (accepted + the correction or bonus token)."""
+        accepted; ``drafted`` drafter tokens became ``proposed`` target tokens, verified with
+        ``extended`` model-free tokens after them (``extend_draft``); ``committed`` tokens were
+        committed (accepted + the correction or bonus token)."""
         for name, values in self.features.items():
             table, following, score = self.tables[name], self.next_tables[name], self.scores[name]
             buckets = [bucket_of(f) for f in values[: accepted_drafts + 1]]
@@ -293,7 +322,7 @@ class ThroughputRule:
         self._proposed += proposed
         if self._drafted:
             self.target_per_draft = max(self._proposed / self._drafted, 0.25)
-        cost = self.round_ms(DRAFTER, proposed, drafted)  # catch-up feeding excluded (module docstring)
+        cost = self.round_ms(DRAFTER, proposed + extended, drafted)  # catch-up feeding excluded (module docstring)
         self._rate_tokens = self._rate_tokens * RATE_DECAY + committed
         self._rate_ms = self._rate_ms * RATE_DECAY + cost
 

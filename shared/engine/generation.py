@@ -77,6 +77,10 @@ class GenerationStats:
     lookup_proposed: int = 0  # target tokens those drafts proposed
     lookup_accepted: int = 0  # and how many of them were accepted
     plain_rounds: int = 0  # rounds that verified no draft (one target step)
+    # model-free tokens verified after a drafter's draft in the same block, and how many of them
+    # were accepted (``ThroughputRule.extend_draft``; after a rejected draft, none)
+    tail_proposed: int = 0
+    tail_accepted: int = 0
     new_tokens: int = 0
     prompt_tokens: int = 0
     # seconds from the call to its return; a decode that started from its prompt's prefill still

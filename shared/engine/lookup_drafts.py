@@ -119,9 +119,11 @@ class LookupDrafter:
         """Tokens the target committed in this generation."""
         self.context.extend(ids)
 
-    def propose(self, k: int) -> LookupDraft | None:
-        """The best model-free continuation (at most ``k`` tokens) of the current generation."""
-        tail = self.context.tokens[-self.max_n :]
+    def propose(self, k: int, after: list[int] | tuple[int, ...] = ()) -> LookupDraft | None:
+        """The best model-free continuation (at most ``k`` tokens) of the current generation,
+        or of the generation followed by ``after`` (target ids not committed yet: a drafter's
+        draft that the continuation would extend)."""
+        tail = (self.context.tokens[-self.max_n :] + list(after))[-self.max_n :]
         n_ctx, ctx = self.context.lookup(tail, k)
         n_hist, hist = self.history.lookup(tail, k) if self._read_history and len(self.history) else (0, [])
         if n_ctx and n_ctx >= n_hist:
