@@ -350,17 +350,21 @@ def test_a_drafts_lookup_tail_keeps_greedy_output_and_is_charged_and_counted(pai
     their draft (``extend_draft``): the output stays the target alone's, some tail tokens are
     accepted, and each round is charged its whole block."""
     profile = CostProfile({1: 10.0, 4: 10.2, 16: 10.5}, drafter_ms_per_token=0.5)
-    decoder = spd(pair, bridge, profile)
+    decoder, untailed = spd(pair, bridge, profile), spd(pair, bridge, profile)
+    untailed.lookup_tails = False
     ar = TargetOnlyDecoder(pair.target, bridge)
     proposed = accepted = 0
     for prompt in REPETITIVE * 2:
         ids = pair.target_tokenizer.encode(prompt)
         config = GenerationConfig(max_new_tokens=40)
         got = decoder.generate(prompt, ids, config)
-        assert got.token_ids == ar.generate(ids, config).token_ids, prompt
+        expected = ar.generate(ids, config).token_ids
+        assert got.token_ids == expected, prompt
         s = got.stats
         assert s.tail_accepted <= s.tail_proposed and s.tail_accepted <= s.accepted_tokens
         proposed, accepted = proposed + s.tail_proposed, accepted + s.tail_accepted
+        plain = untailed.generate(prompt, ids, config)
+        assert plain.token_ids == expected and plain.stats.tail_proposed == 0
     assert proposed > 0 and accepted > 0
 
 

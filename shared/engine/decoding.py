@@ -192,7 +192,9 @@ class CrossVocabDecoder:
     drafting stops on the confidence threshold and every round drafts. ``lookup``: model-free
     drafts from the device's text (used under the rule only). ``head``: a trained acceptance
     head whose predicted acceptance feeds the rule instead of the drafter's confidence.
-    ``timings``: forwards timed in use (profile check; never read by a decision)."""
+    ``timings``: forwards timed in use (profile check; never read by a decision).
+    ``lookup_tails``: a drafter's draft carries the lookup's continuation of it when the rule
+    finds it worth its rows (``ThroughputRule.extend_draft``; False only to measure what that adds)."""
 
     def __init__(
         self,
@@ -211,6 +213,7 @@ class CrossVocabDecoder:
         lookup: LookupDrafter | None = None,
         heal: bool = True,
         timings: StepTimings | None = None,
+        lookup_tails: bool = True,
     ) -> None:
         # a runner (ModelRunner, FastLlamaRunner) is used as given; a bare model gets a ModelRunner
         self.drafter: Runner = ModelRunner(drafter) if isinstance(drafter, torch.nn.Module) else drafter
@@ -234,6 +237,7 @@ class CrossVocabDecoder:
         self.rule = rule
         self.lookup = lookup
         self.healer = bridge.draft_healer if heal else None  # token healing (None: off)
+        self.lookup_tails = lookup_tails  # a draft may carry the lookup's continuation of it
 
     def _active_rule(self, config: GenerationConfig) -> ThroughputRule | None:
         """The throughput rule when this request uses it."""
@@ -390,7 +394,7 @@ class CrossVocabDecoder:
                 prefilled = True
                 units = self.translate(draft.ids, draft.overlap)[: max(0, budget - 1)]
                 proposal = [u.target_id for u in units]
-                if lookup is not None and proposal and len(proposal) < budget - 1:
+                if self.lookup_tails and lookup is not None and proposal and len(proposal) < budget - 1:
                     # the device's own text may continue the draft: verified after it, same block
                     tail = lookup.propose(min(LOOKUP_TOKENS, budget - 1 - len(proposal)), after=proposal)
                     extended = rule.extend_draft(tail, len(proposal))
