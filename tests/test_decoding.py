@@ -10,13 +10,13 @@ import torch
 from sampling_checks import assert_follows
 
 from omnidraft.benchmarks.tiny_models import build_pair
-from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder
 from omnidraft.shared.engine.generation import GenerationConfig
 from omnidraft.shared.engine.model_runner import ModelRunner
 from omnidraft.shared.engine.sampling import warp
 from omnidraft.shared.vocab.ngram_cache import NgramCache
 from omnidraft.shared.vocab.token_healing import TokenHealer
-from omnidraft.shared.vocab.translation import NgramTranslator, TextTranslator
+from omnidraft.shared.vocab.translation import NgramTranslator, TextTranslator, build_expand_map
 from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 

@@ -15,7 +15,7 @@ from runtime_models import PROMPTS, needs_isa, tiny_qwen2
 
 from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.shared.engine import profiling
-from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder
 from omnidraft.shared.engine.draft_policy import ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig
 from omnidraft.shared.engine.model_runner import ModelRunner, prefill
@@ -27,6 +27,7 @@ from omnidraft.shared.runtime.fast_drafter import FastLlamaRunner
 from omnidraft.shared.runtime.native_kernels import NATIVE_ISAS, native_error, native_library
 from omnidraft.shared.vocab.draft_context import common_prefix_len
 from omnidraft.shared.vocab.ngram_cache import NgramCache
+from omnidraft.shared.vocab.translation import build_expand_map
 from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 HAS_NATIVE = native_library() is not None

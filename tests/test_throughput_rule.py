@@ -13,13 +13,14 @@ from sampling_checks import assert_follows
 
 from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.shared.engine import decoding
-from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder
 from omnidraft.shared.engine.draft_policy import DRAFTER, LOOKUP, PLAIN, RETRY_ROUNDS, ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig
 from omnidraft.shared.engine.lookup_drafts import SEPARATOR, LookupDraft, LookupDrafter, NgramLookup
 from omnidraft.shared.engine.profiling import CostProfile
 from omnidraft.shared.engine.sampling import warp
 from omnidraft.shared.vocab.ngram_cache import NgramCache
+from omnidraft.shared.vocab.translation import build_expand_map
 from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 FLAT = CostProfile({1: 100.0, 16: 101.0}, drafter_ms_per_token=1.0)  # blocks cost what one token does

@@ -482,26 +482,3 @@ class CrossVocabDecoder:
                 break
             n += j >= draft.healing
         return n
-
-
-def build_expand_map(bridge: VocabBridge, target_tokenizer) -> dict[int, tuple[int, ...]]:
-    """One-to-many translations: drafter tokens with no identical target token, mapped to the
-    target's tokenization of their text (e.g. SmolLM2's newline+indent tokens, which Qwen
-    writes as a newline token followed by a whitespace token).
-    """
-    draft_ids, texts = [], []
-    for d, tid in enumerate(bridge.d2t[: bridge.draft_vocab_size]):
-        raw = bridge.draft_bytes[d]
-        if tid >= 0 or not raw or d in bridge.special_draft_to_target:
-            continue
-        try:
-            texts.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            continue
-        draft_ids.append(d)
-    out: dict[int, tuple[int, ...]] = {}
-    encoded = target_tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    for d, raw, ids in zip(draft_ids, texts, encoded):
-        if ids and _decode_bytes(bridge.target_bytes, ids) == raw:
-            out[d] = tuple(ids)
-    return out

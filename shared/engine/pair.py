@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 
 from omnidraft.shared.engine import catalog, model_runner, profiling
-from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder, build_expand_map
+from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder
 from omnidraft.shared.engine.draft_policy import ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.engine.lookup_drafts import LookupDrafter
@@ -36,6 +36,7 @@ from omnidraft.shared.engine.profiling import CostProfile, StepTimings
 from omnidraft.shared.engine.recordings import RecordingStore
 from omnidraft.shared.runtime.held_weights import hold_frozen_weights
 from omnidraft.shared.vocab.ngram_cache import NgramCache, seed_from_tokenizers
+from omnidraft.shared.vocab.translation import build_expand_map
 from omnidraft.shared.vocab.vocab_bridge import VocabBridge
 
 DRAFTER_WEIGHTS = ("int8", "bf16", "fp32", "hf")
