@@ -16,7 +16,7 @@ from omnidraft.shared.engine import decoding
 from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder
 from omnidraft.shared.engine.draft_policy import DRAFTER, LOOKUP, PLAIN, RETRY_ROUNDS, ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig
-from omnidraft.shared.engine.lookup_drafts import SEPARATOR, LookupDraft, LookupDrafter, NgramLookup
+from omnidraft.shared.engine.lookup_drafts import LookupDraft, LookupDrafter
 from omnidraft.shared.engine.profiling import CostProfile
 from omnidraft.shared.engine.sampling import warp
 from omnidraft.shared.vocab.ngram_cache import NgramCache
@@ -232,51 +232,6 @@ def test_calibration_round_trips_and_rejects_what_does_not_fit():
     ):
         with pytest.raises(ValueError, match="does not fit"):
             ThroughputRule(FLAT).load_calibration(bad)
-
-
-# -- model-free lookups ---------------------------------------------------------------------------
-def test_ngram_lookup_finds_the_most_recent_continuation_of_the_longest_match():
-    index = NgramLookup(min_n=2, max_n=3)
-    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3])
-    # the suffix (1, 2, 3) occurred before, followed by 4 9 2 ...; (2, 3) most recently by 5 6
-    assert index.lookup([1, 2, 3], 3) == (3, [4, 9, 2])
-    assert index.lookup([7, 2, 3], 2) == (2, [5, 6])
-    assert index.lookup([7, 8], 4) == (0, [])
-    assert index.lookup([2, 3], 0) == (0, [])
-    index.extend([SEPARATOR, 7, 7])
-    assert index.lookup([5, 6], 5) == (2, [1, 2, 3])  # never across a separator
-    assert index.lookup([3, 7], 2) == (0, [])  # no n-gram spans a separator
-
-
-def test_lookup_drafter_prefers_this_generation_and_keeps_a_bounded_history():
-    lookup = LookupDrafter(capacity=12, min_n=2, max_n=3)
-    lookup.start([1, 2, 3, 4])
-    lookup.commit([5, 1, 2])
-    assert lookup.propose(4) == LookupDraft([3, 4, 5, 1], 2, "context")
-    lookup.finish()
-    assert lookup.history.tokens == [1, 2, 3, 4, 5, 1, 2]
-    lookup.start([8, 9, 1, 2])
-    assert lookup.propose(2) == LookupDraft([3, 4], 2, "history")
-    lookup.start([1, 2, 7, 1, 2])  # both know (1, 2): this generation's continuation wins
-    assert lookup.propose(3) == LookupDraft([7, 1, 2], 2, "context")
-    lookup.start([8, 4, 5])  # only the history knows what followed (4, 5)
-    assert lookup.propose(3) == LookupDraft([1, 2], 2, "history")
-    lookup.start([8, 4, 5], history=False)  # a caller who is not the device's owner
-    assert lookup.propose(3) is None
-    lookup.start([8, 4, 5])
-    lookup.commit([6, 6])
-    lookup.finish()  # 7 + 1 + 5 > 12: the oldest generation goes
-    assert lookup.history.tokens == [8, 4, 5, 6, 6]
-    lookup.remember(list(range(30)))  # a generation longer than the capacity keeps its end
-    assert lookup.history.tokens == list(range(18, 30))
-    saved = lookup.history_tensor()
-    fresh = LookupDrafter(capacity=12, min_n=2, max_n=3)
-    fresh.load_history(saved, vocab_size=64)
-    assert fresh.history.tokens == lookup.history.tokens
-    with pytest.raises(ValueError, match="outside"):
-        fresh.load_history(saved, vocab_size=10)
-    with pytest.raises(ValueError, match="int32"):
-        fresh.load_history(saved.long(), vocab_size=64)
 
 
 # -- decoding with the rule and lookups (tiny models) ---------------------------------------------
