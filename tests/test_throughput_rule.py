@@ -301,10 +301,10 @@ def test_greedy_output_identical_with_lookups_and_plain_steps(pair, bridge, prof
         assert kinds["plain"] > kinds["drafter"] and kinds["lookup"] == 0
 
 
-def test_a_drafts_lookup_tail_keeps_greedy_output_and_is_charged_and_counted(pair, bridge):
+def test_a_drafts_lookup_tail_keeps_greedy_output(pair, bridge):
     """Where verifying more rows costs little, drafter rounds carry the lookup's continuation of
-    their draft (``extend_draft``): the output stays the target alone's, some tail tokens are
-    accepted, and each round is charged its whole block."""
+    their draft (``extend_draft``): the output stays the target alone's and some tail tokens are
+    accepted; a decoder without tails (``lookup_tails=False``) verifies none."""
     profile = CostProfile({1: 10.0, 4: 10.2, 16: 10.5}, drafter_ms_per_token=0.5)
     decoder, untailed = spd(pair, bridge, profile), spd(pair, bridge, profile)
     untailed.lookup_tails = False
