@@ -18,6 +18,7 @@ import json
 import sys
 
 from omnidraft.benchmarks.bench import load_prompts
+from omnidraft.shared.engine.catalog import CatalogError
 from omnidraft.shared.engine.decoding import CrossVocabDecoder
 from omnidraft.shared.engine.draft_policy import ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig, GenerationStats
@@ -58,7 +59,10 @@ def main() -> None:
         sys.exit(f"error: {e}")
     if not prompts:
         sys.exit("error: no prompts left after --skip")
-    engine = Engine.load(args.drafter, args.target, args.dtype, progress=False)
+    try:
+        engine = Engine.load(args.drafter, args.target, args.dtype, progress=False)
+    except (CatalogError, ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
     profile = engine.cost_profile()
 
     def decoder(tails: bool) -> CrossVocabDecoder:

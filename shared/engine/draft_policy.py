@@ -213,14 +213,8 @@ class ThroughputRule:
         whether a drafter is usable."""
         kind, n, best = PLAIN, 0, self.plain_rate()
         if lookup is not None and lookup.ids:
-            a = self.lookup_acceptance(lookup.source, lookup.match)
-            expected, p = 1.0, 1.0
-            for j in range(1, len(lookup.ids) + 1):
-                p *= a
-                expected += p
-                rate = expected / (self._target_ms(1 + j) + self.step_overhead_ms)
-                if rate > best:
-                    kind, n, best = LOOKUP, j, rate
+            n, best = self._best_lookup_prefix(lookup, 1.0, 1.0, self.step_overhead_ms, 1, best)
+            kind = LOOKUP if n else PLAIN
         if drafter:
             rate = self.drafter_rate()
             if rate > best or (kind == PLAIN and self.plain_streak >= RETRY_ROUNDS):
@@ -290,17 +284,26 @@ class ThroughputRule:
         accepted carries the device's own text after it almost for free."""
         if lookup is None or not lookup.ids or self._n == 0:
             return 0
-        a = self.lookup_acceptance(lookup.source, lookup.match)
         drafting_ms = self._fixed_ms + self._n * self.drafter_ms
-        n, best = 0, self._e / (drafting_ms + self._target_ms(1 + proposed))
-        expected, p = self._e, self._p
+        now = self._e / (drafting_ms + self._target_ms(1 + proposed))
+        return self._best_lookup_prefix(lookup, self._e, self._p, drafting_ms, 1 + proposed, now)[0]
+
+    def _best_lookup_prefix(
+        self, lookup, expected: float, p: float, fixed_ms: float, block: int, best: float
+    ) -> tuple[int, float]:
+        """The prefix length ``j`` of ``lookup`` whose round commits the most tokens per ms, and
+        that rate: ``expected`` tokens are expected without it and reached with probability ``p``
+        (each looked-up token then kept at the lookup's measured acceptance ``a``), in
+        ``fixed_ms + T(block + j)`` ms; ``(0, best)`` when no prefix beats ``best``."""
+        a = self.lookup_acceptance(lookup.source, lookup.match)
+        n = 0
         for j in range(1, len(lookup.ids) + 1):
             p *= a
             expected += p
-            rate = expected / (drafting_ms + self._target_ms(1 + proposed + j))
+            rate = expected / (fixed_ms + self._target_ms(block + j))
             if rate > best:
                 n, best = j, rate
-        return n
+        return n, best
 
     # -- what verification said --------------------------------------------------------------------
     def observe(self, accepted_drafts: int, drafted: int, proposed: int, committed: int, extended: int = 0) -> None:
