@@ -113,3 +113,39 @@ def test_a_kv_cache_is_resident_only_where_positions_were_written():
     assert not cache[:, 16:].any() and int(cache[:, :16].double().sum()) == 32 * 16 * 1024
     runner = FastLlamaRunner(tiny_qwen2(), weights="int8", max_positions=64)
     assert not runner._kcache.any() and not runner.fork()._vcache.any()
+
+
+def _mapping_flags(tensor: torch.Tensor) -> set[str]:
+    """The ``VmFlags`` of the mapping in ``/proc/self/smaps`` that holds ``tensor``'s first byte."""
+    address, flags, inside = tensor.data_ptr(), None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's header: start-end perms ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            flags = set(line.split()[1:])
+    assert flags is not None, "no mapping holds the tensor"
+    return flags
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_packed_weights_are_private_memory_advised_for_huge_pages():
+    """The native kernels' packed weights (streamed whole by every forward) sit in private
+    anonymous memory advised for transparent huge pages (``hg``); a shared mapping (``sh``, which
+    ``mmap`` makes by default) would be shmem, which the system's ``madvise`` setting never gives
+    huge pages. The buffers hold what the packing wrote and are the runner's own."""
+    from omnidraft.shared.runtime.heap import empty_in_huge_pages
+
+    buf = empty_in_huge_pages((4, 1024, 1024), torch.uint8)  # 4 MiB, zeroed until written
+    assert buf.shape == (4, 1024, 1024) and not buf.any()
+    flags = _mapping_flags(buf)
+    assert "sh" not in flags and ("hg" in flags or not hasattr(__import__("mmap"), "MADV_HUGEPAGE")), flags
+    isa = native_kernels.default_native_isa()
+    if isa is None or native_error(isa) is not None:
+        pytest.skip("no native kernels on this machine")
+    runner = FastLlamaRunner(tiny_qwen2(), weights="int8", max_positions=64)
+    packed = [t for t in runner._packing.native_tensors if t.dim() >= 3]  # weights and scales, not biases
+    assert len(packed) == 2 * 4 * runner.num_layers  # four fused matrices a layer
+    assert all("hg" in _mapping_flags(t) and "sh" not in _mapping_flags(t) for t in packed)
+    assert all(t.any() for t in packed)  # written by the packing

@@ -45,7 +45,7 @@ CONTEXT_TOKENS = 256
 # last row (steps at 5 | 6, 9 | 10, 13 | 14); the AVX2 ones groups of 4, 2 and 1.
 PROFILE_BLOCKS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16)
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
-PROFILE_VERSION = 11  # bump when a kernel or the method changes: every cached measurement is taken again
+PROFILE_VERSION = 12  # bump when a kernel or the method changes: every cached measurement is taken again
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree

@@ -4,7 +4,8 @@
 ``bf16``: oneDNN prepacked bf16; ``int8``: fbgemm dynamic quantization). ``pack_native`` lays
 a matrix out for the native int8 kernels (``shared/runtime/native/``): uint8 weights in blocks of 16
 rows x 4 inputs with a float scale per (row, 64 inputs); ``pack_native_slices`` does the same
-from row slices read one at a time (an LM head read from a GGUF).
+from row slices read one at a time (an LM head read from a GGUF). The native buffers are allocated in transparent huge pages where the system
+gives them (``heap.empty_in_huge_pages``): every forward streams them whole.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from omnidraft.shared.runtime.heap import empty_in_huge_pages
 from omnidraft.shared.runtime.native_kernels import onednn_bf16_linear
 
 WEIGHT_KINDS = ("fp32", "bf16", "int8")
@@ -109,8 +111,8 @@ def pack_native_slices(read_rows: Callable[[int, int], torch.Tensor], n: int, li
             raise ValueError(f"the native layout needs inputs in groups of 64, not {k}")
         if packed is None:  # the whole matrix's buffers, filled slice by slice
             blocks = -(-n // 16)
-            packed = torch.empty((blocks, k // 4, 16, 4), dtype=torch.uint8)
-            scales = torch.empty((blocks, k // 64, 16), dtype=torch.float32)
+            packed = empty_in_huge_pages((blocks, k // 4, 16, 4), torch.uint8)
+            scales = empty_in_huge_pages((blocks, k // 64, 16), torch.float32)
         lib.fd_pack_rows(
             part.data_ptr(),
             rows,
