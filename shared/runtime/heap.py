@@ -8,7 +8,7 @@ the difference between fitting and swapping.
 
 Packed model weights live in memory advised for transparent huge pages
 (``empty_in_huge_pages``): a forward streams every byte of them, and on 4 KB pages the walk
-through 1.5 GB of a target's weights costs a one-token step 8 % (a drafter step 10 %).
+through 1.5 GB of a target's weights costs a one-token step 3-8 % (a drafter step 5-12 %).
 
 How much memory the process may use (``memory_limit_bytes``: the machine's, its container's
 limit, or ``$OMNIDRAFT_MEMORY_MB``) decides where time is traded for memory (``small_machine``:
@@ -95,8 +95,8 @@ def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
     On 4 KB pages a pass over 1.5 GB of packed weights walks ~390,000 pages, and the
     hardware prefetchers stop at every page boundary; on 2 MB pages a one-token step of
-    Qwen2.5-Coder-1.5B in int8 ran 0.89-0.94x its time and a SmolLM2-135M step 0.84-0.95x
-    (AMD EPYC with AVX-512, one process, the two alternating; docs/speed.md). Where the
+    Qwen2.5-Coder-1.5B in int8 ran 0.92-0.97x its time and a SmolLM2-135M step 0.88-0.95x
+    (AMD EPYC with AVX-512, one process, the two alternating; ``scripts/huge_pages_ab.py``). Where the
     system's ``transparent_hugepage`` setting is ``madvise`` (the default of many
     distributions) only advised memory gets them; with ``always`` all of it does, with
     ``never`` none, and the advice is then ignored, as it is by systems without it. The
