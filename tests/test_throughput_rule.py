@@ -14,7 +14,7 @@ from sampling_checks import assert_follows
 from omnidraft.benchmarks.tiny_models import build_pair
 from omnidraft.shared.engine import decoding
 from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder
-from omnidraft.shared.engine.draft_policy import DRAFTER, LOOKUP, PLAIN, RETRY_ROUNDS, ThroughputRule
+from omnidraft.shared.engine.draft_policy import DRAFTER, HEAD_SCORE_EVERY, LOOKUP, PLAIN, RETRY_ROUNDS, ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig
 from omnidraft.shared.engine.lookup_drafts import LookupDraft, LookupDrafter
 from omnidraft.shared.engine.profiling import CostProfile
@@ -209,6 +209,12 @@ def test_the_head_decides_only_while_it_predicts_acceptance_better_than_the_conf
     good_head.begin(4, head=False)  # no head this round: the confidence decides
     assert good_head.feature == "confidence"
     assert good_head.state()["squared_error"]["head"] < good_head.state()["squared_error"]["confidence"]
+    # the head runs every round where it decides, and one round in HEAD_SCORE_EVERY where it does
+    # not (its error keeps being measured on a uniform sample of rounds)
+    assert all(good_head.wants_head() for _ in range(12))
+    asked = [bad_head.wants_head() for _ in range(4 * HEAD_SCORE_EVERY)]
+    assert sum(asked) == 4 and asked[:HEAD_SCORE_EVERY].count(True) == 1
+    assert ThroughputRule(FLAT).wants_head()  # a new rule scores the head in its first round
 
 
 def test_calibration_round_trips_and_rejects_what_does_not_fit():

@@ -289,7 +289,8 @@ class CrossVocabDecoder:
         # what the drafter was fed first counts as a fixed cost of this round (not the prompt:
         # that is a prefill)
         draft = Draft([], refeed=len(context_ids) - keep if keep and not prefill else 0)
-        head = self.head if rule is not None else None  # the head feeds the rule only
+        # the head feeds the rule only, and runs where the rule asks (``wants_head``)
+        head = self.head if rule is not None and self.head is not None and rule.wants_head() else None
         head_current = not pending  # the runner's last hidden state is the one that predicts `logits`
         if rule is not None:
             rule.begin(config.k_max, draft.refeed, head=head is not None)
