@@ -38,10 +38,11 @@ inputs and the profile.
 The per-token acceptance estimate ``a`` of a drafted token is calibrated per bucket of a
 feature: the drafter's confidence (its top probability), or, once the device's acceptance head
 has trained, the head's predicted acceptance (a separate table; the head feeds this rule and no
-fixed threshold overrides it). Both are counted on every verified token, and a round uses the
-head only while its calibrated predictions have had the lower squared error (Brier score) over
-recent tokens: a head trained on little data can rank tokens worse than the drafter's own
-confidence, and then it must not decide. Buckets start from the prior ``a(f) = f`` worth ``PRIOR_WEIGHT``
+fixed threshold overrides it). The confidence is counted on every verified token, the head on
+those of the rounds that run it, and a round uses the head only while its calibrated predictions
+have had the lower squared error (Brier score) over recent tokens: a head trained on little data
+can rank tokens worse than the drafter's own confidence, and then it must not decide; it then
+runs in one drafter round of ``HEAD_SCORE_EVERY`` only, to keep being scored (``wants_head``). Buckets start from the prior ``a(f) = f`` worth ``PRIOR_WEIGHT``
 observations. A drafted token counts as accepted when the target accepted every byte of its
 text; tokens after the first rejection are not observed.
 
