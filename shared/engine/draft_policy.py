@@ -42,9 +42,10 @@ fixed threshold overrides it). The confidence is counted on every verified token
 those of the rounds that run it, and a round uses the head only while its calibrated predictions
 have had the lower squared error (Brier score) over recent tokens: a head trained on little data
 can rank tokens worse than the drafter's own confidence, and then it must not decide; it then
-runs in one drafter round of ``HEAD_SCORE_EVERY`` only, to keep being scored (``wants_head``). Buckets start from the prior ``a(f) = f`` worth ``PRIOR_WEIGHT``
-observations. A drafted token counts as accepted when the target accepted every byte of its
-text; tokens after the first rejection are not observed.
+runs in one drafter round of ``HEAD_SCORE_EVERY`` only, to keep being scored (``wants_head``).
+Buckets start from the prior ``a(f) = f`` worth ``PRIOR_WEIGHT`` observations. A drafted token
+counts as accepted when the target accepted every byte of its text; tokens after the first
+rejection are not observed.
 
 **Never slower than the target alone.** The plain step is always a candidate, so when drafter
 rounds stop paying (their measured rate falls below ``1 / (T(1) + s)``) they stop being chosen:

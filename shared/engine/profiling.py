@@ -49,7 +49,7 @@ PROFILE_VERSION = 12  # bump when a kernel or the method changes: every cached m
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree
-STALE_RATIO = 1.5  # a profile whose steps in use differ from it by more than this is measured again
+STALE_RATIO = 1.5  # a profile whose steps in use differ from it by more than this is stale
 # a profile whose drafter step, relative to a one-token target step, is off by more than this
 # (either way) from use makes the rule draft too long or too short: it is stale
 RELATIVE_STALE_RATIO = 1.2

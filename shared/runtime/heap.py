@@ -96,8 +96,8 @@ def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     On 4 KB pages a pass over 1.5 GB of packed weights walks ~390,000 pages, and the
     hardware prefetchers stop at every page boundary; on 2 MB pages a one-token step of
     Qwen2.5-Coder-1.5B in int8 ran 0.92-0.97x its time and a SmolLM2-135M step 0.88-0.95x
-    (AMD EPYC with AVX-512, one process, the two alternating; ``scripts/huge_pages_ab.py``). Where the
-    system's ``transparent_hugepage`` setting is ``madvise`` (the default of many
+    (AMD EPYC with AVX-512, one process, the two alternating; ``scripts/huge_pages_ab.py``).
+    Where the system's ``transparent_hugepage`` setting is ``madvise`` (the default of many
     distributions) only advised memory gets them; with ``always`` all of it does, with
     ``never`` none, and the advice is then ignored, as it is by systems without it. The
     mapping is exactly ``nbytes`` long: the system gives 2 MB pages to the aligned 2 MB ranges
