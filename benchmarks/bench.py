@@ -441,14 +441,6 @@ def format_table(report: dict) -> str:
         lines.append(
             "profile check (in use / cached ms): "
             + ", ".join(f"{k} {v['in_use_ms']:.1f}/{v['profile_ms']:.1f}" for k, v in check["steps"].items())
-            + (
-                (
-                    " -- STALE: corrected from these for the next run"
-                    if check.get("corrected")
-                    else " -- STALE: measured again next run"
-                )
-                if check["stale"]
-                else ""
-            )
+            + (" -- STALE: measured again next run" if check["stale"] else "")
         )
     return "\n".join(lines)

@@ -51,57 +51,6 @@ def test_the_profile_check_flags_a_profile_whose_drafter_to_target_ratio_is_off(
     assert "drafter_vs_target" not in profiling.StepTimings().check(profile)  # nothing timed yet
 
 
-def test_a_stale_profile_is_corrected_from_the_forwards_timed_in_use():
-    """Each profiled block size takes the in-use median of that size where enough were timed,
-    else its own figure scaled by the ratio of the nearest size timed (the smaller on a tie), so
-    the kernels' steps between sizes stay; the drafter's step and feeds scale by its ratio.
-    Too few samples of the target or the drafter correct nothing."""
-    from omnidraft.shared.engine.profile_correction import MIN_SAMPLES, corrected_costs
-
-    profile = CostProfile({1: 50.0, 2: 52.0, 4: 55.0, 8: 60.0, 9: 70.0, 16: 100.0}, 5.0, {1: 5.0, 4: 7.0})
-    timings = profiling.StepTimings()
-    for i in range(MIN_SAMPLES):
-        timings.record_target(1, 34.0 + (i % 3))  # median 35: 0.7x
-        timings.record_target(8, 54.0)  # 0.9x
-        timings.record_target(24, 160.0)  # beyond the profiled sizes
-        timings.record_drafter_step(5.5)  # 1.1x
-    timings.record_target(2, 20.0)  # one sample: not enough to set block 2
-    fixed = corrected_costs(profile, timings)
-    target = {int(b): ms for b, ms in fixed["target"].items()}
-    assert target[1] == pytest.approx(35.0) and target[8] == pytest.approx(54.0)  # the in-use medians
-    assert target[2] == pytest.approx(52.0 * 0.7) and target[4] == pytest.approx(55.0 * 0.7)  # nearest: 1
-    assert target[9] == pytest.approx(70.0 * 0.9)  # nearest timed size: 8
-    assert target[16] == pytest.approx(100.0 * 0.9)  # 8 and 24 as near: the smaller
-    assert fixed["drafter"] == {"1": pytest.approx(5.5), "4": pytest.approx(7.7)}
-    assert fixed["corrected_from_use"]["samples"]["2"] == 1 and fixed["corrected_from_use"]["drafter_ratio"] == 1.1
-    sparse = profiling.StepTimings()
-    for _ in range(MIN_SAMPLES - 1):
-        sparse.record_target(1, 35.0)
-        sparse.record_drafter_step(5.5)
-    assert corrected_costs(profile, sparse) is None
-
-
-def test_the_next_process_decides_on_the_corrected_profile(tmp_path, monkeypatch, pair_dir, capsys):
-    """A run whose forwards contradict the cached profile keeps deciding with it, but leaves the
-    figures it timed in the cache: the next engine on the pair reads them without measuring."""
-    from omnidraft.shared.engine.profile_correction import MIN_SAMPLES
-
-    monkeypatch.setenv("OMNIDRAFT_PROFILES", str(tmp_path / "profiles"))
-    engine = _engine(pair_dir)
-    profile = engine.cost_profile()
-    step, drafter = profile.target_cost(1), profile.drafter_ms_per_token
-    for _ in range(MIN_SAMPLES):  # the target's steps at half their figure, the drafter's as profiled
-        engine.timings.record_target(1, step / 2)
-        engine.timings.record_drafter_step(drafter)
-    report = engine.check_profile()
-    assert report["stale"] and report["corrected"]["target_ratios"] == {"1": 0.5}
-    assert engine.cost_profile() is profile  # this process keeps its profile
-    capsys.readouterr()
-    again = _engine(pair_dir).cost_profile()
-    assert again.target_cost(1) == pytest.approx(step / 2) and again.drafter_ms_per_token == pytest.approx(drafter)
-    assert "measuring" not in capsys.readouterr().err  # read from the cache, round overheads included
-
-
 def test_the_timings_in_use_sample_the_whole_run_not_its_start():
     """Past ``limit`` forwards of a size the kept samples are a uniform sample of all of them:
     a machine twice as slow in the second half of a run shows in the check, where keeping the

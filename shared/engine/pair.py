@@ -32,7 +32,6 @@ from omnidraft.shared.engine.precision import (
     quantize_linear_int8,
     runner_backend,
 )
-from omnidraft.shared.engine.profile_correction import corrected_costs
 from omnidraft.shared.engine.profiling import CostProfile, StepTimings
 from omnidraft.shared.engine.recordings import RecordingStore
 from omnidraft.shared.runtime.held_weights import hold_frozen_weights
@@ -261,23 +260,16 @@ class Engine:
 
     def check_profile(self, forget_stale: bool = True) -> dict:
         """The cached profile against the forwards timed in use so far (``StepTimings.check``);
-        when they contradict it and ``forget_stale``, its cached target and drafter figures are
-        replaced by those timed in use (``profile_correction``; ``report["corrected"]``), or,
-        where too few were timed, dropped with the round overheads so the next process measures
-        again. This process keeps deciding with the profile it has. A simulation keeps the
-        cache as it is: its runs with one seed decide alike."""
+        when they contradict it and ``forget_stale``, its cached measurements are dropped, so the
+        next process measures again (this one keeps deciding with the profile it has). A
+        simulation keeps them: its runs with one seed decide alike."""
         if self._profile is None:
             return {"steps": {}, "stale": False}
         report = self.timings.check(self._profile)
         if report["stale"] and forget_stale:
             drafter = self._profiled_drafter
-            corrected = corrected_costs(self._profile, self.timings)
-            if corrected is not None:
-                profiling.store(self._pair_key(drafter), corrected)
-                report["corrected"] = corrected["corrected_from_use"]
-            else:
-                for key in (self._pair_key(drafter), self._overhead_key(drafter)):
-                    profiling.forget(key)
+            for key in (self._pair_key(drafter), self._overhead_key(drafter)):
+                profiling.forget(key)
         return report
 
     @cached_property

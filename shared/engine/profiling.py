@@ -49,9 +49,10 @@ PROFILE_VERSION = 12  # bump when a kernel or the method changes: every cached m
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree
-STALE_RATIO = 1.5  # a profile whose steps in use differ from it by more than this is stale
-# a profile whose drafter step, relative to a one-token target step, is off by more than this
-# (either way) from use makes the rule draft too long or too short: it is stale
+STALE_RATIO = 1.5  # a profile whose steps in use differ from it by more than this is measured again
+# The rule weighs drafter steps against target steps: a profile whose drafter step, relative to a
+# one-token target step, costs more than this times (or less than 1/this of) what it does in use
+# drafts too long or too short, and is measured again.
 RELATIVE_STALE_RATIO = 1.2
 
 
@@ -176,18 +177,14 @@ def _full_key(key: dict) -> dict:
 
 
 def forget(key: dict) -> bool:
-    """Drop the measurement stored under ``key`` (the next use measures again); True if one was."""
+    """Drop the measurement stored under ``key`` (the next use measures again); True if one
+    was stored."""
+    path = _cache_file(_full_key(key))
     try:
-        _cache_file(_full_key(key)).unlink()
+        path.unlink()
         return True
     except FileNotFoundError:
         return False
-
-
-def store(key: dict, value: dict) -> None:
-    """Keep ``value`` as the measurement under ``key`` (``profile_correction``), atomically."""
-    full = _full_key(key)
-    write_bytes_atomic(_cache_file(full), json.dumps({"key": full, "value": value}, indent=1).encode())
 
 
 def _stored(path: Path, key: dict) -> dict | None:
@@ -424,8 +421,9 @@ class StepTimings:
         return report
 
 
-# What ``verification_score`` reads: ``--dtype auto`` measures each candidate at these sizes only
-# (the full profile of the float32 candidate took 7.4 minutes on a noisy 2-core Zen 4 EPYC)
+# What ``verification_score`` reads: ``--dtype auto`` measures each candidate at these block
+# sizes only, and the chosen precision's full profile (``PROFILE_BLOCKS``) when it is used. On a
+# noisy 2-core Zen 4 EPYC the full profile of the float32 candidate took 7.4 minutes.
 AUTO_BLOCKS = (1, 4)
 
 
