@@ -25,7 +25,6 @@ import torch
 import omnidraft.shared.runtime.weight_packing as weight_packing
 from omnidraft.shared.engine.catalog import CatalogError
 from omnidraft.shared.engine.pair import Engine
-from omnidraft.shared.engine.precision import build_drafter_runner
 
 CONTEXT = 256  # cached tokens before each timed forward
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -40,7 +39,7 @@ def huge_kb() -> int:
 def load(drafter: str, target: str, dtype: str):
     """The pair's target runner and a drafting runner on its packed weights."""
     engine = Engine.load(drafter, target, dtype, progress=False)
-    return engine.target_runner, build_drafter_runner(engine.drafter.model, engine.drafter_weights)
+    return engine.target_runner, engine.drafter_runner
 
 
 def median_ms(runner, block: int, repeats: int) -> float:

@@ -83,10 +83,22 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     every byte (and numpy's ``zeros`` asks for huge pages, 2 MB resident per first write). A KV
     cache sized for ``max_positions`` (117 MB for Qwen2.5-Coder-1.5B at 4,096) then holds
     resident only the pages of the positions its sequences reached."""
+    return _on_anonymous_mapping(shape, dtype)
+
+
+def _on_anonymous_mapping(
+    shape: tuple[int, ...], dtype: torch.dtype, flags: int = mmap.MAP_SHARED, advice: int | None = None
+) -> torch.Tensor:
+    """A zero tensor on an anonymous ``mmap`` of exactly its size (``flags``; ``advice`` given
+    to ``madvise`` where the system takes it), unmapped when the tensor dies."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    buffer = mmap.mmap(-1, nbytes, flags=flags)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # e.g. a kernel without transparent huge pages
+            buffer.madvise(advice)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -103,12 +115,5 @@ def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     mapping is exactly ``nbytes`` long: the system gives 2 MB pages to the aligned 2 MB ranges
     inside it and 4 KB pages to its edges, so no memory is added; it is unmapped when the
     tensor dies."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # a shared one is shmem, whose huge pages are off
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
-            buffer.madvise(advice)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+    # private: a shared anonymous mapping is shmem, which the ``madvise`` setting never gives huge pages
+    return _on_anonymous_mapping(shape, dtype, mmap.MAP_PRIVATE, getattr(mmap, "MADV_HUGEPAGE", None))
