@@ -23,6 +23,13 @@ The state directory may be shared with the device's SuperNode (``omnidraft devic
 served prompt goes to the device's ``RequestLog`` (its federated rounds train on them), and when
 a federated round saved a new state, the service loads it before the next request; its own
 saves never overwrite a state saved by the round.
+
+The draft rule decides from the machine's cached cost profile; a board that throttles or a VM
+that changed speed makes it wrong. Every ``profile_check_every`` decodes (and at shutdown) the
+service checks it against the forwards it timed while serving (``Engine.check_profile``); one
+they contradict is dropped from the cache, with one warning, and the next start measures it
+again (the running service keeps deciding with the one it has: measuring takes about a minute,
+which no request should wait for).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class ServiceLimits:
     default_new_tokens: int = 128
     max_queue: int = 8  # requests waiting or running
     save_every: int = 1  # save the device state after this many learned samples
+    profile_check_every: int = 32  # decodes between checks of the cost profile against use
 
 
 class Cancelled(Exception):
@@ -114,6 +122,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._count = threading.Lock()
         self.in_flight = 0
         self.requests = 0
+        self.decodes = 0  # decodes run (the profile check counts them; engine held)
+        self.profile_stale = False  # the cost profile was found off and dropped from the cache
         self._samples: queue.Queue = queue.Queue()
         self._learner = threading.Thread(target=self._learn_loop, name="omnidraft-learner", daemon=True)
         self._learner.start()
@@ -198,6 +208,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                     observe=False,
                     on_tokens=on_tokens,
                 )
+                self.decodes += 1
+                if self.decodes % self.limits.profile_check_every == 0:
+                    self._check_profile()
                 if on_text is not None:
                     tail = decoder.decode(b"", final=True)
                     if tail:
@@ -328,11 +341,31 @@ class GenerationService(pb_grpc.GenerationServicer):
             time.sleep(0.02)
         return True
 
+    def _check_profile(self) -> None:
+        """The cached cost profile against the forwards timed while serving (engine held): once
+        they contradict it, it is dropped from the cache (the next start measures it again) and
+        a warning says so, once."""
+        if self.profile_stale:
+            return
+        report = self.session.engine.check_profile()
+        if report["stale"]:
+            self.profile_stale = True
+            off = ", ".join(f"{name} {step['ratio']}x" for name, step in report["steps"].items())
+            log.warning(
+                "the cost profile the draft rule decides from is off from the steps timed while serving "
+                "(in use / cached: %s%s): dropped from the cache, measured again at the next start "
+                "(or now: omnidraft profile --refresh)",
+                off,
+                f"; drafter against target {report['drafter_vs_target']}x" if "drafter_vs_target" in report else "",
+            )
+
     def close(self) -> None:
         self._samples.put(None)
         self._learner.join()
         with self._engine:
             self._save()
+            if self.decodes:
+                self._check_profile()
 
 
 def serve(

@@ -14,7 +14,7 @@ import torch
 from runtime_models import PROMPTS, needs_isa, tiny_qwen2
 
 from omnidraft.benchmarks.tiny_models import build_pair
-from omnidraft.shared.engine import profiling
+from omnidraft.shared.engine import auto_precision, profiling
 from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder
 from omnidraft.shared.engine.draft_policy import ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig
@@ -321,13 +321,13 @@ def test_dtype_auto_measures_each_candidate_only_at_the_blocks_it_ranks_by(tmp_p
 
     monkeypatch.setattr(profiling, "measure_block_ms", spy)
     target = str(tmp_path / "pair" / "target")
-    best, costs = profiling.choose_precision(target, progress=False)
-    assert set(costs) == set(profiling.lossless_precisions(tmp_path / "pair" / "target"))
-    assert measured == [profiling.AUTO_BLOCKS] * len(costs)
-    assert all(set(c) == set(profiling.AUTO_BLOCKS) for c in costs.values())
-    assert best == min(costs, key=lambda p: profiling.verification_score(costs[p]))
+    best, costs = auto_precision.choose_precision(target, progress=False)
+    assert set(costs) == set(auto_precision.lossless_precisions(tmp_path / "pair" / "target"))
+    assert measured == [auto_precision.AUTO_BLOCKS] * len(costs)
+    assert all(set(c) == set(auto_precision.AUTO_BLOCKS) for c in costs.values())
+    assert best == min(costs, key=lambda p: auto_precision.verification_score(costs[p]))
     measured.clear()
-    assert profiling.choose_precision(target, progress=False) == (best, costs) and measured == []
+    assert auto_precision.choose_precision(target, progress=False) == (best, costs) and measured == []
 
 
 def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch):
@@ -337,7 +337,6 @@ def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch
     int8 where that is exact."""
     import json
 
-    from omnidraft.shared.engine import profiling
     from omnidraft.shared.runtime import gguf_weights, native_kernels
 
     def model(name: str, model_type: str, layer_types: list[str], gguf: bool = False):
@@ -354,10 +353,10 @@ def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch
     gemma_gguf = model("gemma-gguf", "gemma3_text", ["sliding_attention"], gguf=True)
     sliding_llama = model("mistral-like", "llama", ["sliding_attention"])
     monkeypatch.setattr(native_kernels, "native_library", lambda isa=None: object())
-    assert profiling.lossless_precisions(qwen) == ("int8", "fp32")
-    assert profiling.lossless_precisions(qwen_gguf) == ("int8",)
+    assert auto_precision.lossless_precisions(qwen) == ("int8", "fp32")
+    assert auto_precision.lossless_precisions(qwen_gguf) == ("int8",)
     for other in (gemma, gemma_gguf, sliding_llama, tmp_path / "missing"):
-        assert profiling.lossless_precisions(other) == ("fp32",)
+        assert auto_precision.lossless_precisions(other) == ("fp32",)
     monkeypatch.setattr(native_kernels, "native_library", lambda isa=None: None)  # no kernels: fbgemm only
-    assert profiling.lossless_precisions(qwen) == ("fp32",)
-    assert profiling.lossless_precisions(qwen_gguf) == ("fp32",)
+    assert auto_precision.lossless_precisions(qwen) == ("fp32",)
+    assert auto_precision.lossless_precisions(qwen_gguf) == ("fp32",)

@@ -17,8 +17,10 @@ from omnidraft.client.service import GenerationService, ServiceLimits, serve
 from omnidraft.client.session import DeviceSession
 from omnidraft.proto import generation_pb2 as pb
 from omnidraft.proto import generation_pb2_grpc as pb_grpc
+from omnidraft.shared.engine import profiling
 from omnidraft.shared.engine.generation import GenerationConfig
 from omnidraft.shared.engine.pair import Engine
+from omnidraft.shared.engine.profiling import CostProfile
 
 PROMPTS = [t[:30] for t in corpus(12, seed=21)]
 
@@ -146,6 +148,50 @@ def test_learning_between_requests_and_state_saved(running):
     assert health.precision == "fp64" and health.pending_samples == 0
     saved = json.loads((service.session.state.dir / "state.json").read_text())
     assert saved["updates"] == 2 and saved["prompts_seen"] == 4
+
+
+def test_a_profile_contradicted_while_serving_is_dropped_once_with_a_warning(pair_dir, tmp_path, monkeypatch, caplog):
+    """A long-running service decides from the cost profile it started with. The forwards it
+    times while serving are checked against that profile every ``profile_check_every`` decodes:
+    a profile 50x off (a board that throttles, a VM that changed speed) is dropped from the cache
+    (the pair's and the round overhead's keys), so the next start measures it again, with one
+    warning however long the service runs. (That a profile which holds is kept is
+    ``StepTimings.check``'s, tested in test_cost_profile.py.)"""
+    engine = Engine.load(
+        str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64", drafter_weights="fp32", progress=False
+    )
+    session = DeviceSession(engine, target_name="t", state_dir=tmp_path / "state")
+    service = GenerationService(
+        session, ServiceLimits(max_new_tokens=64, profile_check_every=2), base=GenerationConfig(draft_stop="confidence")
+    )
+    measured = engine.cost_profile()
+    engine._profile = CostProfile(
+        {b: 50 * ms for b, ms in measured.target_ms.items()},
+        50 * measured.drafter_ms_per_token,
+        {b: 50 * ms for b, ms in measured.drafter_block_ms.items()},
+    )
+    checks, forgotten = [], []
+    check = engine.check_profile
+    monkeypatch.setattr(engine, "check_profile", lambda: checks.append(service.decodes) or check())
+    monkeypatch.setattr(profiling, "forget", lambda key: forgotten.append(key) or True)
+    server, port = serve(service, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.GenerationStub(channel)
+    try:
+        with caplog.at_level("WARNING", logger="omnidraft.service"):
+            stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=24), timeout=60)
+            assert checks == [] and not service.profile_stale  # not checked before the second decode
+            for prompt in PROMPTS[1:7]:
+                stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=24), timeout=60)
+        assert checks == [2] and service.profile_stale  # found off at the first check; not checked again
+        assert [k["role"] for k in forgotten] == ["pair", "round-overhead"]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "omnidraft.service"]
+        assert len(warnings) == 1 and "measured again at the next start" in warnings[0]
+    finally:
+        channel.close()
+        server.stop(grace=None).wait()
+        service.close()
+    assert len(forgotten) == 2 and checks == [2]  # shutdown adds nothing once it was dropped
 
 
 def test_cli_ask_and_health_against_a_running_service(running, capsys):

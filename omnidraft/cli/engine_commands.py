@@ -140,7 +140,7 @@ def doctor(args) -> int:
 
 
 def profile(args) -> int:
-    from omnidraft.shared.engine import profiling
+    from omnidraft.shared.engine import auto_precision, profiling
     from omnidraft.shared.engine.pair import Engine
     from omnidraft.shared.engine.precision import runner_backend
 
@@ -154,10 +154,10 @@ def profile(args) -> int:
             raise UsageError("omnidraft profile: block sizes must be >= 1")
     auto = None
     if args.dtype == "auto":
-        precision, costs = profiling.choose_precision(args.target, refresh=args.refresh)
+        precision, costs = auto_precision.choose_precision(args.target, refresh=args.refresh)
         auto = {
             "chosen": precision,
-            "score_ms": {p: round(profiling.verification_score(c), 2) for p, c in costs.items()},
+            "score_ms": {p: round(auto_precision.verification_score(c), 2) for p, c in costs.items()},
         }
     engine = Engine.load(
         args.drafter, args.target, auto["chosen"] if auto else args.dtype, drafter_weights=args.drafter_weights

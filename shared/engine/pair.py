@@ -16,7 +16,7 @@ from functools import cached_property
 
 import torch
 
-from omnidraft.shared.engine import catalog, model_runner, profiling
+from omnidraft.shared.engine import auto_precision, catalog, model_runner, profiling
 from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecoder
 from omnidraft.shared.engine.draft_policy import ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig, GenerationResult
@@ -118,7 +118,7 @@ class Engine:
         if drafter_model is None:
             catalog.resolve(drafter, progress=progress)  # a bad name fails before any measuring
         if precision == "auto":
-            precision, _ = profiling.choose_precision(target, progress=progress)
+            precision, _ = auto_precision.choose_precision(target, progress=progress)
         fast = drafter_weights != "hf"  # the fast runners pack from float32 weights
         d = drafter_model or model_runner.load(
             drafter, torch.float32 if fast else load_dtype(precision), progress=progress, embeddings_in_file=fast

@@ -19,7 +19,7 @@
 - ``fp64``: the reference for checking losslessness: float64 rounding is so fine that a block
   forward and one-token steps never flip a near-tie, whatever the CPU's kernels (fp32 and bf16
   blocks may, since their matmul kernels change with the block size). Slow; meant for tests.
-- ``auto``: resolved by ``omnidraft.shared.engine.profiling.choose_precision`` from measured costs.
+- ``auto``: resolved by ``omnidraft.shared.engine.auto_precision.choose_precision`` from measured costs.
 
 A quantized target is a different target: "identical to the target alone" means identical to
 that target run autoregressively in the same precision, which is what ``ar`` does.
