@@ -346,12 +346,12 @@ def test_limits_and_errors():
 
 @pytest.mark.real_models
 def test_smollm2_greedy_agreement():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from omnidraft.shared.engine import catalog
+    from omnidraft.shared.engine import catalog, model_runner
 
     path = catalog.resolve("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model_runner.load(str(path), torch.float32, progress=False).model  # a GGUF-kept pull too
     model.eval()
     prompt = AutoTokenizer.from_pretrained(path).encode(
         'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
