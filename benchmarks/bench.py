@@ -37,7 +37,7 @@ from omnidraft.benchmarks import codebase_prompts
 from omnidraft.shared.engine.generation import GenerationConfig, GenerationStats
 from omnidraft.shared.engine.pair import Engine
 from omnidraft.shared.engine.precision import runner_backend
-from omnidraft.shared.engine.profiling import cpu_name
+from omnidraft.shared.engine.profiling import cpu_name, describe_check
 
 METHODS = ("ar", "uag", "pld", "omnidraft", "omnidraft-cold", "llamacpp", "llamacpp-pld")
 ENGINE_METHODS = ("ar", "omnidraft", "omnidraft-cold")  # decoded by this project's engine (its counters)
@@ -440,7 +440,7 @@ def format_table(report: dict) -> str:
     if check and check.get("steps"):
         lines.append(
             "profile check (in use / cached ms): "
-            + ", ".join(f"{k} {v['in_use_ms']:.1f}/{v['profile_ms']:.1f}" for k, v in check["steps"].items())
+            + describe_check(check)
             + (" -- STALE: measured again next run" if check["stale"] else "")
         )
     return "\n".join(lines)

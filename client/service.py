@@ -54,6 +54,7 @@ from omnidraft.client.session import DeviceSession
 from omnidraft.proto import generation_pb2 as pb
 from omnidraft.proto import generation_pb2_grpc as pb_grpc
 from omnidraft.shared.engine.generation import GenerationConfig, GenerationResult
+from omnidraft.shared.engine.profiling import describe_check
 
 if TYPE_CHECKING:  # fleet_service imports this module
     from omnidraft.client.fleet_service import DeviceFleetService
@@ -350,12 +351,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         report = self.session.engine.check_profile()
         if report["stale"]:
             self.profile_stale = True
-            off = ", ".join(f"{name} {step['ratio']}x" for name, step in report["steps"].items())
             log.warning(
                 "the cost profile the draft rule decides from is off from the steps timed while serving "
-                "(in use / cached: %s%s): dropped from the cache, measured again at the next start "
+                "(in use / cached ms: %s%s): dropped from the cache, measured again at the next start "
                 "(or now: omnidraft profile --refresh)",
-                off,
+                describe_check(report),
                 f"; drafter against target {report['drafter_vs_target']}x" if "drafter_vs_target" in report else "",
             )
 
@@ -364,8 +364,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._learner.join()
         with self._engine:
             self._save()
-            if self.decodes:
-                self._check_profile()
+            self._check_profile()
 
 
 def serve(

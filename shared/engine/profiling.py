@@ -358,6 +358,12 @@ class CostProfile:
         }
 
 
+def describe_check(report: dict) -> str:
+    """A profile check's (``StepTimings.check``) figures on one line: ``name in-use/cached`` ms
+    per block size, e.g. ``target:1 33.2/33.4, drafter:1 3.9/4.2``."""
+    return ", ".join(f"{k} {v['in_use_ms']:.1f}/{v['profile_ms']:.1f}" for k, v in report["steps"].items())
+
+
 class StepTimings:
     """Forward passes timed while decoding, by block size (ms), to check the cached profile
     against what the machine does in use. Never read by a decision (those use the profile
