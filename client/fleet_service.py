@@ -6,7 +6,7 @@ fresh ClientApp process for every message; without this service each of those pr
 ``omnidraft device join --service HOST:PORT`` the ClientApp (``client.served_device``) asks the
 serving process instead: every operation here runs ``FleetDevice`` on the service's own engine
 and drafter adapters (``EnginePool.holding``), with the engine lent by the generation service
-(``GenerationService.engine_lent``: requests wait, the served state is saved before and loaded
+(``GenerationService.lend_engine``: requests wait, the served state is saved before and loaded
 after). A rollout's ``Switch`` loads the new target, sharing the drafter, serves it from the next
 request on and drops the old one.
 
@@ -16,7 +16,6 @@ loopback too. A refused or failed operation aborts with a one-line reason.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -75,8 +74,7 @@ class DeviceFleetService(pb_grpc.DeviceFleetServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "the device's fleet operations need the owner token")
         t0 = time.perf_counter()
         try:
-            with self.service.engine_lent() if lend else contextlib.nullcontext():
-                out = operation()
+            out = self.service.lend_engine(operation) if lend else operation()
         except (StateMismatch, ValueError, OSError) as exc:
             reason = " ".join(str(exc).split()) or type(exc).__name__
             log.info("fleet %s (round %d) refused: %s", name, round_, reason)

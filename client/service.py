@@ -3,7 +3,9 @@
 Apps on a device call ``Generate`` (one reply) or ``GenerateStream`` (text chunks as tokens are
 verified). Every request decodes with the device's ``DeviceSession`` (cross-vocabulary
 speculative decoding with the device's adapter, head and n-gram cache). The engine runs one
-decode at a time: requests wait their turn (at most ``max_queue`` waiting or running; more get
+decode at a time, every job on the models on one thread (``EngineThread``: a second thread's
+forwards would slow every step; give the service the thread that loaded the models): requests
+wait their turn (at most ``max_queue`` waiting or running; more get
 ``RESOURCE_EXHAUSTED``). Learning never blocks a running request: a generation's training
 sample is queued, and a learner thread feeds it to the online learner (which updates the adapter
 every ``interval`` samples) between requests, then saves the device state atomically. A client
@@ -39,11 +41,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,11 +56,13 @@ from omnidraft.proto import generation_pb2 as pb
 from omnidraft.proto import generation_pb2_grpc as pb_grpc
 from omnidraft.shared.engine.generation import GenerationConfig, GenerationResult
 from omnidraft.shared.engine.profiling import describe_check
+from omnidraft.shared.runtime.engine_thread import EngineThread
 
 if TYPE_CHECKING:  # fleet_service imports this module
     from omnidraft.client.fleet_service import DeviceFleetService
 
 log = logging.getLogger("omnidraft.service")
+T = TypeVar("T")
 DEFAULT_LISTEN = "127.0.0.1:50051"
 
 
@@ -109,8 +112,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         request_log: RequestLog | None = None,
         owner: str | None = None,
         serve_strangers: bool = True,
+        engine_thread: EngineThread | None = None,
     ) -> None:
         self.session = session
+        # every job on the models runs here, one at a time (``engine_thread``): a decode, an
+        # update, a lent round; pass the thread that loaded the models
+        self.engine_thread = engine_thread or EngineThread()
         self.owner = owner  # the owner's token; None: every caller is the owner
         self.serve_strangers = serve_strangers
         self.request_log = request_log
@@ -118,12 +125,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.base = base or GenerationConfig()  # drafting settings; requests set the sampling ones
         self.precision = precision
         self.learn = learn
-        self._engine = threading.Lock()  # one decode or adapter update at a time
         self._slots = threading.BoundedSemaphore(self.limits.max_queue)
         self._count = threading.Lock()
         self.in_flight = 0
         self.requests = 0
-        self.decodes = 0  # decodes run (the profile check counts them; engine held)
+        self.decodes = 0  # decodes run (the profile check counts them; engine thread only)
         self.profile_stale = False  # the cost profile was found off and dropped from the cache
         self._samples: queue.Queue = queue.Queue()
         self._learner = threading.Thread(target=self._learn_loop, name="omnidraft-learner", daemon=True)
@@ -175,14 +181,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             with self._count:
                 self.in_flight += 1
             t0 = time.perf_counter()
-            with self._engine:
+
+            def decode() -> tuple[GenerationResult, float]:
                 queued = time.perf_counter() - t0
                 if not context.is_active():
                     raise Cancelled()
                 self._adopt_saved_state()
-                _, ids = self.session.engine.prompt_ids(
-                    request.prompt, request.chat
-                )  # tokenizers are not shared across threads
+                _, ids = self.session.engine.prompt_ids(request.prompt, request.chat)
                 if len(ids) > self.limits.max_prompt_tokens:
                     context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -216,6 +221,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                     tail = decoder.decode(b"", final=True)
                     if tail:
                         on_text(tail)
+                return result, queued
+
+            result, queued = self.engine_thread.run(decode)
             if teaches and (self.request_log is not None or (self.learn and result.training_sample is not None)):
                 self._samples.put((request.prompt, result))
             with self._count:
@@ -277,31 +285,33 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
     # -- the device's fleet rounds (``client.fleet_service``) ----------------------------------------
-    @contextmanager
-    def engine_lent(self):
-        """Hold the engine for a federated round run in this process (no decode or update runs
-        meanwhile): the served state is saved first, so the round starts from it, and loaded again
-        after, whatever the round left in the shared models (a trained adapter it saved, a global
-        adapter an evaluation loaded). Yields the serving session."""
-        with self._engine:
+    def lend_engine(self, operation: Callable[[], T]) -> T:
+        """Run ``operation()``, a federated round's work in this process, on the engine
+        thread (no decode or update runs meanwhile): the served state is saved first, so the
+        round starts from it, and loaded again after, whatever the round left in the shared
+        models (a trained adapter it saved, a global adapter an evaluation loaded)."""
+
+        def lent() -> T:
             self._save()
             spec = self.session.adapters.spec
             try:
-                yield self.session
+                return operation()
             finally:
                 if self.session.adapters.spec != spec:  # the round adopted the fleet's LoRA settings
                     self.session.learner.new_optimizer()
                 self.session.load()
                 self.session.drafter_changed()
 
+        return self.engine_thread.run(lent)
+
     def replace_session(self, session: DeviceSession) -> None:
         """Serve with ``session`` from the next request on (a rollout switched the target; call
-        inside ``engine_lent``)."""
+        inside ``lend_engine``)."""
         self.session = session
 
     # -- learning between requests ----------------------------------------------------------------
     def _adopt_saved_state(self) -> None:
-        """Load the device state if another process (a federated round) saved it (engine held)."""
+        """Load the device state if another process (a federated round) saved it (engine thread)."""
         try:
             if self.session.refresh():
                 log.info("the device state was updated on disk (a federated round): loaded")
@@ -324,14 +334,18 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if self.request_log is not None:
                     self.request_log.append(prompt)
                 if self.learn and result.training_sample is not None:
-                    with self._engine:
-                        report = self.session.learn_from(result)
-                        learned += 1
-                        if report is not None or learned % self.limits.save_every == 0:
-                            self._save()
+                    learned += 1
+                    self.engine_thread.run(self._learn_one, result, learned)
             except Exception:  # learning must never take the service down
                 log.exception("learning from a request failed; the service goes on")
             self._samples.task_done()
+
+    def _learn_one(self, result: GenerationResult, learned: int) -> None:
+        """Learn from one generation (engine thread); save after an update and every
+        ``save_every`` samples."""
+        report = self.session.learn_from(result)
+        if report is not None or learned % self.limits.save_every == 0:
+            self._save()
 
     def wait_learned(self, timeout: float | None = None) -> bool:
         """Block until every queued sample was learned from (tests, shutdown)."""
@@ -343,7 +357,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         return True
 
     def _check_profile(self) -> None:
-        """The cached cost profile against the forwards timed while serving (engine held): once
+        """The cached cost profile against the forwards timed while serving (engine thread): once
         they contradict it, it is dropped from the cache (the next start measures it again) and
         a warning says so, once."""
         if self.profile_stale:
@@ -362,9 +376,13 @@ class GenerationService(pb_grpc.GenerationServicer):
     def close(self) -> None:
         self._samples.put(None)
         self._learner.join()
-        with self._engine:
+
+        def finish() -> None:
             self._save()
             self._check_profile()
+
+        self.engine_thread.run(finish)
+        self.engine_thread.close()
 
 
 def serve(

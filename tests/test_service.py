@@ -150,6 +150,28 @@ def test_learning_between_requests_and_state_saved(running):
     assert saved["updates"] == 2 and saved["prompts_seen"] == 4
 
 
+def test_every_job_on_the_models_runs_on_the_engine_thread(running, monkeypatch):
+    """Requests arrive on gRPC's threads and samples are learned on the learner's, yet every
+    decode, adapter update and lent fleet round runs on the service's one engine thread (a second
+    thread's forwards are ~3x slower with libgomp: ``shared/runtime/engine_thread``)."""
+    import threading
+
+    service, stub, _ = running
+    session = service.session
+    threads: dict[str, set[int]] = {"generate": set(), "learn_from": set()}
+    for name in threads:
+        method = getattr(session, name)
+        monkeypatch.setattr(
+            session, name, lambda *a, _m=method, _n=name, **kw: threads[_n].add(threading.get_ident()) or _m(*a, **kw)
+        )
+    stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=8), timeout=60)
+    list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=8), timeout=60))
+    assert service.wait_learned(timeout=60)
+    lent = service.lend_engine(threading.get_ident)
+    assert threads == {"generate": {service.engine_thread.ident}, "learn_from": {service.engine_thread.ident}}
+    assert lent == service.engine_thread.ident != threading.get_ident()
+
+
 def test_a_profile_contradicted_while_serving_is_dropped_once_with_a_warning(pair_dir, tmp_path, monkeypatch, caplog):
     """A long-running service decides from the cost profile it started with. The forwards it
     times while serving are checked against that profile every ``profile_check_every`` decodes:
@@ -375,23 +397,27 @@ def test_service_bench_reports_overhead_with_identical_texts(pair_dir, tmp_path,
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
-    assert (
-        service_bench.main(
-            [
-                "--drafter",
-                str(pair_dir / "drafter"),
-                "--target",
-                str(pair_dir / "target"),
-                "--dtype",
-                "fp64",
-                "--dataset",
-                str(data),
-                "--max-new-tokens",
-                "12",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    args = [
+        "--drafter",
+        str(pair_dir / "drafter"),
+        "--target",
+        str(pair_dir / "target"),
+        "--dtype",
+        "fp64",
+        "--dataset",
+        str(data),
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
+    assert service_bench.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["texts_equal"] and report["prompts"] == 2 and report["grpc-unary-mean-s"] > 0
+    args = [a for a in args if a != "--json"]
+    assert service_bench.main([*args, "--learn-interval", "1", "--json"]) == 0  # learning, against ar
+    report = json.loads(capsys.readouterr().out)
+    # greedy: as ar; one update per reply, the warm-up request's included
+    assert report["texts_equal"] and report["adapter-updates"] == 3 and report["ar-tok-s"] > 0
+    assert report["speedup-vs-ar"] == report["grpc-unary-tok-s"] / report["ar-tok-s"]
+    assert service_bench.main([*args, "--learn-interval", "-1"]) == 2
+    assert "--learn-interval" in capsys.readouterr().err

@@ -444,8 +444,11 @@ def _serve(args) -> int:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logging.getLogger("omnidraft").addHandler(handler)
     logging.getLogger("omnidraft").setLevel(logging.INFO)
-    engine = load_engine(args)
-    session = open_session(args, engine, online=OnlineConfig(interval=args.interval, lr=args.lr))
+    from omnidraft.shared.runtime.engine_thread import EngineThread
+
+    engine_thread = EngineThread()  # the models load, decode and learn on this thread only
+    engine = engine_thread.run(load_engine, args)
+    session = engine_thread.run(open_session, args, engine, online=OnlineConfig(interval=args.interval, lr=args.lr))
     limits = ServiceLimits(
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens_limit,
@@ -469,6 +472,7 @@ def _serve(args) -> int:
         request_log=request_log,
         owner=owner,
         serve_strangers=loopback,
+        engine_thread=engine_thread,
     )
     from omnidraft.client.fleet_service import DeviceFleetService
 
