@@ -397,23 +397,11 @@ def test_service_bench_reports_overhead_with_identical_texts(pair_dir, tmp_path,
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
-    args = [
-        "--drafter",
-        str(pair_dir / "drafter"),
-        "--target",
-        str(pair_dir / "target"),
-        "--dtype",
-        "fp64",
-        "--dataset",
-        str(data),
-        "--max-new-tokens",
-        "12",
-        "--json",
-    ]
-    assert service_bench.main(args) == 0
+    pair = ["--drafter", str(pair_dir / "drafter"), "--target", str(pair_dir / "target")]
+    args = [*pair, "--dataset", str(data), *"--dtype fp64 --max-new-tokens 12".split()]
+    assert service_bench.main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["texts_equal"] and report["prompts"] == 2 and report["grpc-unary-mean-s"] > 0
-    args = [a for a in args if a != "--json"]
     assert service_bench.main([*args, "--learn-interval", "1", "--json"]) == 0  # learning, against ar
     report = json.loads(capsys.readouterr().out)
     # greedy: as ar; one update per reply, the warm-up request's included
