@@ -118,6 +118,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         # every job on the models runs here, one at a time (``engine_thread``): a decode, an
         # update, a lent round; pass the thread that loaded the models
         self.engine_thread = engine_thread or EngineThread()
+        if session.engine.loaded_on != self.engine_thread.ident:
+            log.warning(
+                "the models were loaded on another thread than the service's engine thread: their forwards "
+                "may run ~3x slower (load them with the EngineThread given as engine_thread)"
+            )
         self.owner = owner  # the owner's token; None: every caller is the owner
         self.serve_strangers = serve_strangers
         self.request_log = request_log

@@ -172,6 +172,25 @@ def test_every_job_on_the_models_runs_on_the_engine_thread(running, monkeypatch)
     assert lent == service.engine_thread.ident != threading.get_ident()
 
 
+def test_a_service_warns_when_the_models_were_loaded_on_another_thread(pair_dir, tmp_path, caplog):
+    """The engine remembers the thread that loaded it; a service whose engine thread is another
+    one says so (its forwards would pay for a second OpenMP team), one given the loading thread
+    does not."""
+    from omnidraft.shared.runtime.engine_thread import EngineThread
+
+    engine_thread = EngineThread()
+    engine = engine_thread.run(
+        Engine.load, str(pair_dir / "drafter"), str(pair_dir / "target"), "fp64", drafter_weights="fp32", progress=False
+    )
+    assert engine.loaded_on == engine_thread.ident
+    session = engine_thread.run(DeviceSession, engine, target_name="t", learn=False)
+    with caplog.at_level("WARNING", logger="omnidraft.service"):
+        GenerationService(session, engine_thread=engine_thread).close()
+        assert not caplog.records
+        GenerationService(session).close()  # a thread of its own
+    assert len(caplog.records) == 1 and "loaded on another thread" in caplog.records[0].getMessage()
+
+
 def test_a_profile_contradicted_while_serving_is_dropped_once_with_a_warning(pair_dir, tmp_path, monkeypatch, caplog):
     """A long-running service decides from the cost profile it started with. The forwards it
     times while serving are checked against that profile every ``profile_check_every`` decodes:
@@ -207,7 +226,9 @@ def test_a_profile_contradicted_while_serving_is_dropped_once_with_a_warning(pai
                 stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=24), timeout=60)
         assert checks == [2] and service.profile_stale  # found off at the first check; not checked again
         assert [k["role"] for k in forgotten] == ["pair", "round-overhead"]
-        warnings = [r.getMessage() for r in caplog.records if r.name == "omnidraft.service"]
+        warnings = [
+            r.getMessage() for r in caplog.records if r.name == "omnidraft.service" and "profile" in r.getMessage()
+        ]
         assert len(warnings) == 1 and "measured again at the next start" in warnings[0]
     finally:
         channel.close()

@@ -10,6 +10,7 @@ the forwards it times while decoding check that profile (``check_profile``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -91,6 +92,9 @@ class Engine:
     # the forwards timed while decoding (profile check; no decision reads them)
     timings: StepTimings = field(default_factory=StepTimings, repr=False)
     _hf_target: torch.nn.Module | None = field(default=None, repr=False)
+    # the thread that loaded the models (``threading.get_ident``): their forwards are fastest on
+    # it (``shared/runtime/engine_thread``)
+    loaded_on: int = field(default_factory=threading.get_ident, repr=False)
 
     @classmethod
     def load(

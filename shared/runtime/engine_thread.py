@@ -13,7 +13,9 @@ one-token step: ~60 against ~66 ms). A process that takes requests on several th
 service, its learner) therefore runs every job that does torch work on one ``EngineThread``:
 loading the models, opening the device session (it builds the drafter's adapters), decoding,
 training. A single stray step elsewhere is enough: a session built on the main thread while the
-models were loaded on this one left the drafter's steps on this one at 13.6 ms.
+models were loaded on this one left the drafter's steps on this one at 13.6 ms. An ``Engine``
+remembers the thread that loaded it (``loaded_on``); the generation service warns when its engine
+thread is another.
 """
 
 from __future__ import annotations
