@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Generator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from omnidraft.shared.learning.distill import SEQ_ROWS, LossConfig, hybrid_loss,
 from omnidraft.shared.learning.training_signal import Intersection, TrainingSample
 from omnidraft.shared.runtime.heap import release_freed_memory, small_machine
 from omnidraft.shared.runtime.native_kernels import cpu_has_native_bf16
+from omnidraft.shared.util.steps import run_to_end
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -151,10 +153,14 @@ class OnlineLearner:
     def observe(self, sample: TrainingSample) -> UpdateReport | None:
         """Take one generation's sample (cut to ``max_context`` tokens of prompt); update when
         the buffer holds ``interval`` prompts."""
+        return run_to_end(self.observe_steps(sample))
+
+    def observe_steps(self, sample: TrainingSample) -> Generator[None, None, UpdateReport | None]:
+        """``observe``, pausing after each optimizer step of an update (``update_steps``)."""
         self.prompts_seen += 1
         self.buffer.append(sample.windowed(self.config.max_context) if self.config.max_context else sample)
         if len(self.buffer) >= self.config.interval:
-            return self.update()
+            return (yield from self.update_steps())
         if self.head is not None and self.replay.size:
             self.head_step()
         return None
@@ -163,6 +169,13 @@ class OnlineLearner:
         """``epochs`` passes over the buffer, each ``steps_per_update`` optimizer steps on the
         loss; the report's loss is the first pass's (before most steps). The last pass's
         forwards label the acceptance head's replay buffer (no forward of its own)."""
+        return run_to_end(self.update_steps())
+
+    def update_steps(self) -> Generator[None, None, UpdateReport]:
+        """``update``, pausing after each optimizer step, so that a caller can run other work
+        on the models between steps (a service's requests: ``client.service``). Drafting in
+        the pauses uses the adapter as it was before the update (its merged runner is
+        invalidated at the end); the update's report is the generator's return value."""
         t0 = time.perf_counter()
         self.adapters.activate(self.target)
         board = small_machine()
@@ -200,6 +213,7 @@ class OnlineLearner:
                             )
                     if terms:
                         self.optimizer.step()
+                    yield
         finally:
             model.eval()
             # the gradients are zeroed before every step: between updates they would only hold

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import hashlib
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
@@ -32,6 +33,7 @@ from omnidraft.shared.learning.acceptance_head import AcceptanceHead
 from omnidraft.shared.learning.adapters import DrafterAdapters, LoraSpec
 from omnidraft.shared.learning.training_signal import Intersection, ReplayedSignal, SignalRecorder
 from omnidraft.shared.runtime.heap import release_freed_memory
+from omnidraft.shared.util.steps import run_to_end
 
 
 def name_seed(name: str) -> int:
@@ -287,9 +289,14 @@ class DeviceSession:
     def learn_from(self, result: GenerationResult) -> UpdateReport | None:
         """Feed a learning generation's sample to the learner (which updates the adapter every
         ``interval`` samples); returns the update's report, if one ran."""
+        return run_to_end(self.learn_steps(result))
+
+    def learn_steps(self, result: GenerationResult) -> Generator[None, None, UpdateReport | None]:
+        """``learn_from``, pausing after each optimizer step of an update
+        (``OnlineLearner.update_steps``): a service decodes its requests in the pauses."""
         if result.training_sample is None:
             return None
-        report = self.learner.observe(result.training_sample)
+        report = yield from self.learner.observe_steps(result.training_sample)
         if report is not None:
             self.drafter_changed()
             release_freed_memory()  # the update's activations and gradients: ~0.4 GB kept by glibc otherwise

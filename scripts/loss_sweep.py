@@ -84,14 +84,13 @@ class VariantLearner(OnlineLearner):
             sample = dataclasses.replace(sample.windowed(window) if window else sample, seq_start=1)
         return super().observe(sample)
 
-    def update(self):
-        if not self.rehearse:
-            return super().update()
-        past = getattr(self, "past", [])
-        fresh = list(self.buffer)
-        self.buffer = fresh + random.Random(self.updates).sample(past, min(self.rehearse, len(past)))
-        self.past = past + fresh
-        return super().update()
+    def update_steps(self):  # what ``update`` and ``observe`` run
+        if self.rehearse:
+            past = getattr(self, "past", [])
+            fresh = list(self.buffer)
+            self.buffer = fresh + random.Random(self.updates).sample(past, min(self.rehearse, len(past)))
+            self.past = past + fresh
+        return (yield from super().update_steps())
 
     def _sample_loss(self, s, grad):
         if self.variant not in ("span", "fkl"):

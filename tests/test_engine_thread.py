@@ -35,3 +35,25 @@ def test_jobs_from_many_threads_run_on_one_thread_in_turn():
         engine.close()
     with pytest.raises(RuntimeError):
         engine.run(job, 0)  # closed
+
+
+def test_a_foreground_job_runs_before_queued_background_jobs():
+    """Learning queued between requests never delays a request by more than the job running."""
+    engine = EngineThread()
+    order: list[str] = []
+    gate = threading.Event()
+    try:
+        with ThreadPoolExecutor(max_workers=4) as callers:
+            blocker = callers.submit(engine.run, gate.wait, background=True)  # a background job running
+            steps = [callers.submit(engine.run, order.append, f"step{i}", background=True) for i in range(2)]
+            while len(engine._lanes[1]) < 2:  # both steps queued behind the running one
+                threading.Event().wait(0.001)
+            request = callers.submit(engine.run, order.append, "request")
+            while not engine._lanes[0]:
+                threading.Event().wait(0.001)
+            gate.set()
+            for f in (blocker, request, *steps):
+                f.result(timeout=10)
+        assert order == ["request", "step0", "step1"]
+    finally:
+        engine.close()

@@ -158,18 +158,49 @@ def test_every_job_on_the_models_runs_on_the_engine_thread(running, monkeypatch)
 
     service, stub, _ = running
     session = service.session
-    threads: dict[str, set[int]] = {"generate": set(), "learn_from": set()}
-    for name in threads:
-        method = getattr(session, name)
-        monkeypatch.setattr(
-            session, name, lambda *a, _m=method, _n=name, **kw: threads[_n].add(threading.get_ident()) or _m(*a, **kw)
-        )
+    threads: dict[str, set[int]] = {"generate": set(), "_sample_loss": set(), "save": set()}
+    for owner in (session, session.learner):
+        for name in threads:
+            if hasattr(owner, name):
+                method = getattr(owner, name)
+                monkeypatch.setattr(
+                    owner,
+                    name,
+                    lambda *a, _m=method, _n=name, **kw: threads[_n].add(threading.get_ident()) or _m(*a, **kw),
+                )
     stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=8), timeout=60)
     list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=8), timeout=60))
-    assert service.wait_learned(timeout=60)
+    assert service.wait_learned(timeout=60)  # interval 2: one update, its steps' losses
     lent = service.lend_engine(threading.get_ident)
-    assert threads == {"generate": {service.engine_thread.ident}, "learn_from": {service.engine_thread.ident}}
+    assert threads == {name: {service.engine_thread.ident} for name in threads}
     assert lent == service.engine_thread.ident != threading.get_ident()
+
+
+def test_a_request_runs_between_the_steps_of_an_update(running, monkeypatch):
+    """Learning is a background job per optimizer step: a request that arrives during an update
+    waits for the step running, not for the whole update."""
+    import threading
+    import time
+
+    service, stub, _ = running
+    session, order, updating = service.session, [], threading.Event()
+    sample_loss, generate = session.learner._sample_loss, session.generate
+
+    def slow_loss(*args, **kwargs):
+        updating.set()
+        time.sleep(1.0)  # a step long enough for the request to arrive during it
+        order.append("step")
+        return sample_loss(*args, **kwargs)
+
+    monkeypatch.setattr(session.learner, "_sample_loss", slow_loss)
+    monkeypatch.setattr(session, "generate", lambda *a, **kw: order.append("request") or generate(*a, **kw))
+    for prompt in PROMPTS[:2]:  # interval 2: the second reply starts an update of 2 steps
+        stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=8), timeout=60)
+    order.clear()
+    assert updating.wait(timeout=60)
+    stub.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=8), timeout=60)
+    assert service.wait_learned(timeout=60)
+    assert order[:3] == ["step", "request", "step"], order
 
 
 def test_a_service_warns_when_the_models_were_loaded_on_another_thread(pair_dir, tmp_path, caplog):
@@ -185,10 +216,12 @@ def test_a_service_warns_when_the_models_were_loaded_on_another_thread(pair_dir,
     assert engine.loaded_on == engine_thread.ident
     session = engine_thread.run(DeviceSession, engine, target_name="t", learn=False)
     with caplog.at_level("WARNING", logger="omnidraft.service"):
+        # a thread of its own, first: once the loading thread has exited, a new thread may get
+        # its ident (the service's own engine thread would then pass for it)
+        GenerationService(session).close()
+        assert len(caplog.records) == 1 and "loaded on another thread" in caplog.records[0].getMessage()
         GenerationService(session, engine_thread=engine_thread).close()
-        assert not caplog.records
-        GenerationService(session).close()  # a thread of its own
-    assert len(caplog.records) == 1 and "loaded on another thread" in caplog.records[0].getMessage()
+    assert len(caplog.records) == 1
 
 
 def test_a_profile_contradicted_while_serving_is_dropped_once_with_a_warning(pair_dir, tmp_path, monkeypatch, caplog):
