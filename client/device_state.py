@@ -10,7 +10,9 @@ One directory per pair, ``<root>/<drafter>--<target>/``:
 * ``state.json``: versions, LoRA settings, counters, the throughput rule's calibration, and the sha256
   and size of each file above. It is written last, so it names a consistent set of files.
 
-Every file is written atomically (temporary file, fsync, rename). On load, a file that is
+Every file is written atomically (temporary file, fsync, rename), and only when its contents
+changed since this process last wrote it and the manifest on disk is still the one it wrote
+(a service saves after every sample; its adapter changes at updates). On load, a file that is
 missing from the manifest's record, fails its checksum, or does not parse is moved aside as
 ``<name>.corrupt-<unix time>`` and that part starts fresh, with a warning; loading never raises
 on bad state. Bad input *paths* (a state directory that is a file) are the caller's error.
@@ -52,6 +54,14 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in base)
 
 
+def _holds(path: Path, size: int) -> bool:
+    """Whether ``path`` is a file of ``size`` bytes (a part this process wrote, still there)."""
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -84,6 +94,9 @@ class DeviceState:
         self.lock = root / f".{self.dir.name}.lock"  # beside the directory: it holds state files only
         self.cipher = cipher
         self.seen: str | None = None  # sha256 of the manifest last loaded or saved by this process
+        # per part this process wrote: (sha256 of its plaintext, its manifest entry), for skipping
+        # an unchanged part at the next save (an adapter changes at updates, not with every sample)
+        self._written: dict[str, tuple[str, dict]] = {}
 
     def _manifest_digest(self) -> str | None:
         try:
@@ -137,8 +150,11 @@ class DeviceState:
         one last loaded or saved (``changed_on_disk``)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         with file_lock(self.lock):
-            if if_unchanged and self._manifest_digest() != self.seen:
+            on_disk = self._manifest_digest()
+            if if_unchanged and on_disk != self.seen:
                 return False
+            if on_disk is None or on_disk != self.seen:  # not what this process wrote last: write every part
+                self._written.clear()
             self._write(adapter, head, cache, meta, lookup)
             self.seen = self._manifest_digest()
         return True
@@ -158,9 +174,15 @@ class DeviceState:
             blobs[LOOKUP_FILE] = save_safetensors({"ids": lookup})
         files = {}
         for name, data in blobs.items():
+            plain = sha256(data)
+            kept = self._written.get(name)
+            if kept is not None and kept[0] == plain and _holds(self.dir / name, kept[1]["bytes"]):
+                files[name] = kept[1]  # the part on disk is this one, as this process wrote it
+                continue
             data = self._seal(name, data)
             write_bytes_atomic(self.dir / name, data)
             files[name] = {"sha256": sha256(data), "bytes": len(data)}  # of the bytes on disk
+            self._written[name] = (plain, files[name])
         manifest = {
             "format": FORMAT_VERSION,
             "omnidraft": omnidraft.__version__,

@@ -206,3 +206,36 @@ def test_a_learned_adapter_exports_to_a_directory_peft_loads(pair_dir, tmp_path,
         == 2
     )  # nothing saved for that target: one line, exit 2
     assert "no valid adapter" in capsys.readouterr().err
+
+
+def test_a_save_rewrites_only_the_parts_that_changed(tmp_path):
+    """A service saves after every sample while its adapter changes only at updates: an
+    unchanged part is not written again (a 39 MB adapter at rank 32), unless another process
+    saved the state since, or the part is gone from disk; what loads is always what was saved."""
+    from omnidraft.shared.vocab.ngram_cache import NgramCache
+
+    def stamp(state: DeviceState, name: str) -> tuple[int, int]:
+        st = (state.dir / name).stat()
+        return st.st_ino, st.st_mtime_ns  # an atomic write renames a new file into place
+
+    state = DeviceState(tmp_path, "d", "t")
+    adapter, cache = {"a": torch.arange(6.0).reshape(2, 3)}, NgramCache()
+    state.save(adapter, {"w": torch.zeros(2)}, cache, {"updates": 0})
+    first = stamp(state, ADAPTER_FILE), stamp(state, HEAD_FILE)
+    state.save(adapter, {"w": torch.ones(2)}, cache, {"updates": 0})  # the head changed
+    assert stamp(state, ADAPTER_FILE) == first[0] and stamp(state, HEAD_FILE) != first[1]
+    loaded = DeviceState(tmp_path, "d", "t").load()
+    assert not loaded.problems and torch.equal(loaded.adapter["a"], adapter["a"])
+    assert torch.equal(loaded.head["w"], torch.ones(2))
+
+    other = DeviceState(tmp_path, "d", "t")  # another process saves a new adapter
+    other.load()
+    other.save({"a": torch.full((2, 3), 7.0)}, None, cache, {"updates": 1})
+    state.save(adapter, {"w": torch.ones(2)}, cache, {"updates": 0})  # not if_unchanged: overwrites
+    loaded = DeviceState(tmp_path, "d", "t").load()
+    assert not loaded.problems and torch.equal(loaded.adapter["a"], adapter["a"])
+
+    (state.dir / ADAPTER_FILE).unlink()
+    state.save(adapter, {"w": torch.ones(2)}, cache, {"updates": 0})
+    loaded = DeviceState(tmp_path, "d", "t").load()
+    assert not loaded.problems and torch.equal(loaded.adapter["a"], adapter["a"])
