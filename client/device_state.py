@@ -179,9 +179,10 @@ class DeviceState:
             if kept is not None and kept[0] == plain and _holds(self.dir / name, kept[1]["bytes"]):
                 files[name] = kept[1]  # the part on disk is this one, as this process wrote it
                 continue
-            data = self._seal(name, data)
-            write_bytes_atomic(self.dir / name, data)
-            files[name] = {"sha256": sha256(data), "bytes": len(data)}  # of the bytes on disk
+            sealed = self._seal(name, data)
+            write_bytes_atomic(self.dir / name, sealed)
+            # of the bytes on disk: the plaintext's digest, unless they were encrypted
+            files[name] = {"sha256": plain if sealed is data else sha256(sealed), "bytes": len(sealed)}
             self._written[name] = (plain, files[name])
         manifest = {
             "format": FORMAT_VERSION,

@@ -356,10 +356,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         """Learn from one generation, each step a background job on the engine thread (requests
         go first); save after an update and every ``save_every`` samples."""
         steps = self.session.learn_steps(result)  # a generator: nothing runs until its first step
-        while True:
+        done, report = False, None
+        while not done:
             done, report = self.engine_thread.run(advance, steps, background=True)
-            if done:
-                break
         if report is not None or learned % self.limits.save_every == 0:
             self.engine_thread.run(self._save, background=True)
 
