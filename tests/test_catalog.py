@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
@@ -198,3 +199,88 @@ def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "models" / ".gemma3-270m.lock").mkdir(parents=True)  # a directory where the lock file goes
     with pytest.raises(CatalogError, match="^could not pull gemma3-270m: Is a directory$"):
         catalog.pull("gemma3-270m", progress=False)
+
+
+def _tiny_gguf_with_tokenizer(path: Path) -> None:
+    """A 2-layer Llama GGUF with the metadata transformers builds a config from and a byte-level
+    BPE tokenizer (gpt2 style), written with gguf-py."""
+    import gguf
+    import numpy as np
+
+    from omnidraft.benchmarks.tiny_models import corpus, train_tokenizer
+
+    tokenizer = train_tokenizer(corpus(40), 300).backend_tokenizer
+    state = json.loads(tokenizer.to_str())["model"]
+    tokens = [t for t, _ in sorted(state["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["merges"]]
+    hidden, ffn, layers, vocab = 32, 64, 2, len(tokens)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([1] * vocab)
+    writer.add_eos_token_id(0)
+    writer.add_bos_token_id(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens": (vocab, hidden), "model.norm": (hidden,), "lm_head": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.input_layernorm": (hidden,), f"{p}.post_attention_layernorm": (hidden,)}
+        shapes |= {
+            f"{p}.self_attn.{n}": (hidden if n in ("q_proj", "o_proj") else hidden // 2, hidden)
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        }
+        shapes |= {
+            f"{p}.mlp.gate_proj": (ffn, hidden),
+            f"{p}.mlp.up_proj": (ffn, hidden),
+            f"{p}.mlp.down_proj": (hidden, ffn),
+        }
+    for base, shape in shapes.items():
+        writer.add_tensor(names.get_name(base) + ".weight", rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_conversion_parses_the_gguf_metadata_once(tmp_path, monkeypatch):
+    """The tokenizer and the config of a GGUF-format pull come from one parse of the file's
+    metadata (gguf-py decodes the whole vocabulary each time), and are what transformers builds
+    from the file on its own; transformers' loader is left as it was."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = tmp_path / "src" / "tiny.gguf"
+    source.parent.mkdir()
+    _tiny_gguf_with_tokenizer(source)
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    parses = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or reader(*a, **k))
+    loader = gguf_loading.load_gguf_checkpoint
+    entry = ModelSpec("tiny", "drafter", "", ("pkg==1",), ("tiny.gguf",), "tiny.gguf", "0" * 64, 0)
+    catalog._convert(entry, source, tmp_path / "out", progress=False, fmt="gguf")
+    assert len(parses) == 1 and gguf_loading.load_gguf_checkpoint is loader
+    saved = AutoConfig.from_pretrained(tmp_path / "out")
+    assert (saved.hidden_size, saved.num_hidden_layers, saved.num_key_value_heads, saved.vocab_size) == (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.vocab_size,
+    )
+    text = "def alpha(beta):\n    return beta + 1\n"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text).input_ids == tokenizer(text).input_ids
+    assert (tmp_path / "out" / catalog.GGUF_FILE).is_file() and not source.exists()

@@ -213,18 +213,19 @@ def test_engine_over_gguf_dirs_decodes_as_over_safetensors(tmp_path):
     assert outputs[0][0] == outputs[0][1]  # lossless: speculation decodes what the target alone does
 
 
-def test_the_tensor_table_is_kept_beside_the_file_and_follows_it(tmp_path):
-    expected = write_gguf_dir(tiny("llama"), tmp_path / "m")
+def test_the_tensor_table_is_the_one_gguf_py_reads(tmp_path):
+    """The table read without decoding the metadata's strings places and shapes every tensor
+    (block-quantized ones as rows of bytes, float ones as values) as gguf-py's reader does."""
+    expected = write_gguf_dir(tiny("qwen2"), tmp_path / "m")
     path = tmp_path / "m" / GGUF_FILE
     arch, tensors = gguf_weights.tensor_table(path)
-    table = path.with_name(path.name + gguf_weights.TABLE_SUFFIX)
-    assert arch == "llama" and table.is_file() and len(tensors) == len(expected)
-    assert gguf_weights.tensor_table(path) == (arch, tensors)  # read back from the table
-    saved = table.read_text()
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
-    assert gguf_weights.tensor_table(path) == (arch, tensors) and table.read_text() != saved
-    loaded = model_runner.load(str(tmp_path / "m"), torch.float32, progress=False)
-    assert torch.equal(loaded.model.state_dict()["model.norm.weight"], expected["model.norm.weight"])
+    reader = gguf.GGUFReader(path)
+    assert arch == "qwen2" and len(tensors) == len(reader.tensors) == len(expected)
+    assert {t.qtype for t in tensors} == {GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32}
+    for got, want in zip(tensors, reader.tensors, strict=True):
+        assert (got.gguf_name, got.qtype, got.offset) == (want.name, want.tensor_type, int(want.data_offset))
+        assert (got.shape, got.dtype) == (want.data.shape, want.data.dtype)
+        assert np.array_equal(got.map(path), want.data)
 
 
 def test_the_name_map_is_built_once_per_load_and_is_transformers_own(tmp_path, monkeypatch):
