@@ -334,7 +334,7 @@ def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch
     """``--dtype auto`` keeps the target's greedy output: native int8 only for architectures the
     native kernels run (and only where they load), fp32 always; never bf16 or fbgemm int8,
     whose verification blocks round differently from one-token steps. A GGUF-kept model runs
-    int8 where that is exact."""
+    int8 where that is exact, and a single candidate is chosen without being timed."""
     import json
 
     from omnidraft.shared.runtime import gguf_weights, native_kernels
@@ -355,6 +355,12 @@ def test_dtype_auto_chooses_only_among_lossless_precisions(tmp_path, monkeypatch
     monkeypatch.setattr(native_kernels, "native_library", lambda isa=None: object())
     assert auto_precision.lossless_precisions(qwen) == ("int8", "fp32")
     assert auto_precision.lossless_precisions(qwen_gguf) == ("int8",)
+
+    def unmeasurable(*args, **kwargs):
+        raise AssertionError("a single lossless candidate was loaded and timed")
+
+    monkeypatch.setattr(profiling, "measure_block_ms", unmeasurable)
+    assert auto_precision.choose_precision(str(qwen_gguf), progress=False) == ("int8", {})  # nothing to choose
     for other in (gemma, gemma_gguf, sliding_llama, tmp_path / "missing"):
         assert auto_precision.lossless_precisions(other) == ("fp32",)
     monkeypatch.setattr(native_kernels, "native_library", lambda isa=None: None)  # no kernels: fbgemm only

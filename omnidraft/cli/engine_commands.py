@@ -184,12 +184,14 @@ def profile(args) -> int:
         print(json.dumps(report))
         return 0
     print(f"cpu: {report['cpu']} ({report['cpu_capability']}, {report['threads']} threads)")
-    if auto:
+    if auto and auto["score_ms"]:
         print(
             "auto: "
             + ", ".join(f"{p} {ms:.1f} ms" for p, ms in auto["score_ms"].items())
             + f" (1-token step + 4-token block) -> {auto['chosen']}"
         )
+    elif auto:
+        print(f"auto: {auto['chosen']} (the only precision that keeps this target's greedy output here)")
     print(f"target {engine.precision} ({report['target_backend']}):")
     for b, ms in target_ms.items():
         print(f"  forward of {b:>3} new tokens: {ms:8.1f} ms  ({ms / b:6.1f} ms/token)")

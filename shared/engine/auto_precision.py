@@ -36,7 +36,9 @@ def choose_precision(
     :func:`verification_score` on this machine, and each candidate's measured costs.
 
     Candidates default to :func:`lossless_precisions`; each one not cached yet is loaded and
-    measured once, at ``AUTO_BLOCKS`` only.
+    measured once, at ``AUTO_BLOCKS`` only. A single candidate is the choice without a
+    measurement (and no costs): a model kept as GGUF on a machine the native kernels run, where
+    loading and timing it would cost a first run ~20 s for Qwen2.5-Coder-1.5B.
     """
     from omnidraft.shared.engine import model_runner
     from omnidraft.shared.engine.precision import build_target_runner, load_dtype
@@ -44,6 +46,8 @@ def choose_precision(
     path = catalog.resolve(target, progress=progress)
     if candidates is None:
         candidates = lossless_precisions(path)
+    if len(candidates) == 1:
+        return candidates[0], {}
     costs: dict[str, dict[int, float]] = {}
     for precision in candidates:
 
