@@ -226,6 +226,9 @@ def test_the_tensor_table_is_the_one_gguf_py_reads(tmp_path):
         assert (got.gguf_name, got.qtype, got.offset) == (want.name, want.tensor_type, int(want.data_offset))
         assert (got.shape, got.dtype) == (want.data.shape, want.data.dtype)
         assert np.array_equal(got.map(path), want.data)
+    path.write_bytes(path.read_bytes()[:400])  # cut inside the header
+    with pytest.raises(ValueError, match="cut short"):
+        gguf_weights.tensor_table(path)
 
 
 def test_the_name_map_is_built_once_per_load_and_is_transformers_own(tmp_path, monkeypatch):

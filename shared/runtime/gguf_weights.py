@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,8 +113,12 @@ def tensor_table(path: Path) -> tuple[str, list[_TensorAt]]:
     gguf-py's reader maps it. Read with transformers' header reader, which walks the metadata's
     string arrays without decoding them: 0.04 s for Qwen2.5-Coder-1.5B, where gguf-py's
     ``GGUFReader`` decodes its whole vocabulary and merges first (9-10 s on one core of a Zen 4
-    EPYC)."""
-    header = GgufHeader.from_file(str(path))
+    EPYC). A file cut short raises ``ValueError`` (the reader's ``struct.error`` says only where
+    its buffer ended)."""
+    try:
+        header = GgufHeader.from_file(str(path))
+    except struct.error:
+        raise ValueError(f"{path} ends inside its header: the GGUF file is cut short") from None
     table = []
     for info in header.tensors:
         qtype = GGMLQuantizationType(info.ggml_type)
