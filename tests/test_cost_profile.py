@@ -29,6 +29,18 @@ def test_cost_profile_interpolates_and_extrapolates():
     assert fed.drafter_block_cost(15) == pytest.approx(6.0)  # extrapolated from the last two sizes
 
 
+def test_a_block_past_the_largest_measured_one_costs_its_last_doubling_s_slope():
+    """The kernels' cost rises in steps: 14 and 16 tokens are both two 8-row passes. A line
+    through the last two sizes priced every block past 16 at 16's cost (the 24-token block of a
+    draft with the lookup's continuation 0.79x its measured cost on a Zen 4 EPYC); the slope from
+    the largest size at most half the last one is the passes' mean cost per token."""
+    stepped = CostProfile({1: 10.0, 8: 20.0, 14: 40.0, 16: 40.0}, 1.0)
+    assert stepped.target_cost(24) == pytest.approx(40.0 + (40.0 - 20.0) / 8 * 8)
+    assert stepped.target_cost(16) == 40.0 and stepped.target_cost(15) == 40.0
+    assert CostProfile({4: 20.0}, 1.0).target_cost(8) == pytest.approx(40.0)  # one size: proportional
+    assert {17, 32} <= set(profiling.PROFILE_BLOCKS)  # past 16 measured, not extrapolated
+
+
 def test_the_profile_check_flags_a_profile_whose_drafter_to_target_ratio_is_off():
     """Each figure within STALE_RATIO of use but the drafter step 1.3x dearer, relative to a target
     step, than the profile says (it was measured in a slow spell of the target's measurement):

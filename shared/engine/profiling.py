@@ -41,8 +41,16 @@ CONTEXT_TOKENS = 256
 # passes while more than 4 rows remain, then a 4-row pass, and a lone last row alone (steps at
 # 4 | 5, 9 | 10, 12 | 13: 10 and 11 tokens cost what 12 do, not the line from 9 to 12, which
 # priced 10 tokens 10 % low on a Zen 4 EPYC); with 16-bit activations 4-row passes and a lone
-# last row (steps at 5 | 6, 9 | 10, 13 | 14); the AVX2 ones groups of 4, 2 and 1.
-PROFILE_BLOCKS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16)
+# last row (steps at 5 | 6, 9 | 10, 13 | 14); the AVX2 ones groups of 4, 2 and 1. Past 16 the
+# rule verifies a full model-free draft (17 tokens with the pending one) and a drafter's draft
+# with the lookup's continuation after it (up to ~25): 17 (a lone row past two 8-row passes) and
+# 32 are measured, the sizes between interpolated. Extrapolated from 14 and 16 instead, 17-32
+# were priced 22-31 % low on a Zen 4 EPYC (docs/findings.md, "Blocks past 16 tokens").
+PROFILE_BLOCKS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 32)
+# forwards per trial of a block past 16 tokens (140-215 ms each for the 1.5B target on a Zen 4
+# EPYC: five would add ~2.3 s to every trial of a first run's profile, two add ~0.8 s)
+LONG_BLOCK = 16
+LONG_BLOCK_REPEATS = 2
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
 PROFILE_VERSION = 12  # bump when a kernel or the method changes: every cached measurement is taken again
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
@@ -100,9 +108,10 @@ def measure_together(
     it before decoding).
 
     Each trial times every part's block sizes in turn, each the minimum over its ``repeats``
-    forwards, and a block's figure is the median of its trials; while the trials of some block
-    size disagree by more than ``SPREAD_LIMIT`` (the machine was busy for part of the time: an
-    outlier) more trials are taken, up to ``max_trials``. The parts share every trial, so the
+    forwards (``LONG_BLOCK_REPEATS`` past ``LONG_BLOCK`` tokens), and a block's figure is the
+    median of its trials; while the trials of some block size disagree by more than
+    ``SPREAD_LIMIT`` (the machine was busy for part of the time: an outlier) more trials are
+    taken, up to ``max_trials``. The parts share every trial, so the
     ratio of their costs (what the throughput rule weighs) comes from one spell of the machine:
     on a shared VM it moves by a quarter between spells (docs/findings.md)."""
     contexts = [_fill_context(runner, blocks) for runner, blocks, _ in parts]
@@ -110,7 +119,7 @@ def measure_together(
     for trial in range(max_trials):
         for (runner, blocks, repeats), context, kept in zip(parts, contexts, samples):
             for b in blocks:
-                kept[b].append(_time_block(runner, context, b, repeats))
+                kept[b].append(_time_block(runner, context, b, repeats if b <= LONG_BLOCK else LONG_BLOCK_REPEATS))
         agree = all(max(v) <= SPREAD_LIMIT * min(v) for kept in samples for v in kept.values())
         if trial + 1 >= trials and agree:
             break
@@ -295,8 +304,11 @@ def pair_costs(
 
 
 def _interpolate(table: dict[int, float], block: float) -> float:
-    """Piecewise linear in the block size between measured sizes, extrapolated from the last
-    two beyond them (proportionally from a single one)."""
+    """Piecewise linear in the block size between measured sizes; beyond the largest, ``L``,
+    the mean cost per token from the largest size at most ``L / 2`` up to ``L`` (the last
+    two sizes where none is that small; proportionally from a single one). A table's last
+    two sizes may both lie on one step of the kernels' cost (14 and 16 tokens are two 8-row
+    passes each), and a line through them prices every larger block at one step's cost."""
     sizes = sorted(table)
     if block <= sizes[0]:
         return table[sizes[0]]
@@ -304,9 +316,10 @@ def _interpolate(table: dict[int, float], block: float) -> float:
         if block <= hi:
             w = (block - lo) / (hi - lo)
             return table[lo] * (1 - w) + table[hi] * w
+    hi = sizes[-1]
     if len(sizes) == 1:
-        return table[sizes[0]] * block
-    lo, hi = sizes[-2], sizes[-1]
+        return table[hi] * block / hi
+    lo = max((b for b in sizes[:-1] if 2 * b <= hi), default=sizes[-2])
     return table[hi] + (table[hi] - table[lo]) / (hi - lo) * (block - hi)
 
 
