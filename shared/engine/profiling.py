@@ -48,7 +48,7 @@ CONTEXT_TOKENS = 256
 # were priced 22-31 % low on a Zen 4 EPYC (docs/findings.md, "Blocks past 16 tokens").
 PROFILE_BLOCKS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 32)
 # forwards per trial of a block past 16 tokens (140-215 ms each for the 1.5B target on a Zen 4
-# EPYC: five would add ~2.3 s to every trial of a first run's profile, two add ~0.8 s)
+# EPYC: five added ~2.3 s to every trial of a first run's profile, two add about 1 s)
 LONG_BLOCK = 16
 LONG_BLOCK_REPEATS = 2
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
@@ -111,9 +111,9 @@ def measure_together(
     forwards (``LONG_BLOCK_REPEATS`` past ``LONG_BLOCK`` tokens), and a block's figure is the
     median of its trials; while the trials of some block size disagree by more than
     ``SPREAD_LIMIT`` (the machine was busy for part of the time: an outlier) more trials are
-    taken, up to ``max_trials``. The parts share every trial, so the
-    ratio of their costs (what the throughput rule weighs) comes from one spell of the machine:
-    on a shared VM it moves by a quarter between spells (docs/findings.md)."""
+    taken, up to ``max_trials``. The parts share every trial, so the ratio of their costs (what
+    the throughput rule weighs) comes from one spell of the machine: on a shared VM it moves by
+    a quarter between spells (docs/findings.md)."""
     contexts = [_fill_context(runner, blocks) for runner, blocks, _ in parts]
     samples: list[dict[int, list[float]]] = [{b: [] for b in blocks} for _, blocks, _ in parts]
     for trial in range(max_trials):
