@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from omnidraft.benchmarks.bench import format_time_shares
+from omnidraft.benchmarks.bench import format_ms_per_call, format_time_shares
 from omnidraft.client.evaluation import Phase, evaluate, evaluate_fixed_k, warm_up
 from omnidraft.client.online_learner import OnlineConfig
 from omnidraft.client.session import DeviceSession
@@ -211,6 +211,9 @@ def format_table(report: dict) -> str:
     shares = format_time_shares({n: report.get(n, {}).get("decode_time_shares") for n in ("before_again", "after")})
     if shares:
         lines.append(shares)
+    per_call = format_ms_per_call({n: report.get(n, {}).get("ms_per_target_call") for n in ("before_again", "after")})
+    if per_call:
+        lines.append(per_call)
     lines.append(
         f"held-out prompts: {report['heldout_prompts']}, trained on {report['train_prompts']}; "
         f"{len(report['updates'])} updates, "

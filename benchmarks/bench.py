@@ -398,6 +398,17 @@ def format_time_shares(shares: dict[str, dict[str, float] | None]) -> str:
     return "decode time in the target's forwards / the drafter's / the rest: " + "; ".join(parts) if parts else ""
 
 
+def format_ms_per_call(per_call: dict[str, dict[str, dict[str, float]] | None]) -> str:
+    """One line of ``GenerationStats.ms_per_target_call`` per named decoder, live against
+    modelled for each part (those without one left out); empty when none has one."""
+    parts = [
+        f"{n} " + ", ".join(f"{part} {c['live'][part]:.1f}/{c['modelled'][part]:.1f}" for part in c["live"])
+        for n, c in per_call.items()
+        if c
+    ]
+    return "ms per target call, live/modelled: " + "; ".join(parts) if parts else ""
+
+
 def format_table(report: dict) -> str:
     """A plain-text table of the per-method summary."""
     best = report["config"].get("best_llamacpp")

@@ -47,6 +47,7 @@ class Phase:
             "drafter_steps_per_target_call": st.drafter_steps / st.target_calls if st.target_calls else 0.0,
             "modelled_speedup_vs_ar": st.modelled_speedup,
             "decode_time_shares": st.decode_time_shares,
+            "ms_per_target_call": st.ms_per_target_call,
             "new_tokens": st.new_tokens,
             "wall_s": st.wall_s,
         }

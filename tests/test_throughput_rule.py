@@ -17,7 +17,7 @@ from omnidraft.shared.engine.decoding import CrossVocabDecoder, TargetOnlyDecode
 from omnidraft.shared.engine.draft_policy import DRAFTER, HEAD_SCORE_EVERY, LOOKUP, PLAIN, RETRY_ROUNDS, ThroughputRule
 from omnidraft.shared.engine.generation import GenerationConfig
 from omnidraft.shared.engine.lookup_drafts import LookupDraft, LookupDrafter
-from omnidraft.shared.engine.profiling import CostProfile
+from omnidraft.shared.engine.profiling import CostProfile, StepTimings
 from omnidraft.shared.engine.sampling import warp
 from omnidraft.shared.vocab.ngram_cache import NgramCache
 from omnidraft.shared.vocab.translation import build_expand_map
@@ -264,7 +264,9 @@ def bridge(pair):
     )
 
 
-def spd(pair, bridge, profile: CostProfile, lookup: LookupDrafter | None = None) -> CrossVocabDecoder:
+def spd(
+    pair, bridge, profile: CostProfile, lookup: LookupDrafter | None = None, timings: StepTimings | None = None
+) -> CrossVocabDecoder:
     return CrossVocabDecoder(
         pair.drafter,
         pair.draft_tokenizer,
@@ -275,6 +277,7 @@ def spd(pair, bridge, profile: CostProfile, lookup: LookupDrafter | None = None)
         target_tokenizer=pair.target_tokenizer,
         rule=ThroughputRule(profile),
         lookup=lookup if lookup is not None else LookupDrafter(),
+        timings=timings,
     )
 
 
@@ -432,6 +435,56 @@ def test_modelled_speed_charges_each_round_its_profiled_cost(pair, bridge):
         assert s.modelled_speedup == pytest.approx(s.tokens_per_target_call)
         c = spd(pair, bridge, charged).generate(prompt, ids, config).stats
         assert c.modelled_s > c.target_calls * 0.010 and c.modelled_speedup < c.tokens_per_target_call
+        # by part: every call's block costs 10 ms and every round's work outside the forwards
+        # 0.5 ms, so what is left is the drafter's (its feeds and steps at 0.5 ms a token)
+        assert s.modelled_target_s == pytest.approx(s.modelled_s) and s.modelled_drafter_s == 0.0
+        assert c.modelled_target_s == pytest.approx(c.target_calls * 0.010)
+        rest = c.modelled_s - c.modelled_target_s - c.modelled_drafter_s
+        assert rest == pytest.approx(c.target_calls * 0.0005)
+        assert c.modelled_drafter_s >= c.drafter_steps * 0.0005 - c.target_calls * 0.0005 > 0
+
+
+def test_the_modelled_drafter_time_prices_the_forwards_the_drafter_ran(pair, bridge):
+    """At 1 ms a drafter token (no block table: a block of ``b`` tokens costs ``b`` ms), the
+    modelled drafter time equals the tokens the drafter's forwards read: its prompt read at the
+    first drafter round, each round's catch-up feed, and one step per drafted token but the
+    last, which the next round feeds (the model once charged a step for it too)."""
+    profile = CostProfile({1: 10.0, 16: 10.0}, drafter_ms_per_token=1.0)
+    decoder = spd(pair, bridge, profile)
+    read = []
+    forward = decoder.drafter.forward
+    decoder.drafter.forward = lambda ids, **kw: read.append(len(ids)) or forward(ids, **kw)
+    for prompt in REPETITIVE:
+        read.clear()
+        stats = decoder.generate(
+            prompt, pair.target_tokenizer.encode(prompt), GenerationConfig(max_new_tokens=40)
+        ).stats
+        assert stats.drafter_steps > stats.target_calls - stats.lookup_rounds - stats.plain_rounds > 0
+        assert stats.modelled_drafter_s * 1000 == pytest.approx(sum(read))
+
+
+def test_a_timed_decode_reports_each_part_of_a_call_live_and_modelled(pair, bridge):
+    """``ms_per_target_call`` splits a call's decode time (prompt prefill excluded) into the
+    target's forwards, the drafter's and the rest, live (timed) and under the profile: each side
+    adds up to its decode time per call."""
+    profile = CostProfile({1: 10.0, 16: 10.0}, drafter_ms_per_token=0.5, round_overhead_ms=0.5, step_overhead_ms=0.5)
+    decoder = spd(pair, bridge, profile, timings=StepTimings())
+    prompt = REPETITIVE[0]
+    stats = decoder.generate(prompt, pair.target_tokenizer.encode(prompt), GenerationConfig(max_new_tokens=40)).stats
+    per_call = stats.ms_per_target_call
+    assert set(per_call) == {"live", "modelled"}
+    assert all(set(parts) == {"target", "drafter", "rest"} for parts in per_call.values())
+    live_ms = (stats.wall_s - stats.prefill_s) * 1000 / stats.target_calls
+    assert sum(per_call["live"].values()) == pytest.approx(live_ms, abs=0.02)
+    assert sum(per_call["modelled"].values()) == pytest.approx(stats.modelled_s * 1000 / stats.target_calls, abs=0.02)
+    assert per_call["live"]["target"] > 0 and per_call["live"]["drafter"] > 0
+    assert per_call["modelled"]["target"] == pytest.approx(10.0)
+    assert (
+        TargetOnlyDecoder(pair.target, bridge)
+        .generate(pair.target_tokenizer.encode(prompt), GenerationConfig(max_new_tokens=8))
+        .stats.ms_per_target_call
+        is None
+    )  # nothing modelled
 
 
 def test_lookup_acceptance_is_measured_in_rounds_that_verified_no_lookup(pair, bridge, monkeypatch):

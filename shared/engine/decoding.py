@@ -54,12 +54,20 @@ class Draft:
     """One round's drafted block: drafter ``ids``, of which the first ``healing`` only re-spell
     committed text and the first ``overlap`` bytes are committed text (token healing; 0 without
     it). The drafted tokens proper (stop rules, acceptance) are ``ids[healing:]``; ``refeed``
-    counts the committed tokens the drafter was fed first."""
+    counts the committed tokens the drafter was fed first, and ``read`` the tokens its first
+    forward read (the same, or the prompt at a decode's first drafter round). The round's
+    drafter forwards are that one and a step for each drafted token but the last."""
 
     ids: list[int]
     overlap: int = 0
     healing: int = 0
     refeed: int = 0  # committed drafter tokens fed before drafting (the prompt's prefill not counted)
+    read: int = 0  # drafter tokens the round's first forward read, the prompt's prefill included
+
+    @property
+    def steps(self) -> int:
+        """The round's one-token drafter forwards (the last drafted token is never fed)."""
+        return max(len(self.ids) - 1, 0)
 
 
 LOOKUP_TOKENS = 16  # longest model-free draft looked up per round (the rule may verify fewer)
@@ -288,7 +296,7 @@ class CrossVocabDecoder:
                 stats.healed_rounds += 1
         # what the drafter was fed first counts as a fixed cost of this round (not the prompt:
         # that is a prefill)
-        draft = Draft([], refeed=len(context_ids) - keep if keep and not prefill else 0)
+        draft = Draft([], refeed=len(context_ids) - keep if keep and not prefill else 0, read=len(context_ids) - keep)
         # the head feeds the rule only, and runs where the rule asks (``wants_head``)
         head = self.head if rule is not None and self.head is not None and rule.wants_head() else None
         head_current = not pending  # the runner's last hidden state is the one that predicts `logits`
@@ -377,7 +385,9 @@ class CrossVocabDecoder:
         if lookup is not None:
             lookup.start(prompt_ids, history)
         draft = Draft([])
-        modelled_ms = 0.0  # this decode under the cost profile (GenerationStats.modelled_s)
+        # this decode under the cost profile (GenerationStats.modelled_s), by part (ms): the
+        # target's forwards, the drafter's, the rounds' work outside them
+        modelled_target = modelled_drafter = modelled_rest = 0.0
         while not stop.done:
             budget = config.max_new_tokens - len(stop.generated)
             kind, n = DRAFTER, 0
@@ -420,7 +430,14 @@ class CrossVocabDecoder:
             stats.proposed_tokens += len(proposal)
             stats.accepted_tokens += accepted
             if rule is not None:  # (a plain or model-free round's cost does not read the draft)
-                modelled_ms += rule.round_ms(kind, len(proposal), len(draft.ids), draft.refeed)
+                # the drafter's forwards as they ran (its prompt read included, as in the live
+                # decode time); the rule's own round cost (``observe``) prices them differently
+                t_ms, d_ms, r_ms = rule.round_parts(kind, len(proposal), draft.steps, draft.read)
+                modelled_target, modelled_drafter, modelled_rest = (
+                    modelled_target + t_ms,
+                    modelled_drafter + d_ms,
+                    modelled_rest + r_ms,
+                )
             verified = proposal[:accepted] + [nxt]
             if kind == DRAFTER:
                 drafted = len(proposal) - extended  # target tokens the drafter's draft became
@@ -465,7 +482,8 @@ class CrossVocabDecoder:
             lookup.finish()
         result = self.side.finish(stop, stats, t0)
         if rule is not None:
-            stats.modelled_s = modelled_ms / 1000
+            stats.modelled_s = (modelled_target + modelled_drafter + modelled_rest) / 1000
+            stats.modelled_target_s, stats.modelled_drafter_s = modelled_target / 1000, modelled_drafter / 1000
             stats.modelled_target_alone_s = stats.new_tokens * rule.target_step_ms() / 1000
         if recorder is not None:
             context.commit([target_bytes[t] or b"" for t in committed])

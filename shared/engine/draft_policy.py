@@ -185,14 +185,17 @@ class ThroughputRule:
         """Modelled cost (ms) of one round of ``kind`` that verified ``proposed`` target tokens:
         a drafter round also pays its fixed work, feeding the drafter ``refeed`` committed tokens
         and ``drafted`` drafter steps; a plain or model-free round its fixed work."""
+        return sum(self.round_parts(kind, proposed, drafted, refeed))
+
+    def round_parts(self, kind: str, proposed: int, steps: int = 0, feed: int = 0) -> tuple[float, float, float]:
+        """Modelled cost (ms) of one round by part: the target's forward of the pending token and
+        ``proposed`` ones; the drafter's forwards (a drafter round's: one of ``feed`` tokens and
+        ``steps`` one-token steps; none for a plain or model-free round); the round's work
+        outside them."""
+        target = self._target_ms(1 + proposed)
         if kind == DRAFTER:
-            return (
-                self.overhead_ms
-                + self.profile.drafter_block_cost(refeed)
-                + drafted * self.drafter_ms
-                + self._target_ms(1 + proposed)
-            )
-        return self.step_overhead_ms + self._target_ms(1 + proposed)
+            return target, self.profile.drafter_block_cost(feed) + steps * self.drafter_ms, self.overhead_ms
+        return target, 0.0, self.step_overhead_ms
 
     def target_step_ms(self) -> float:
         """Modelled cost (ms) of one token of the target alone (one forward, no drafting)."""
@@ -343,7 +346,10 @@ class ThroughputRule:
         self._proposed += proposed
         if self._drafted:
             self.target_per_draft = max(self._proposed / self._drafted, 0.25)
-        cost = self.round_ms(DRAFTER, proposed + extended, drafted)  # catch-up feeding excluded (module docstring)
+        # catch-up feeding excluded (module docstring): a step per drafted token, though the last
+        # is fed at the next round, stands in for the feed of the few tokens a drafter round
+        # commits (D(2..4) costs about one step)
+        cost = self.round_ms(DRAFTER, proposed + extended, drafted)
         self._rate_tokens = self._rate_tokens * RATE_DECAY + committed
         self._rate_ms = self._rate_ms * RATE_DECAY + cost
 

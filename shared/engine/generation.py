@@ -96,10 +96,15 @@ class GenerationStats:
     # before (a prompt that begins like the previous one; ``model_runner.prefill``)
     prompt_tokens_cached: int = 0
     # decoding time modelled from the machine's cached cost profile (prompt prefill excluded, s):
-    # the rounds this generation ran, and the target alone's one step per new token; 0 when the
-    # decoder had no profile (the target alone, or a fixed draft rule)
+    # the rounds this generation ran (each drafter forward as it ran, the drafter's read of the
+    # prompt included, as in the live decode time), and the target alone's one step per new
+    # token; 0 when the decoder had no profile (the target alone, or a fixed draft rule)
     modelled_s: float = 0.0
     modelled_target_alone_s: float = 0.0
+    # of modelled_s, the target's forwards and the drafter's (as target_forward_s and
+    # drafter_forward_s are of the live decode)
+    modelled_target_s: float = 0.0
+    modelled_drafter_s: float = 0.0
     # of the decode (prompt prefill excluded), the seconds in the target's forwards and in the
     # drafter's (its steps, its catch-up on committed tokens, its read of the prompt); the rest
     # is the work of a round outside them. 0 when the decoder did not time its forwards
@@ -141,6 +146,30 @@ class GenerationStats:
         return {"target": target, "drafter": drafter, "rest": 1 - target - drafter}
 
     @property
+    def ms_per_target_call(self) -> dict[str, dict[str, float]] | None:
+        """Where a target call's decode time went (ms, prompt prefill excluded), live and under
+        the cost profile, by part (the target's forwards, the drafter's, the rest): where the two
+        part, the profile misprices that part. None unless the forwards were timed and modelled."""
+        decode_s = self.wall_s - self.prefill_s
+        if not self.target_calls or decode_s <= 0 or not self.target_forward_s or not self.modelled_s:
+            return None
+        per_call = 1000 / self.target_calls
+        live = (
+            self.target_forward_s,
+            self.drafter_forward_s,
+            decode_s - self.target_forward_s - self.drafter_forward_s,
+        )
+        modelled = (
+            self.modelled_target_s,
+            self.modelled_drafter_s,
+            self.modelled_s - self.modelled_target_s - self.modelled_drafter_s,
+        )
+        return {
+            name: {part: round(s * per_call, 2) for part, s in zip(("target", "drafter", "rest"), parts)}
+            for name, parts in (("live", live), ("modelled", modelled))
+        }
+
+    @property
     def modelled_speedup(self) -> float | None:
         """Modelled speed over the target alone (decoding only; see ``modelled_s``)."""
         return self.modelled_target_alone_s / self.modelled_s if self.modelled_s > 0 else None
@@ -153,6 +182,7 @@ class GenerationStats:
             tokens_per_s=self.tokens_per_s,
             decode_tokens_per_s=self.decode_tokens_per_s,
             decode_time_shares=self.decode_time_shares,
+            ms_per_target_call=self.ms_per_target_call,
             modelled_speedup=self.modelled_speedup,
         )
         return out

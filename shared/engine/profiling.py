@@ -51,8 +51,11 @@ PROFILE_BLOCKS = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 32)
 # EPYC: five added ~2.3 s to every trial of a first run's profile, two add about 1 s)
 LONG_BLOCK = 16
 LONG_BLOCK_REPEATS = 2
-DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
-PROFILE_VERSION = 12  # bump when a kernel or the method changes: every cached measurement is taken again
+# the drafter's: a step, the catch-up feeds of committed tokens, and its read of a prompt at a
+# decode's first drafter round (about 100-600 tokens; 32 costs what 16 does, 128 ~4x that on a
+# Zen 4 EPYC, so extrapolated from 16 a 150-token prompt read was priced 3x its cost)
+DRAFTER_BLOCKS = (1, 2, 4, 8, 16, 32, 128)
+PROFILE_VERSION = 13  # bump when a kernel or the method changes: every cached measurement is taken again
 TRIALS = 3  # trials per measurement (each the minimum of its repeats); the median is kept
 MAX_TRIALS = 7  # trials at most, while they disagree
 SPREAD_LIMIT = 1.25  # trials whose slowest is more than this times the fastest disagree
