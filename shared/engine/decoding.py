@@ -385,8 +385,7 @@ class CrossVocabDecoder:
         if lookup is not None:
             lookup.start(prompt_ids, history)
         draft = Draft([])
-        # this decode under the cost profile (GenerationStats.modelled_s), by part (ms): the
-        # target's forwards, the drafter's, the rounds' work outside them
+        # this decode under the cost profile (GenerationStats.modelled_s), by part (ms)
         modelled_target = modelled_drafter = modelled_rest = 0.0
         while not stop.done:
             budget = config.max_new_tokens - len(stop.generated)
@@ -430,14 +429,11 @@ class CrossVocabDecoder:
             stats.proposed_tokens += len(proposal)
             stats.accepted_tokens += accepted
             if rule is not None:  # (a plain or model-free round's cost does not read the draft)
-                # the drafter's forwards as they ran (its prompt read included, as in the live
-                # decode time); the rule's own round cost (``observe``) prices them differently
+                # the drafter's forwards as they ran, its prompt read included (``observe`` differs)
                 t_ms, d_ms, r_ms = rule.round_parts(kind, len(proposal), draft.steps, draft.read)
-                modelled_target, modelled_drafter, modelled_rest = (
-                    modelled_target + t_ms,
-                    modelled_drafter + d_ms,
-                    modelled_rest + r_ms,
-                )
+                modelled_target += t_ms
+                modelled_drafter += d_ms
+                modelled_rest += r_ms
             verified = proposal[:accepted] + [nxt]
             if kind == DRAFTER:
                 drafted = len(proposal) - extended  # target tokens the drafter's draft became

@@ -181,11 +181,11 @@ class ThroughputRule:
         i = min(int(round((block - 1) * 4)), self._max)
         return self._cost[i]
 
-    def round_ms(self, kind: str, proposed: int, drafted: int = 0, refeed: int = 0) -> float:
-        """Modelled cost (ms) of one round of ``kind`` that verified ``proposed`` target tokens:
-        a drafter round also pays its fixed work, feeding the drafter ``refeed`` committed tokens
-        and ``drafted`` drafter steps; a plain or model-free round its fixed work."""
-        return sum(self.round_parts(kind, proposed, drafted, refeed))
+    def round_ms(self, kind: str, proposed: int, drafted: int = 0) -> float:
+        """Modelled cost (ms) of one round of ``kind`` that verified ``proposed`` target tokens,
+        as the rule weighs it: a drafter round also pays its fixed work and ``drafted`` drafter
+        steps; a plain or model-free round its fixed work."""
+        return sum(self.round_parts(kind, proposed, drafted))
 
     def round_parts(self, kind: str, proposed: int, steps: int = 0, feed: int = 0) -> tuple[float, float, float]:
         """Modelled cost (ms) of one round by part: the target's forward of the pending token and

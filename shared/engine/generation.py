@@ -63,6 +63,9 @@ class GenerationConfig:
         return self.temperature == 0
 
 
+PARTS = ("target", "drafter", "rest")  # where a decode's time goes: the two models' forwards, the rest
+
+
 @dataclass
 class GenerationStats:
     """Per-call counters. Token counts are target tokens unless named ``drafter``."""
@@ -139,33 +142,36 @@ class GenerationStats:
         """Where the decode's time went (prompt prefill excluded): the shares of the target's
         forwards, the drafter's, and the rest (a round's work outside them); None when the
         forwards were not timed."""
+        live = self._live_parts_s()
+        if live is None:
+            return None
+        decode_s = sum(live)
+        return {part: s / decode_s for part, s in zip(PARTS, live)}
+
+    def _live_parts_s(self) -> tuple[float, float, float] | None:
+        """The decode's seconds (prompt prefill excluded) in the target's forwards, the drafter's
+        and the rest; None when the forwards were not timed."""
         decode_s = self.wall_s - self.prefill_s
         if decode_s <= 0 or not self.target_forward_s:
             return None
-        target, drafter = self.target_forward_s / decode_s, self.drafter_forward_s / decode_s
-        return {"target": target, "drafter": drafter, "rest": 1 - target - drafter}
+        return self.target_forward_s, self.drafter_forward_s, decode_s - self.target_forward_s - self.drafter_forward_s
 
     @property
     def ms_per_target_call(self) -> dict[str, dict[str, float]] | None:
         """Where a target call's decode time went (ms, prompt prefill excluded), live and under
         the cost profile, by part (the target's forwards, the drafter's, the rest): where the two
         part, the profile misprices that part. None unless the forwards were timed and modelled."""
-        decode_s = self.wall_s - self.prefill_s
-        if not self.target_calls or decode_s <= 0 or not self.target_forward_s or not self.modelled_s:
+        live = self._live_parts_s()
+        if live is None or not self.target_calls or not self.modelled_s:
             return None
         per_call = 1000 / self.target_calls
-        live = (
-            self.target_forward_s,
-            self.drafter_forward_s,
-            decode_s - self.target_forward_s - self.drafter_forward_s,
-        )
         modelled = (
             self.modelled_target_s,
             self.modelled_drafter_s,
             self.modelled_s - self.modelled_target_s - self.modelled_drafter_s,
         )
         return {
-            name: {part: round(s * per_call, 2) for part, s in zip(("target", "drafter", "rest"), parts)}
+            name: {part: round(s * per_call, 2) for part, s in zip(PARTS, parts)}
             for name, parts in (("live", live), ("modelled", modelled))
         }
 
